@@ -1,0 +1,119 @@
+"""Command line: argparse -> typed calls into the package. Nothing else lives here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+
+def _positive_int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, help="preset name, local folder, .gguf or hub id")
+    parser.add_argument("--draft", default=None, help="draft model (same forms as --target)")
+    parser.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float32, float16")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if present)")
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--k", type=int, default=4, help="tokens drafted per step (default 4)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    parser.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from specdecode import SpeculativeDecoder, load_model
+    from specdecode.sampling import SamplingParams
+
+    # validate cheap arguments before loading any model
+    SamplingParams(args.temperature, args.top_k, args.top_p)
+    if args.k < 1:
+        raise ValueError(f"k must be an integer >= 1 (got {args.k})")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1 (got {args.max_new_tokens})")
+    prompt = args.prompt if args.prompt is not None else args.prompt_ids
+    if not prompt:
+        raise ValueError("the prompt is empty")
+
+    target = load_model(args.target, dtype=args.dtype, device=args.device)
+    draft = load_model(args.draft, dtype=args.dtype, device=args.device) if args.draft else None
+    engine = SpeculativeDecoder(target, draft, k=args.k)
+    options = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+        chat=args.chat,
+    )
+    if args.json:
+        print(json.dumps(engine.generate(prompt, **options).to_dict()))
+        return 0
+    result = engine.generate(prompt, **options)
+    print(result.text if result.text is not None else " ".join(map(str, result.token_ids)))
+    print(_summary_line(result.stats), file=sys.stderr)
+    return 0
+
+
+def _summary_line(stats) -> str:
+    parts = [f"{stats.new_tokens} tokens in {stats.wall_time_s:.2f}s"]
+    if stats.tokens_per_s:
+        parts.append(f"{stats.tokens_per_s:.1f} tokens/s")
+    if stats.acceptance_rate is not None:
+        parts.append(f"acceptance {stats.acceptance_rate:.2f}")
+        parts.append(f"mean acceptance length {stats.mean_acceptance_length:.2f}")
+    return ", ".join(parts)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specdecode", description="Lossless speculative decoding for Hugging Face models."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt")
+    _add_model_args(gen)
+    _add_sampling_args(gen)
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="prompt text")
+    source.add_argument("--prompt-ids", type=_positive_int_list, help="comma-separated token ids")
+    gen.add_argument("--json", action="store_true", help="print one JSON object")
+    gen.set_defaults(func=_cmd_generate)
+
+    try:
+        from specdecode.models.cli_models import add_models_parser
+    except ImportError:  # pragma: no cover - optional while presets are absent
+        pass
+    else:
+        add_models_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as err:
+        # a user's mistake: one line, exit status 2, no traceback
+        print(f"specdecode: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

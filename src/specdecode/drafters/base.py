@@ -1,0 +1,28 @@
+"""The drafter protocol: whatever proposes tokens for the target to verify."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from specdecode.sampling import SamplingParams
+from specdecode.types import Draft, ForwardMeter
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    name: str
+
+    def begin(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        generator: object,
+        meter: ForwardMeter,
+    ) -> None:
+        """Start a new sequence (reset state; may prefill over prompt_ids[:-1])."""
+
+    def propose(self, context: list[int], k: int) -> Draft:
+        """Draft k tokens following the committed tokens `context`."""
+
+    def observe(self, n_accepted: int) -> None:
+        """Learn how many of the last proposal's tokens the target kept (and roll back)."""

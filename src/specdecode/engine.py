@@ -1,0 +1,279 @@
+"""`SpeculativeDecoder`: the public API around the decoding core.
+
+Validates input, turns prompts into ids, applies stop strings, times the run and decodes text. The
+algorithm itself lives in decode.py; this module only prepares its input and reads its output.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from specdecode.decode import decode
+from specdecode.drafters.base import Drafter
+from specdecode.drafters.model import ModelDrafter
+from specdecode.models.compat import common_vocab_size, context_length, logits_size
+from specdecode.models.loading import LoadedModel, wrap_model
+from specdecode.sampling import SamplingParams, make_generator
+from specdecode.types import ForwardMeter, GenerationResult, Stats
+
+Prompt = str | Sequence[int] | Sequence[dict[str, str]]
+
+
+def _eos_ids(loaded: LoadedModel) -> set[int]:
+    """Every id the target treats as end of sequence (generation config, config, tokenizer)."""
+    ids: set[int] = set()
+    sources = [
+        getattr(getattr(loaded.model, "generation_config", None), "eos_token_id", None),
+        getattr(loaded.model.config, "eos_token_id", None),
+        getattr(loaded.tokenizer, "eos_token_id", None) if loaded.tokenizer is not None else None,
+    ]
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+def _clock_for(device: torch.device):
+    if device.type == "cuda":
+
+        def clock() -> float:
+            torch.cuda.synchronize(device)
+            return time.perf_counter()
+
+        return clock
+    return time.perf_counter
+
+
+class SpeculativeDecoder:
+    """Generate with `target`, drafted by `draft`; `draft=None` is the autoregressive baseline.
+
+    `draft` is a loaded model (`load_model`), a transformers model, or any `Drafter`.
+    `time_forwards=False` skips per-forward timing (on CUDA each timed forward synchronises).
+    """
+
+    def __init__(
+        self,
+        target: LoadedModel | Any,
+        draft: LoadedModel | Drafter | Any | None = None,
+        k: int = 4,
+        *,
+        time_forwards: bool = True,
+    ) -> None:
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be an integer >= 1 (got {k!r})")
+        self.target = wrap_model(target)
+        self.k = k
+        self.time_forwards = time_forwards
+        self.drafter: Drafter | None
+        if draft is None:
+            self.drafter = None
+        elif isinstance(draft, Drafter):
+            self.drafter = draft
+        else:
+            loaded = wrap_model(draft)
+            vocab = common_vocab_size(self.target, loaded)
+            self.drafter = ModelDrafter(loaded.model, vocab_size=vocab, name=loaded.name)
+        self.tokenizer = self.target.tokenizer
+        self.eos_token_ids = _eos_ids(self.target)
+        self.last_stats: Stats | None = None
+
+    # -- input -------------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: Prompt, chat: bool = False) -> list[int]:
+        """A string (tokenized), a list of token ids (used as is) or chat messages -> ids."""
+        if isinstance(prompt, str) or chat:
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass the prompt as token ids")
+            if chat:
+                ids = self._apply_chat_template(prompt)
+            else:
+                ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError("prompt ids must be integers")
+            vocab = logits_size(self.target.model)
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        return [int(t) for t in ids]
+
+    def _apply_chat_template(self, prompt: Prompt) -> list[int]:
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("this model's tokenizer has no chat template")
+        if isinstance(prompt, str):
+            messages = [{"role": "user", "content": prompt}]
+        elif all(isinstance(m, dict) for m in prompt):
+            messages = list(prompt)  # type: ignore[arg-type]
+        else:
+            raise ValueError("a chat prompt is a string or a list of {'role', 'content'} messages")
+        if not messages or not any(m.get("content") for m in messages):
+            raise ValueError("the prompt is empty")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _check_length(self, n_prompt: int, max_new_tokens: int) -> None:
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1 (got {max_new_tokens!r})")
+        models = [("target", self.target.model)]
+        if isinstance(self.drafter, ModelDrafter):
+            models.append(("draft", self.drafter.model))
+        for role, model in models:
+            limit = context_length(model)
+            if limit is not None and n_prompt + max_new_tokens > limit:
+                raise ValueError(
+                    f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new_tokens}) = "
+                    f"{n_prompt + max_new_tokens} exceeds the {role}'s context of {limit} tokens"
+                )
+
+    # -- generation --------------------------------------------------------------------------
+
+    def stream(
+        self,
+        prompt: Prompt,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = 0,
+        stop: str | Sequence[str] | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+        chat: bool = False,
+        stats: Stats | None = None,
+    ) -> Iterator[list[int]]:
+        """Yield each step's committed new token ids; `self.last_stats` holds the counters.
+
+        Input is validated here, before the first token (ValueError on bad input).
+        """
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        prompt_ids = self.encode_prompt(prompt, chat=chat)
+        self._check_length(len(prompt_ids), max_new_tokens)
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        if stops and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        eos = self.eos_token_ids if eos_token_ids is None else set(eos_token_ids)
+        stats = stats if stats is not None else Stats()
+        self.last_stats = stats
+        return self._run(prompt_ids, max_new_tokens, params, seed, stops, eos, stats)
+
+    def _run(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        params: SamplingParams,
+        seed: int | None,
+        stops: list[str],
+        eos: set[int],
+        stats: Stats,
+    ) -> Iterator[list[int]]:
+        device = self.target.device
+        clock = _clock_for(device)
+        if self.time_forwards:
+            stats.meter = ForwardMeter(clock)
+        generator = None if params.greedy else make_generator(device, seed)
+        start = clock()
+        steps = decode(
+            self.target.model,
+            prompt_ids,
+            max_new_tokens,
+            drafter=self.drafter,
+            k=self.k,
+            params=params,
+            generator=generator,
+            eos_token_ids=eos,
+            stats=stats,
+        )
+        stop_check = _StopStrings(self.tokenizer, stops) if stops else None
+        try:
+            for committed in steps:
+                if not stats.ttft_s:
+                    stats.ttft_s = clock() - start
+                if stop_check is not None:
+                    kept = stop_check.feed(committed)
+                    if kept is not None:  # a stop string ended the output inside this block
+                        stats.emitted -= len(committed) - len(kept)
+                        stats.new_tokens -= len(committed) - len(kept)
+                        stats.stop_reason = "stop"
+                        if kept:
+                            yield kept
+                        return
+                yield committed
+        finally:
+            steps.close()
+            stats.wall_time_s = clock() - start
+
+    def generate(
+        self,
+        prompt: Prompt,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = 0,
+        stop: str | Sequence[str] | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+        chat: bool = False,
+    ) -> GenerationResult:
+        """Generate and return the new token ids, their text and the stats of the run."""
+        stats = Stats()
+        chunks = self.stream(
+            prompt,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            stop=stop,
+            eos_token_ids=eos_token_ids,
+            chat=chat,
+            stats=stats,
+        )
+        token_ids = [t for chunk in chunks for t in chunk]
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+            if stats.stop_reason == "stop":
+                text = _cut_at_stop(text, stop)
+        prompt_ids = self.encode_prompt(prompt, chat=chat)
+        return GenerationResult(token_ids, text, stats, prompt_ids)
+
+
+def _cut_at_stop(text: str, stop: str | Sequence[str] | None) -> str:
+    """The text before the earliest stop string (OpenAI semantics: the stop is not returned)."""
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    cuts = [text.find(s) for s in stops if s in text]
+    return text[: min(cuts)] if cuts else text
+
+
+class _StopStrings:
+    """Finds the first token after which the decoded output contains a stop string."""
+
+    def __init__(self, tokenizer: Any, stops: list[str]) -> None:
+        self.tokenizer, self.stops = tokenizer, stops
+        self.ids: list[int] = []
+
+    def _hit(self, ids: list[int]) -> bool:
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        return any(s in text for s in self.stops)
+
+    def feed(self, committed: list[int]) -> list[int] | None:
+        """None if no stop string appeared; else the prefix of `committed` up to the one token
+        that completes the earliest stop string."""
+        before = len(self.ids)
+        self.ids.extend(committed)
+        if not self._hit(self.ids):
+            return None
+        for n in range(1, len(committed) + 1):
+            if self._hit(self.ids[: before + n]):
+                return committed[:n]
+        return committed

@@ -1,0 +1,52 @@
+"""Counters -> rates, and the theory they are compared with. The one place rates are defined.
+
+Definitions (DESIGN.md glossary):
+- acceptance rate α = accepted / drafted
+- mean acceptance length τ = emitted / steps (includes the recovered or bonus token of each step)
+- per-position acceptance = accepted at position i / drafted at position i, i = 1..k
+- with i.i.d. acceptance α, expected tokens emitted per step = (1 - α^(k+1)) / (1 - α)
+- ideal speedup = expected emitted per step / (k·c + v(k)), c = draft forward / target forward,
+  v(k) = target forward over k+1 tokens / over 1 token
+- efficiency = measured speedup / ideal speedup
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def ratio(numerator: float, denominator: float) -> float | None:
+    """numerator / denominator, or None when the denominator is zero (rate undefined)."""
+    return numerator / denominator if denominator else None
+
+
+def acceptance_rate(accepted: int, drafted: int) -> float | None:
+    return ratio(accepted, drafted)
+
+
+def mean_acceptance_length(emitted: int, steps: int) -> float | None:
+    return ratio(emitted, steps)
+
+
+def per_position_acceptance(
+    accepted_at: Sequence[int], drafted_at: Sequence[int]
+) -> list[float | None]:
+    return [ratio(a, d) for a, d in zip(accepted_at, drafted_at, strict=True)]
+
+
+def expected_emitted_per_step(alpha: float, k: int) -> float:
+    """(1 - α^(k+1)) / (1 - α): expected tokens per step under i.i.d. acceptance α."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1] (got {alpha})")
+    if alpha == 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def ideal_speedup(alpha: float, k: int, cost_ratio: float, verify_cost: float) -> float:
+    """Expected speedup over autoregressive decoding: emitted per step / (k·c + v(k))."""
+    return expected_emitted_per_step(alpha, k) / (k * cost_ratio + verify_cost)
+
+
+def efficiency(measured_speedup: float, ideal: float) -> float | None:
+    return ratio(measured_speedup, ideal)

@@ -1,0 +1,137 @@
+"""`load_model`: one entry point for every way a model reaches specdecode.
+
+A spec is resolved in this order: an offline preset name, a `.gguf` file, a local folder saved with
+`save_pretrained`, and last a Hugging Face hub id (used as is).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM ready for decoding, with its tokenizer when it has one."""
+
+    model: Any  # transformers.PreTrainedModel, in eval mode
+    tokenizer: Any | None = None  # transformers tokenizer, or None for models saved without one
+    name: str = "model"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(
+            f"unknown dtype {dtype!r}: choose one of {', '.join(sorted(set(DTYPES)))}"
+        ) from None
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """`None`/"auto" means CUDA when present, else CPU; an explicit CUDA request without CUDA fails."""
+    if device is None or str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for but CUDA is not available here")
+    return dev
+
+
+def wrap_model(model: Any, tokenizer: Any | None = None, name: str | None = None) -> LoadedModel:
+    """Wrap an already-built transformers model (used by tests and by callers who load themselves)."""
+    if isinstance(model, LoadedModel):
+        return model
+    model.eval()
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name or type(model).__name__)
+
+
+def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device, **kwargs: Any):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs).to(device).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, TypeError):
+        tokenizer = None  # saved without a tokenizer: callers pass token ids
+    return model, tokenizer
+
+
+def load_model(
+    spec: str | Path,
+    dtype: str | torch.dtype = "bfloat16",
+    device: str | torch.device | None = None,
+) -> LoadedModel:
+    """Load a causal LM from a preset name, a `.gguf` file, a local folder or a hub id.
+
+    Default dtype is bfloat16 (about 2x faster than float32 on CPU for these models); exact-identity
+    tests use float32.
+    """
+    torch_dtype = resolve_dtype(dtype)
+    dev = resolve_device(device)
+    spec_str = str(spec)
+    path = Path(spec_str).expanduser()
+
+    from specdecode.models import presets
+
+    if spec_str in presets.PRESETS:
+        from specdecode.models.fetch import fetch_preset
+
+        folder = fetch_preset(spec_str)
+        model, tokenizer = _load_folder(folder, torch_dtype, dev)
+        return LoadedModel(model, tokenizer, name=spec_str)
+
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ValueError(f"model file {spec_str!r} does not exist")
+        model, tokenizer = _load_folder(path.parent, torch_dtype, dev, gguf_file=path.name)
+        return LoadedModel(model, tokenizer, name=path.stem)
+
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"model folder {spec_str!r} has no config.json (save it with save_pretrained)"
+            )
+        model, tokenizer = _load_folder(path, torch_dtype, dev)
+        return LoadedModel(model, tokenizer, name=path.name)
+
+    looks_like_path = spec_str.startswith((".", "/", "~")) or spec_str.count("/") > 1
+    if looks_like_path or path.exists():
+        raise ValueError(f"model path {spec_str!r} does not exist")
+    return _load_hub_id(spec_str, torch_dtype, dev)
+
+
+def _load_hub_id(hub_id: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    from specdecode.models import presets
+
+    try:
+        model, tokenizer = _load_folder(hub_id, dtype, device)  # type: ignore[arg-type]
+    except OSError as err:
+        raise ValueError(
+            f"could not load {hub_id!r} as a local path or from the Hugging Face hub ({err}). "
+            f"If this machine cannot reach the hub, use a preset: {', '.join(presets.PRESETS)}"
+        ) from None
+    return LoadedModel(model, tokenizer, name=hub_id)

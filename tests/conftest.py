@@ -1,0 +1,103 @@
+"""Tiny randomly initialised models (float32, seeded) and a tiny tokenizer, built in the tests."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+# tiny models gain nothing from threads, and threads oversubscribe a shared 2-core machine
+torch.set_num_threads(1)
+
+VOCAB = 96
+
+
+def tiny_llama(seed: int = 0, vocab: int = VOCAB, layers: int = 2, **overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=None,
+        initializer_range=0.2,
+        **overrides,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_gpt2(seed: int = 0, vocab: int = VOCAB, layers: int = 2):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=vocab,
+        n_embd=32,
+        n_layer=layers,
+        n_head=4,
+        n_positions=256,
+        eos_token_id=None,
+        bos_token_id=None,
+        initializer_range=0.2,
+    )
+    return GPT2LMHeadModel(config).eval()
+
+
+def tiny_qwen2(seed: int = 0, vocab: int = VOCAB, layers: int = 2):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=None,
+        initializer_range=0.2,
+    )
+    return Qwen2ForCausalLM(config).eval()
+
+
+def noisy_copy(model, noise: float, seed: int = 123):
+    """A draft that agrees with `model` often but not always: its weights plus Gaussian noise
+    of `noise` times each tensor's spread."""
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * noise * param.std().nan_to_num(1.0))
+    return draft
+
+
+ARCHS = {"llama": tiny_llama, "gpt2": tiny_gpt2, "qwen2": tiny_qwen2}
+
+
+def char_tokenizer(extra: str = ""):
+    """A character-level fast tokenizer over a small alphabet (ids fit the tiny models' vocab)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list("abcdefghijklmnopqrstuvwxyz .,!?\n" + extra)
+    vocab = {"<unk>": 0, "<eos>": 1}
+    for ch in chars:
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+
+
+@pytest.fixture(scope="session")
+def llama_pair():
+    """A tiny target and a draft that agrees with it on roughly half of the tokens."""
+    target = tiny_llama(0)
+    return target, noisy_copy(target, 0.05)
