@@ -26,6 +26,9 @@ class ModelDrafter:
         # tokens at or above vocab_size are never drafted (the target's and draft's common vocab)
         self.vocab_size = vocab_size
         self.cache: KVCache | None = None
+        # ids the draft cannot embed (a larger target's padding rows, never real tokens, but a
+        # random or sampled target may emit them) are fed as id 0; verification keeps output exact
+        self.embed_size = model.get_input_embeddings().num_embeddings
         self._context_len = 0
         self._k = 0
 
@@ -41,12 +44,16 @@ class ModelDrafter:
         self.device = next(self.model.parameters()).device
         if len(prompt_ids) > 1:
             with meter.forward("draft_prefill", len(prompt_ids) - 1):
-                self.cache.forward(torch.tensor(prompt_ids[:-1], device=self.device))
+                self.cache.forward(self._ids(prompt_ids[:-1]))
+
+    def _ids(self, ids: list[int]) -> torch.Tensor:
+        tensor = torch.tensor(ids, device=self.device)
+        return tensor.masked_fill(tensor >= self.embed_size, 0)
 
     @torch.inference_mode()
     def propose(self, context: list[int], k: int) -> Draft:
         assert self.cache is not None, "begin() first"
-        inputs = torch.tensor(context[len(self.cache) :], device=self.device)  # [1 or 2]
+        inputs = self._ids(context[len(self.cache) :])  # [1 or 2]
         tokens, qs = [], []
         for _ in range(k):
             with self.meter.forward("draft", inputs.shape[0]):

@@ -1,0 +1,93 @@
+"""Invariant 2: after every step the caches hold exactly what a fresh prefill would."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import ARCHS, noisy_copy
+
+from specdecode.cache import KVCache
+from specdecode.decode import prefill, speculative_step
+from specdecode.drafters.model import ModelDrafter
+from specdecode.sampling import SamplingParams, make_generator
+from specdecode.types import Stats
+
+
+def _next_logits_from_cache(model, cache: KVCache, last_token: int) -> torch.Tensor:
+    probe = copy.deepcopy(cache)  # the probe must not grow the real cache
+    with torch.no_grad():
+        return probe.forward(torch.tensor([last_token]))[-1]
+
+
+def _next_logits_fresh(model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0, -1]
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_caches_match_a_fresh_prefill_after_every_step(arch, temperature):
+    target = ARCHS[arch](seed=0)
+    draft_model = noisy_copy(target, 0.05)
+    params = SamplingParams(temperature=temperature)
+    generator = make_generator(torch.device("cpu"), 0)
+    stats = Stats()
+    prompt = [3, 1, 4, 1, 5]
+    state = prefill(target, prompt, stats)
+    drafter = ModelDrafter(draft_model, vocab_size=96)
+    drafter.begin(prompt, params, generator, stats.meter)
+    accepted_counts = set()
+    for step in range(12):
+        k = 1 + step % 6
+        committed, n_accepted = speculative_step(state, drafter, k, params, generator, stats)
+        accepted_counts.add(n_accepted == k)
+        tokens = state.tokens
+        assert len(state.target_cache) == len(tokens) - 1
+        torch.testing.assert_close(
+            _next_logits_from_cache(target, state.target_cache, tokens[-1]),
+            _next_logits_fresh(target, tokens),
+            rtol=1e-4,
+            atol=1e-4,
+        )
+        # the drafter's cache is a prefix of the committed tokens, never past them
+        assert len(drafter.cache) <= len(tokens) - 1
+        cached = len(drafter.cache)
+        torch.testing.assert_close(
+            _next_logits_from_cache(draft_model, drafter.cache, tokens[cached]),
+            _next_logits_fresh(draft_model, tokens[: cached + 1]),
+            rtol=1e-4,
+            atol=1e-4,
+        )
+    assert accepted_counts == {True, False}, "both full acceptance and rejections happened"
+
+
+def test_full_acceptance_catches_the_drafter_up_without_recomputing(llama_pair):
+    target, _ = llama_pair
+    params = SamplingParams()
+    stats = Stats()
+    prompt = [2, 7, 1, 8]
+    state = prefill(target, prompt, stats)
+    drafter = ModelDrafter(target, vocab_size=96)  # identical draft: everything is accepted
+    drafter.begin(prompt, params, None, stats.meter)
+    for _ in range(5):
+        before = dict(stats.meter.tokens)
+        speculative_step(state, drafter, 4, params, None, stats)
+        # k draft forwards, fed 1 (first step) or 2 (catch-up) + 3 tokens: never the prefix again
+        fed = stats.meter.tokens["draft"] - before.get("draft", 0)
+        assert fed <= 2 + 3
+        assert len(drafter.cache) == len(state.tokens) - 2  # d_k and the bonus token still to feed
+    assert stats.meter.calls["draft"] == 5 * 4
+    assert stats.meter.calls["target"] == 5  # one target forward per step
+
+
+def test_rollback_refuses_to_grow():
+    cache = KVCache(ARCHS["llama"](seed=0))
+    cache.forward(torch.tensor([1, 2, 3]))
+    cache.rollback(2)
+    assert len(cache) == 2
+    cache.rollback(2)
+    assert len(cache) == 2
+    with pytest.raises(ValueError, match="roll back"):
+        cache.rollback(5)

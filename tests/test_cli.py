@@ -1,0 +1,60 @@
+"""`specdecode generate --json` on folders saved with save_pretrained."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import char_tokenizer, noisy_copy, tiny_llama
+
+from specdecode import SpeculativeDecoder, load_model
+from specdecode.cli import main
+
+STATS = {
+    "steps",
+    "drafted",
+    "accepted",
+    "emitted",
+    "new_tokens",
+    "acceptance_rate",
+    "mean_acceptance_length",
+    "per_position_acceptance",
+    "wall_time_s",
+    "tokens_per_s",
+}
+
+
+def test_generate_json_on_saved_folders(tmp_path, capsys):
+    target = tiny_llama(seed=0)
+    target.save_pretrained(tmp_path / "target")
+    noisy_copy(target, 0.05).save_pretrained(tmp_path / "draft")
+    argv = ["generate", "--target", str(tmp_path / "target"), "--prompt-ids", "1,2,3"]
+    argv += ["--dtype", "float32", "--max-new-tokens", "20", "--json"]
+    assert main([*argv, "--draft", str(tmp_path / "draft"), "--k", "3"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert main(argv) == 0
+    ar = json.loads(capsys.readouterr().out)
+    assert spec["token_ids"] == ar["token_ids"]
+    assert len(spec["token_ids"]) == 20
+    assert spec["text"] is None  # saved without a tokenizer
+    assert STATS <= set(spec["stats"])
+    assert spec["stats"]["drafted"] > 0 and ar["stats"]["drafted"] == 0
+    assert ar["stats"]["acceptance_rate"] is None
+    # and the same through the Python API
+    engine = SpeculativeDecoder(load_model(tmp_path / "target", dtype="float32"))
+    assert engine.generate([1, 2, 3], max_new_tokens=20).token_ids == ar["token_ids"]
+
+
+def test_generate_text_with_tokenizer(tmp_path, capsys):
+    tokenizer = char_tokenizer()
+    tiny_llama(seed=0, vocab=len(tokenizer)).save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    argv = ["generate", "--target", str(tmp_path / "m"), "--draft", str(tmp_path / "m")]
+    argv += ["--dtype", "float32"]  # in bfloat16 batched and one-token forwards may differ
+    assert main([*argv, "--prompt", "hello", "--max-new-tokens", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert isinstance(out["text"], str)
+    assert out["stats"]["acceptance_rate"] == 1.0
+    assert main([*argv, "--prompt", "hello", "--max-new-tokens", "8"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() == out["text"].strip()
+    assert "tokens/s" in captured.err
