@@ -74,7 +74,9 @@ def noisy_copy(model, noise: float, seed: int = 123):
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in draft.parameters():
-            param.add_(torch.randn(param.shape, generator=gen) * noise * param.std().nan_to_num(1.0))
+            param.add_(
+                torch.randn(param.shape, generator=gen) * noise * param.std().nan_to_num(1.0)
+            )
     return draft
 
 

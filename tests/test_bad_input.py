@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from conftest import char_tokenizer, tiny_llama
 
 from specdecode import SpeculativeDecoder
 from specdecode.cli import main
 from specdecode.models.loading import load_model, wrap_model
+
+from conftest import char_tokenizer, tiny_llama
 
 
 @pytest.fixture(scope="module")

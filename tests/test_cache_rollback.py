@@ -6,13 +6,14 @@ import copy
 
 import pytest
 import torch
-from conftest import ARCHS, noisy_copy
 
 from specdecode.cache import KVCache
 from specdecode.decode import prefill, speculative_step
 from specdecode.drafters.model import ModelDrafter
 from specdecode.sampling import SamplingParams, make_generator
 from specdecode.types import Stats
+
+from conftest import ARCHS, noisy_copy
 
 
 def _next_logits_from_cache(model, cache: KVCache, last_token: int) -> torch.Tensor:
@@ -41,7 +42,7 @@ def test_caches_match_a_fresh_prefill_after_every_step(arch, temperature):
     accepted_counts = set()
     for step in range(12):
         k = 1 + step % 6
-        committed, n_accepted = speculative_step(state, drafter, k, params, generator, stats)
+        _committed, n_accepted = speculative_step(state, drafter, k, params, generator, stats)
         accepted_counts.add(n_accepted == k)
         tokens = state.tokens
         assert len(state.target_cache) == len(tokens) - 1

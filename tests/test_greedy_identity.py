@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from conftest import ARCHS, noisy_copy, tiny_gpt2, tiny_llama
 
 from specdecode import SpeculativeDecoder
+
+from conftest import ARCHS, noisy_copy, tiny_gpt2, tiny_llama
 
 PROMPTS = [[1, 2, 3], [5] * 12, [11]]
 

@@ -11,11 +11,12 @@ import itertools
 
 import pytest
 import torch
-from conftest import noisy_copy, tiny_llama
 
 from specdecode import SpeculativeDecoder
 from specdecode.sampling import SamplingParams, logits_to_probs
 from specdecode.verify import verify_greedy, verify_sampling
+
+from conftest import noisy_copy, tiny_llama
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -60,7 +61,9 @@ def test_verify_sampling_first_token_is_distributed_as_p():
     assert chi_square(counts, P[0]) < chi_square_limit(6)
     # the test has power: the draft's own tokens would fail it by far
     draft_counts = torch.bincount(
-        torch.multinomial(Q[0], 20000, replacement=True, generator=torch.Generator().manual_seed(1)),
+        torch.multinomial(
+            Q[0], 20000, replacement=True, generator=torch.Generator().manual_seed(1)
+        ),
         minlength=6,
     ).float()
     assert chi_square(draft_counts[P[0] > 0], P[0][P[0] > 0]) > 10 * chi_square_limit(6)

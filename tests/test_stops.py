@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from conftest import char_tokenizer, noisy_copy, tiny_llama
 
 from specdecode import SpeculativeDecoder
+
+from conftest import char_tokenizer, noisy_copy, tiny_llama
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 5, 8])

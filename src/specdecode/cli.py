@@ -12,14 +12,20 @@ def _positive_int_list(text: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help="preset name, local folder, .gguf or hub id")
+    parser.add_argument(
+        "--target", required=True, help="preset name, local folder, .gguf or hub id"
+    )
     parser.add_argument("--draft", default=None, help="draft model (same forms as --target)")
     parser.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float32, float16")
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if present)")
+    parser.add_argument(
+        "--device", default=None, help="cpu, cuda, cuda:N (default: cuda if present)"
+    )
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:

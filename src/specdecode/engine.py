@@ -90,10 +90,7 @@ class SpeculativeDecoder:
         if isinstance(prompt, str) or chat:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass the prompt as token ids")
-            if chat:
-                ids = self._apply_chat_template(prompt)
-            else:
-                ids = self.tokenizer.encode(prompt)
+            ids = self._apply_chat_template(prompt) if chat else self.tokenizer.encode(prompt)
         else:
             ids = list(prompt)
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -117,7 +114,9 @@ class SpeculativeDecoder:
             raise ValueError("a chat prompt is a string or a list of {'role', 'content'} messages")
         if not messages or not any(m.get("content") for m in messages):
             raise ValueError("the prompt is empty")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _check_length(self, n_prompt: int, max_new_tokens: int) -> None:

@@ -22,7 +22,9 @@ def describe_vocab_difference(target_tok: Any, draft_tok: Any) -> str | None:
         d_id = d_vocab.get(token)
         if d_id != t_id:
             where = f"id {d_id}" if d_id is not None else "absent"
-            return f"token {token!r} is id {t_id} in the target's tokenizer but {where} in the draft's"
+            return (
+                f"token {token!r} is id {t_id} in the target's tokenizer but {where} in the draft's"
+            )
     return "the tokenizers map tokens to different ids"
 
 
