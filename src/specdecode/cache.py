@@ -14,10 +14,8 @@ import torch
 
 
 @memoize
-def _cache_kwarg(model_cls: type) -> str:
-    """transformers 5.x names the forward's cache argument `cache`; 4.x `past_key_values`."""
-    params = inspect.signature(model_cls.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+def _forward_params(model_cls: type) -> frozenset[str]:
+    return frozenset(inspect.signature(model_cls.forward).parameters)
 
 
 class KVCache:
@@ -28,7 +26,10 @@ class KVCache:
 
         self.model = model
         self.hf = DynamicCache()
-        self._kwarg = _cache_kwarg(type(model))
+        params = _forward_params(type(model))
+        # transformers 5.x names the cache argument `cache`, 4.x `past_key_values`
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._can_trim_logits = "logits_to_keep" in params
 
     def __len__(self) -> int:
         return self.hf.get_seq_length()
@@ -41,10 +42,16 @@ class KVCache:
         if n_drop:
             self.hf.crop(-n_drop)  # a negative count drops that many positions (4.x and 5.x)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Run the model over new tokens appended to the cached ones.
+    def forward(self, input_ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """Run the model over new tokens appended to the cached ones; the cache grows by n.
 
-        input_ids: [n] int64. Returns logits [n, V]; the cache grows by n positions.
+        input_ids: [n] int64. Returns logits [n, V], or [1, V] for the last position only when
+        `last_only` (prefill and drafting need no more: the output head over a 150k vocabulary
+        is a large share of a small model's forward).
         """
-        out = self.model(input_ids=input_ids[None], use_cache=True, **{self._kwarg: self.hf})
-        return out.logits[0]
+        kwargs = {self._cache_kwarg: self.hf}
+        if last_only and self._can_trim_logits:
+            kwargs["logits_to_keep"] = 1
+        out = self.model(input_ids=input_ids[None], use_cache=True, **kwargs)
+        logits = out.logits[0]  # [n, V] or [1, V]
+        return logits[-1:] if last_only else logits

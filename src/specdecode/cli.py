@@ -21,7 +21,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target", required=True, help="preset name, local folder, .gguf or hub id"
     )
-    parser.add_argument("--draft", default=None, help="draft model (same forms as --target)")
+    parser.add_argument(
+        "--draft", default=None, help="draft: a model (same forms as --target) or early-exit:N"
+    )
     parser.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float32, float16")
     parser.add_argument(
         "--device", default=None, help="cpu, cuda, cuda:N (default: cuda if present)"
@@ -41,6 +43,7 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from specdecode import SpeculativeDecoder, load_model
+    from specdecode.drafters import resolve_draft
     from specdecode.sampling import SamplingParams
 
     # validate cheap arguments before loading any model
@@ -54,7 +57,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError("the prompt is empty")
 
     target = load_model(args.target, dtype=args.dtype, device=args.device)
-    draft = load_model(args.draft, dtype=args.dtype, device=args.device) if args.draft else None
+    draft = resolve_draft(args.draft, target, dtype=args.dtype, device=args.device)
     engine = SpeculativeDecoder(target, draft, k=args.k)
     options = dict(
         max_new_tokens=args.max_new_tokens,
@@ -84,6 +87,29 @@ def _summary_line(stats) -> str:
     return ", ".join(parts)
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from specdecode import demo
+
+    for name in ("k", "max_new_tokens", "limit"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be an integer >= 1 (got {value})")
+    quick = args.quick
+    target = args.target or (demo.QUICK_TARGET if quick else demo.DEFAULT_TARGET)
+    draft = args.draft or (demo.QUICK_DRAFT if quick else demo.DEFAULT_DRAFT)
+    k = args.k if args.k is not None else (2 if quick else 4)
+    demo.main_demo(
+        target,
+        draft,
+        k=k,
+        max_new_tokens=args.max_new_tokens or (48 if quick else 96),
+        dtype=args.dtype,
+        device=args.device,
+        limit=args.limit or (4 if quick else None),
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specdecode", description="Lossless speculative decoding for Hugging Face models."
@@ -98,6 +124,20 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompt-ids", type=_positive_int_list, help="comma-separated token ids")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.set_defaults(func=_cmd_generate)
+
+    dem = sub.add_parser(
+        "demo",
+        help="the target alone vs speculative decoding on built-in prompts (fetches models)",
+    )
+    dem.add_argument("--target", default=None, help="default: qwen2.5-coder-1.5b-instruct")
+    dem.add_argument("--draft", default=None, help="default: qwen2.5-coder-0.5b-instruct")
+    dem.add_argument("--quick", action="store_true", help="smollm2-135m-instruct, about a minute")
+    dem.add_argument("--k", type=int, default=None, help="tokens drafted per step (default 4)")
+    dem.add_argument("--max-new-tokens", type=int, default=None, help="default 96 (quick: 48)")
+    dem.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    dem.add_argument("--dtype", default="bfloat16")
+    dem.add_argument("--device", default=None)
+    dem.set_defaults(func=_cmd_demo)
 
     try:
         from specdecode.models.cli_models import add_models_parser
@@ -117,6 +157,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         # a user's mistake: one line, exit status 2, no traceback
         print(f"specdecode: error: {err}", file=sys.stderr)
         return 2
+    except RuntimeError as err:
+        from specdecode.models.fetch import FetchError
+
+        if not isinstance(err, FetchError):
+            raise
+        print(f"specdecode: error: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -35,7 +35,7 @@ def prefill(target: Any, prompt_ids: list[int], stats: Stats) -> DecodeState:
     if len(prompt_ids) > 1:
         device = next(target.parameters()).device
         with stats.meter.forward("prefill", len(prompt_ids) - 1):
-            cache.forward(torch.tensor(prompt_ids[:-1], device=device))
+            cache.forward(torch.tensor(prompt_ids[:-1], device=device), last_only=True)
     return DecodeState(tokens=list(prompt_ids), target_cache=cache)
 
 

@@ -44,7 +44,7 @@ class ModelDrafter:
         self.device = next(self.model.parameters()).device
         if len(prompt_ids) > 1:
             with meter.forward("draft_prefill", len(prompt_ids) - 1):
-                self.cache.forward(self._ids(prompt_ids[:-1]))
+                self.cache.forward(self._ids(prompt_ids[:-1]), last_only=True)
 
     def _ids(self, ids: list[int]) -> torch.Tensor:
         tensor = torch.tensor(ids, device=self.device)
@@ -57,7 +57,9 @@ class ModelDrafter:
         tokens, qs = [], []
         for _ in range(k):
             with self.meter.forward("draft", inputs.shape[0]):
-                logits = self.cache.forward(inputs)[-1, : self.vocab_size]  # [V_common]
+                logits = self.cache.forward(inputs, last_only=True)[
+                    -1, : self.vocab_size
+                ]  # [V_common]
             if self.params.greedy:
                 token = logits.argmax()
             else:

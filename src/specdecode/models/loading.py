@@ -69,12 +69,22 @@ def wrap_model(model: Any, tokenizer: Any | None = None, name: str | None = None
     return LoadedModel(model=model, tokenizer=tokenizer, name=name or type(model).__name__)
 
 
-def _load_folder(folder: Path, dtype: torch.dtype, device: torch.device, **kwargs: Any):
+def _load_folder(
+    folder: Path, dtype: torch.dtype, device: torch.device, gguf_file: str | None = None
+):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    kwargs: dict[str, Any] = {}
+    if gguf_file is not None:
+        from transformers import GgufConfig
+
+        # dequantize into plain tensors: nothing of the GGUF quantizer stays attached
+        kwargs = {"gguf_file": gguf_file, "quantization_config": GgufConfig(dequantize=True)}
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs).to(device).eval()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer = AutoTokenizer.from_pretrained(
+            folder, **({"gguf_file": gguf_file} if gguf_file else {})
+        )
     except (OSError, ValueError, TypeError):
         tokenizer = None  # saved without a tokenizer: callers pass token ids
     return model, tokenizer

