@@ -102,7 +102,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         target,
         draft,
         k=k,
-        max_new_tokens=args.max_new_tokens or (48 if quick else 96),
+        max_new_tokens=args.max_new_tokens or (48 if quick else 64),
         dtype=args.dtype,
         device=args.device,
         limit=args.limit or (4 if quick else None),
@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     dem.add_argument("--draft", default=None, help="default: qwen2.5-coder-0.5b-instruct")
     dem.add_argument("--quick", action="store_true", help="smollm2-135m-instruct, about a minute")
     dem.add_argument("--k", type=int, default=None, help="tokens drafted per step (default 4)")
-    dem.add_argument("--max-new-tokens", type=int, default=None, help="default 96 (quick: 48)")
+    dem.add_argument("--max-new-tokens", type=int, default=None, help="default 64 (quick: 48)")
     dem.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     dem.add_argument("--dtype", default="bfloat16")
     dem.add_argument("--device", default=None)
