@@ -174,9 +174,9 @@ def explain(rows: list[DemoRow], k: int) -> str:
     ]
     if v > 1.5:
         lines.append(
-            "A verification forward here costs much more than a one-token forward (typical of "
-            "bfloat16 on CPUs without native bfloat16 matrix units), so speculation has little to "
-            "gain on this machine; on GPUs v(k) stays close to 1."
+            "A verification forward here costs much more than a one-token forward (small matrix "
+            "products are compute-bound, as bfloat16 is on CPUs without bfloat16 matrix units), so "
+            "speculation has little to gain on this machine; it pays where v(k) is close to 1."
         )
     return "\n".join(lines)
 
