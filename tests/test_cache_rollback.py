@@ -42,8 +42,9 @@ def test_caches_match_a_fresh_prefill_after_every_step(arch, temperature):
     accepted_counts = set()
     for step in range(12):
         k = 1 + step % 6
-        _committed, n_accepted = speculative_step(state, drafter, k, params, generator, stats)
-        accepted_counts.add(n_accepted == k)
+        step = speculative_step(state, drafter, k, params, generator, stats)
+        assert step.drafted == k and len(step.committed) == step.accepted + 1
+        accepted_counts.add(step.accepted == k)
         tokens = state.tokens
         assert len(state.target_cache) == len(tokens) - 1
         torch.testing.assert_close(

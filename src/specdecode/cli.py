@@ -22,7 +22,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         "--target", required=True, help="preset name, local folder, .gguf or hub id"
     )
     parser.add_argument(
-        "--draft", default=None, help="draft: a model (same forms as --target) or early-exit:N"
+        "--draft",
+        default=None,
+        help="draft: a model (same forms as --target), early-exit:N or ngram[:MIN-MAX]",
     )
     parser.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float32, float16")
     parser.add_argument(

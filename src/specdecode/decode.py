@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from specdecode.cache import KVCache
 from specdecode.drafters.base import Drafter
 from specdecode.sampling import SamplingParams, logits_to_probs
-from specdecode.types import Stats
+from specdecode.types import Stats, StepResult
 from specdecode.verify import verify_greedy, verify_sampling
 
 
@@ -47,27 +47,26 @@ def speculative_step(
     params: SamplingParams,
     generator: torch.Generator | None,
     stats: Stats,
-) -> tuple[list[int], int]:
-    """Draft k tokens, verify them in one target forward, commit, roll back.
+) -> StepResult:
+    """Draft up to k tokens, verify them in one target forward, commit, roll back.
 
-    k == 0 (or no drafter) is one plain autoregressive step. Returns the committed tokens (accepted
-    drafts + the recovered or bonus token) and the number of drafts accepted.
+    k == 0, no drafter, or an empty draft is one plain autoregressive step.
     """
     cache = state.target_cache
     device = next(cache.model.parameters()).device
     draft = drafter.propose(state.tokens, k) if drafter is not None and k > 0 else None
-    drafted = draft.tokens if draft is not None else torch.empty(0, dtype=torch.long)  # [k]
-    drafted = drafted.to(device)
+    drafted = draft.tokens if draft is not None else torch.empty(0, dtype=torch.long)
+    drafted = drafted.to(device)  # [k'], k' <= k
 
-    # one target forward over the last committed token and the k drafts
-    inputs = torch.cat([torch.tensor(state.tokens[-1:], device=device), drafted])  # [k+1]
+    # one target forward over the last committed token and the drafts
+    inputs = torch.cat([torch.tensor(state.tokens[-1:], device=device), drafted])  # [k'+1]
     with stats.meter.forward("target", inputs.shape[0]):
-        logits = cache.forward(inputs)  # [k+1, V]
+        logits = cache.forward(inputs)  # [k'+1, V]
 
     if params.greedy:
         n_accepted, next_token = verify_greedy(drafted, logits)
     else:
-        p_target = logits_to_probs(logits, params)  # [k+1, V]
+        p_target = logits_to_probs(logits, params)  # [k'+1, V]
         q_draft = draft.q_draft if draft is not None else None
         if q_draft is not None and q_draft.shape[-1] < p_target.shape[-1]:
             # the drafter samples from the common vocabulary: zero mass beyond it
@@ -79,7 +78,7 @@ def speculative_step(
     cache.rollback(len(state.tokens) - 1)  # keep committed tokens minus the last
     if draft is not None:
         drafter.observe(n_accepted)  # type: ignore[union-attr]
-    return committed, n_accepted
+    return StepResult(committed, len(drafted), n_accepted)
 
 
 def decode(
@@ -112,12 +111,13 @@ def decode(
     while produced < max_new_tokens:
         # a step emits up to k_step + 1 tokens: never draft past max_new_tokens
         k_step = min(k, max_new_tokens - produced - 1) if drafter is not None else 0
-        committed, n_accepted = speculative_step(state, drafter, k_step, params, generator, stats)
+        step = speculative_step(state, drafter, k_step, params, generator, stats)
+        committed, n_accepted = step.committed, step.accepted
         eos_at = next((i for i, t in enumerate(committed) if t in eos_token_ids), None)
         if eos_at is not None:
             committed = committed[: eos_at + 1]
             n_accepted = min(n_accepted, eos_at + 1)  # an accepted EOS counts
-        stats.record_step(k_step, n_accepted, len(committed))
+        stats.record_step(step.drafted, n_accepted, len(committed))
         produced += len(committed)
         stats.new_tokens = produced
         yield committed

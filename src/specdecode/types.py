@@ -25,6 +25,15 @@ class Draft:
         return int(self.tokens.shape[0])
 
 
+@dataclass
+class StepResult:
+    """What one speculative step committed."""
+
+    committed: list[int]  # accepted drafts + the recovered or bonus token
+    drafted: int  # tokens the drafter proposed (may be fewer than k, e.g. no n-gram match)
+    accepted: int
+
+
 class ForwardMeter:
     """Counts model forwards and, when the caller gives a clock, times them.
 

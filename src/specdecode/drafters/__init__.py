@@ -7,20 +7,28 @@ from typing import Any
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.early_exit import EarlyExitDrafter
 from specdecode.drafters.model import ModelDrafter
+from specdecode.drafters.ngram import NgramDrafter
 
-__all__ = ["Drafter", "EarlyExitDrafter", "ModelDrafter", "resolve_draft"]
-
-DRAFT_FORMS = "a model (preset, folder, .gguf, hub id) or early-exit:N"
+__all__ = ["Drafter", "EarlyExitDrafter", "ModelDrafter", "NgramDrafter", "resolve_draft"]
 
 
 def resolve_draft(spec: str | None, target: Any, dtype: Any = "bfloat16", device: Any = None):
     """Turn a `--draft` value into what `SpeculativeDecoder(draft=...)` takes.
 
     `None` -> None (autoregressive); `early-exit:N` -> an EarlyExitDrafter over `target` (a
-    LoadedModel); anything else is loaded with `load_model`.
+    LoadedModel); `ngram` or `ngram:MIN-MAX` -> prompt lookup (default 1-3); anything else is
+    loaded with `load_model`.
     """
     if spec is None:
         return None
+    if spec == "ngram" or spec.startswith("ngram:"):
+        sizes = spec.partition(":")[2] if ":" in spec else "1-3"
+        low, _, high = sizes.partition("-")
+        if not (low.isdigit() and high.isdigit()):
+            raise ValueError(
+                f"n-gram draft is ngram or ngram:MIN-MAX, e.g. ngram:1-3 (got {spec!r})"
+            )
+        return NgramDrafter(int(low), int(high))
     if spec.startswith("early-exit"):
         _, _, depth = spec.partition(":")
         if not depth.isdigit():
