@@ -33,7 +33,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--k", type=int, default=4, help="tokens drafted per step (default 4)")
+    parser.add_argument(
+        "--k", type=int, default=4, help="tokens drafted per step (default 4, quick: 2)"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=None)
@@ -132,9 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the target alone vs speculative decoding on built-in prompts (fetches models)",
     )
     dem.add_argument("--target", default=None, help="default: qwen2.5-coder-1.5b-instruct")
-    dem.add_argument("--draft", default=None, help="default: qwen2.5-coder-0.5b-instruct")
+    dem.add_argument(
+        "--draft", default=None, help="default: qwen2.5-coder-0.5b-instruct (quick: ngram)"
+    )
     dem.add_argument("--quick", action="store_true", help="smollm2-135m-instruct, about a minute")
-    dem.add_argument("--k", type=int, default=None, help="tokens drafted per step (default 4)")
+    dem.add_argument(
+        "--k", type=int, default=None, help="tokens drafted per step (default 4, quick: 2)"
+    )
     dem.add_argument("--max-new-tokens", type=int, default=None, help="default 64 (quick: 48)")
     dem.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     dem.add_argument("--dtype", default="bfloat16")
