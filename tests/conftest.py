@@ -13,11 +13,10 @@ torch.set_num_threads(1)
 VOCAB = 96
 
 
-def tiny_llama(seed: int = 0, vocab: int = VOCAB, layers: int = 2, **overrides):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+def _llama_like(config_cls, model_cls, seed: int, vocab: int, layers: int, **overrides):
+    """A tiny Llama-family model (Llama, Qwen2 share these config fields), seeded."""
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    config = config_cls(
         vocab_size=vocab,
         hidden_size=32,
         intermediate_size=64,
@@ -26,10 +25,22 @@ def tiny_llama(seed: int = 0, vocab: int = VOCAB, layers: int = 2, **overrides):
         num_key_value_heads=2,
         max_position_embeddings=256,
         eos_token_id=None,
-        initializer_range=0.2,
+        initializer_range=0.2,  # a wider init than the default: less flat next-token distributions
         **overrides,
     )
-    return LlamaForCausalLM(config).eval()
+    return model_cls(config).eval()
+
+
+def tiny_llama(seed: int = 0, vocab: int = VOCAB, layers: int = 2, **overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _llama_like(LlamaConfig, LlamaForCausalLM, seed, vocab, layers, **overrides)
+
+
+def tiny_qwen2(seed: int = 0, vocab: int = VOCAB, layers: int = 2):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return _llama_like(Qwen2Config, Qwen2ForCausalLM, seed, vocab, layers)
 
 
 def tiny_gpt2(seed: int = 0, vocab: int = VOCAB, layers: int = 2):
@@ -47,24 +58,6 @@ def tiny_gpt2(seed: int = 0, vocab: int = VOCAB, layers: int = 2):
         initializer_range=0.2,
     )
     return GPT2LMHeadModel(config).eval()
-
-
-def tiny_qwen2(seed: int = 0, vocab: int = VOCAB, layers: int = 2):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=None,
-        initializer_range=0.2,
-    )
-    return Qwen2ForCausalLM(config).eval()
 
 
 def noisy_copy(model, noise: float, seed: int = 123):

@@ -225,8 +225,9 @@ class SpeculativeDecoder:
     ) -> GenerationResult:
         """Generate and return the new token ids, their text and the stats of the run."""
         stats = Stats()
+        prompt_ids = self.encode_prompt(prompt, chat=chat)
         chunks = self.stream(
-            prompt,
+            prompt_ids,
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             top_k=top_k,
@@ -234,7 +235,6 @@ class SpeculativeDecoder:
             seed=seed,
             stop=stop,
             eos_token_ids=eos_token_ids,
-            chat=chat,
             stats=stats,
         )
         token_ids = [t for chunk in chunks for t in chunk]
@@ -243,7 +243,6 @@ class SpeculativeDecoder:
             text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
             if stats.stop_reason == "stop":
                 text = _cut_at_stop(text, stop)
-        prompt_ids = self.encode_prompt(prompt, chat=chat)
         return GenerationResult(token_ids, text, stats, prompt_ids)
 
 
