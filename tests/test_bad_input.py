@@ -143,3 +143,21 @@ def test_cli_missing_model_and_incompatible_tokenizers(tmp_path, capsys):
 def test_cli_empty_prompt(saved_model, capsys):
     assert main(["generate", "--target", saved_model, "--prompt", ""]) == 2
     assert "the prompt is empty" in capsys.readouterr().err
+
+
+def test_hub_id_without_the_hub_suggests_the_presets(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    code = "from specdecode.cli import main; raise SystemExit(main())"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}
+    argv = ["generate", "--target", "someorg/some-model", "--prompt", "hi"]
+    done = subprocess.run(
+        [sys.executable, "-c", code, *argv], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    error = done.stderr.strip().splitlines()[-1]
+    assert "could not load 'someorg/some-model'" in error
+    assert "smollm2-135m-instruct" in error

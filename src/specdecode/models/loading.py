@@ -140,8 +140,9 @@ def _load_hub_id(hub_id: str, dtype: torch.dtype, device: torch.device) -> Loade
     try:
         model, tokenizer = _load_folder(hub_id, dtype, device)  # type: ignore[arg-type]
     except OSError as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(
-            f"could not load {hub_id!r} as a local path or from the Hugging Face hub ({err}). "
-            f"If this machine cannot reach the hub, use a preset: {', '.join(presets.PRESETS)}"
+            f"could not load {hub_id!r}: it is not a local path, and the Hugging Face hub did not "
+            f"provide it ({reason}). Without the hub, use a preset: {', '.join(presets.PRESETS)}"
         ) from None
     return LoadedModel(model, tokenizer, name=hub_id)
