@@ -17,6 +17,14 @@ def _positive_int_list(text: str) -> list[int]:
         ) from None
 
 
+def _require_positive(args: argparse.Namespace, *names: str) -> None:
+    """Fail on counts < 1 before any model is loaded (unset options are left to defaults)."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be an integer >= 1 (got {value})")
+
+
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target", required=True, help="preset name, local folder, .gguf or hub id"
@@ -52,10 +60,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     # validate cheap arguments before loading any model
     SamplingParams(args.temperature, args.top_k, args.top_p)
-    if args.k < 1:
-        raise ValueError(f"k must be an integer >= 1 (got {args.k})")
-    if args.max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1 (got {args.max_new_tokens})")
+    _require_positive(args, "k", "max_new_tokens")
     prompt = args.prompt if args.prompt is not None else args.prompt_ids
     if not prompt:
         raise ValueError("the prompt is empty")
@@ -94,10 +99,7 @@ def _summary_line(stats) -> str:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from specdecode import demo
 
-    for name in ("k", "max_new_tokens", "limit"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ValueError(f"{name} must be an integer >= 1 (got {value})")
+    _require_positive(args, "k", "max_new_tokens", "limit")
     quick = args.quick
     target = args.target or (demo.QUICK_TARGET if quick else demo.DEFAULT_TARGET)
     draft = args.draft or (demo.QUICK_DRAFT if quick else demo.DEFAULT_DRAFT)

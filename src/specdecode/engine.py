@@ -155,7 +155,7 @@ class SpeculativeDecoder:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         prompt_ids = self.encode_prompt(prompt, chat=chat)
         self._check_length(len(prompt_ids), max_new_tokens)
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        stops = _as_list(stop)
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
         if stops and self.tokenizer is None:
@@ -246,10 +246,13 @@ class SpeculativeDecoder:
         return GenerationResult(token_ids, text, stats, prompt_ids)
 
 
+def _as_list(stop: str | Sequence[str] | None) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
 def _cut_at_stop(text: str, stop: str | Sequence[str] | None) -> str:
     """The text before the earliest stop string (OpenAI semantics: the stop is not returned)."""
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    cuts = [text.find(s) for s in stops if s in text]
+    cuts = [text.find(s) for s in _as_list(stop) if s in text]
     return text[: min(cuts)] if cuts else text
 
 

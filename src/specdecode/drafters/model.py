@@ -57,9 +57,8 @@ class ModelDrafter:
         tokens, qs = [], []
         for _ in range(k):
             with self.meter.forward("draft", inputs.shape[0]):
-                logits = self.cache.forward(inputs, last_only=True)[
-                    -1, : self.vocab_size
-                ]  # [V_common]
+                logits = self.cache.forward(inputs, last_only=True)[0]  # [V_draft]
+            logits = logits[: self.vocab_size]  # [V_common]
             if self.params.greedy:
                 token = logits.argmax()
             else:
