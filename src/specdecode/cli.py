@@ -155,12 +155,16 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_models_parser(sub)
+    from specdecode.bench.cli_bench import add_bench_parsers
+
+    add_bench_parsers(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded with benchmark results
     try:
         return int(args.func(args) or 0)
     except ValueError as err:

@@ -39,7 +39,8 @@ def _eos_ids(loaded: LoadedModel) -> set[int]:
     return ids
 
 
-def _clock_for(device: torch.device):
+def clock_for(device: torch.device):
+    """time.perf_counter, synchronising the device first on CUDA so times cover the work."""
     if device.type == "cuda":
 
         def clock() -> float:
@@ -176,7 +177,7 @@ class SpeculativeDecoder:
         stats: Stats,
     ) -> Iterator[list[int]]:
         device = self.target.device
-        clock = _clock_for(device)
+        clock = clock_for(device)
         if self.time_forwards:
             stats.meter = ForwardMeter(clock)
         generator = None if params.greedy else make_generator(device, seed)

@@ -8,10 +8,12 @@ Definitions (DESIGN.md glossary):
 - ideal speedup = expected emitted per step / (k·c + v(k)), c = draft forward / target forward,
   v(k) = target forward over k+1 tokens / over 1 token
 - efficiency = measured speedup / ideal speedup
+- speedups over prompts are averaged geometrically (the mean of ratios that composes)
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 
@@ -50,3 +52,12 @@ def ideal_speedup(alpha: float, k: int, cost_ratio: float, verify_cost: float) -
 
 def efficiency(measured_speedup: float, ideal: float) -> float | None:
     return ratio(measured_speedup, ideal)
+
+
+def geometric_mean(values: Sequence[float]) -> float | None:
+    """exp(mean(log x)) of positive values: the mean of ratios (speedups); None when empty."""
+    if not values:
+        return None
+    if any(v <= 0 for v in values):
+        raise ValueError("the geometric mean needs positive values")
+    return math.exp(sum(math.log(v) for v in values) / len(values))

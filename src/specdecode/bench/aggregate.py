@@ -1,0 +1,209 @@
+"""Records -> aggregates per setting x category (and overall): the numbers a report shows.
+
+Pairing: a setting's record is compared with the `ar` record of the same prompt, turn and repeat.
+- speedup = geometric mean over prompts of decode tokens/s (after the first block, so prefill is
+  apart) of the setting / of `ar`; `e2e_speedup` the same on whole-generation tokens/s.
+- acceptance, mean acceptance length, per-position acceptance: pooled counters (metrics.py).
+- c = one draft forward / one `ar` target forward, v(k) = one verification forward / one `ar`
+  target forward, from the timed forwards of the same prompts; ideal = metrics.ideal_speedup
+  for fixed-k settings; efficiency = speedup / ideal.
+- vs_hf_assisted: geometric mean of per-prompt decode tokens/s against the hf-assisted setting
+  that was fastest overall (`best_hf_assisted`); vs_best_hf likewise against HF's fastest method.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from specdecode import metrics
+
+Record = dict[str, Any]
+OVERALL = "all"
+
+
+def _key(record: Record) -> tuple:
+    return (record["prompt_id"], record.get("turn", 0), record.get("repeat", 0))
+
+
+def _sum(records: Iterable[Record], field: str) -> float:
+    return sum(r[field] or 0 for r in records)
+
+
+def paired_ratio(
+    records: list[Record], baseline: dict[tuple, Record], field: str = "decode_tokens_per_s"
+) -> float | None:
+    """Geometric mean of record[field] / baseline[field] over records with a usable pair."""
+    ratios = []
+    for record in records:
+        base = baseline.get(_key(record))
+        if base is not None and record[field] and base[field]:
+            ratios.append(record[field] / base[field])
+    return metrics.geometric_mean(ratios)
+
+
+def _per_call(records: Iterable[Record], kind: str) -> float | None:
+    records = list(records)
+    return metrics.ratio(_sum(records, f"{kind}_forward_s"), _sum(records, f"{kind}_forwards"))
+
+
+def _pooled_positions(records: list[Record]) -> list[float | None] | None:
+    drafted: list[int] = []
+    accepted: list[int] = []
+    for r in records:
+        for i, (d, a) in enumerate(
+            zip(r.get("drafted_at") or [], r.get("accepted_at") or [], strict=True)
+        ):
+            if i == len(drafted):
+                drafted.append(0)
+                accepted.append(0)
+            drafted[i] += d
+            accepted[i] += a
+    return metrics.per_position_acceptance(accepted, drafted) if drafted else None
+
+
+def _mean(values: Iterable[float | None]) -> float | None:
+    kept = [v for v in values if v is not None]
+    return sum(kept) / len(kept) if kept else None
+
+
+def aggregate_group(
+    records: list[Record], ar: list[Record], baselines: dict[str, dict[tuple, Record]]
+) -> dict[str, Any]:
+    """The aggregates of one setting over one group of prompts (a category or all)."""
+    first = records[0]
+    ours = first["method"] in ("ar", "spec")
+    row: dict[str, Any] = {
+        "setting": first["setting"],
+        "method": first["method"],
+        "draft": first["draft"],
+        "k": first["k"],
+        "k_policy": first["k_policy"],
+        "prompts": len(records),
+        "new_tokens": _sum(records, "new_tokens"),
+        "tokens_per_s": _mean(r["tokens_per_s"] for r in records),
+        "decode_tokens_per_s": _mean(r["decode_tokens_per_s"] for r in records),
+        "ttft_s": _mean(r["ttft_s"] for r in records),
+        "speedup": paired_ratio(records, baselines["ar"]),
+        "e2e_speedup": paired_ratio(records, baselines["ar"], "tokens_per_s"),
+        "peak_memory_bytes": max(r["peak_memory_bytes"] or 0 for r in records),
+    }
+    ar_memory = max((r["peak_memory_bytes"] or 0 for r in ar), default=0)
+    row["memory_overhead"] = metrics.ratio(row["peak_memory_bytes"], ar_memory)
+    for name in ("hf-ar", "hf-assisted", "best-hf"):
+        if name in baselines:
+            column = "vs_" + name.replace("-", "_")
+            row[column] = paired_ratio(records, baselines[name])
+    greedy = [r for r in records if r["identical_to_ar"] is not None]
+    row["identical"] = sum(bool(r["identical_to_ar"]) for r in greedy)
+    row["compared"] = len(greedy)
+    if not ours or first["method"] == "ar":
+        return row
+
+    drafted, accepted = _sum(records, "drafted"), _sum(records, "accepted")
+    row["acceptance_rate"] = metrics.acceptance_rate(int(accepted), int(drafted))
+    row["mean_acceptance_length"] = metrics.mean_acceptance_length(
+        int(_sum(records, "emitted")), int(_sum(records, "steps"))
+    )
+    row["per_position_acceptance"] = _pooled_positions(records)
+    one_token = _per_call(ar, "target")
+    draft_call = _per_call(records, "draft")
+    verify_call = _per_call(records, "target")
+    row["c"] = metrics.ratio(draft_call or 0.0, one_token) if one_token else None
+    row["v"] = metrics.ratio(verify_call, one_token) if one_token and verify_call else None
+    ideal = None
+    if first["k_policy"] == "fixed" and None not in (row["acceptance_rate"], row["c"], row["v"]):
+        ideal = metrics.ideal_speedup(row["acceptance_rate"], first["k"], row["c"], row["v"])
+    row["ideal_speedup"] = ideal
+    row["efficiency"] = (
+        metrics.efficiency(row["speedup"], ideal) if ideal and row["speedup"] else None
+    )
+    return row
+
+
+def _best(rows: list[dict[str, Any]], accept: Callable[[dict[str, Any]], bool]) -> str | None:
+    candidates = [r for r in rows if accept(r) and r["speedup"] is not None]
+    return max(candidates, key=lambda r: r["speedup"])["setting"] if candidates else None
+
+
+def summarize(records: list[Record]) -> dict[str, Any]:
+    """Aggregates per setting x category and overall, best settings, and every divergence."""
+    if not records:
+        raise ValueError("no records to summarise")
+    settings = list(dict.fromkeys(r["setting"] for r in records))
+    categories = list(dict.fromkeys(r["category"] for r in records))
+    by_setting: dict[str, list[Record]] = defaultdict(list)
+    for r in records:
+        by_setting[r["setting"]].append(r)
+    if "ar" not in by_setting:
+        raise ValueError("the records have no `ar` baseline: run with the `ar` method")
+    baselines = {"ar": {_key(r): r for r in by_setting["ar"]}}
+    if "hf-ar" in by_setting:
+        baselines["hf-ar"] = {_key(r): r for r in by_setting["hf-ar"]}
+
+    def rows_for(category: str | None) -> list[dict[str, Any]]:
+        """Aggregates of every setting over one category (None: all prompts)."""
+
+        def group(records: list[Record]) -> list[Record]:
+            return [r for r in records if category is None or r["category"] == category]
+
+        ar = group(by_setting["ar"])
+        rows = []
+        for s in settings:
+            chosen = group(by_setting[s])
+            if chosen:
+                rows.append(
+                    dict(aggregate_group(chosen, ar, baselines), category=category or OVERALL)
+                )
+        return rows
+
+    # first pass: find HF's fastest settings overall, then compare every setting against them
+    overall = rows_for(None)
+    best_assisted = _best(overall, lambda r: r["method"] == "hf-assisted")
+    best_hf = _best(overall, lambda r: r["method"] in ("hf-assisted", "hf-prompt-lookup"))
+    if best_assisted:
+        baselines["hf-assisted"] = {_key(r): r for r in by_setting[best_assisted]}
+    if best_hf:
+        baselines["best-hf"] = {_key(r): r for r in by_setting[best_hf]}
+    rows = rows_for(None)
+    for category in categories:
+        rows += rows_for(category)
+
+    best_k: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
+    for row in rows:
+        if row["method"] != "spec" or row["speedup"] is None:
+            continue
+        label = f"{row['draft']} ({row['k_policy']})"
+        held = best_k[row["category"]].get(label)
+        if held is None or row["speedup"] > held["speedup"]:
+            best_k[row["category"]][label] = {"k": row["k"], "speedup": row["speedup"]}
+
+    divergences = [
+        {
+            "prompt_id": r["prompt_id"],
+            "category": r["category"],
+            "turn": r.get("turn", 0),
+            "setting": r["setting"],
+            **r["first_divergence"],
+        }
+        for r in records
+        if r.get("first_divergence")
+    ]
+    return {
+        "settings": settings,
+        "categories": categories,
+        "rows": rows,
+        "best_k": dict(best_k),
+        "best_spec": _best(overall, lambda r: r["method"] == "spec"),
+        "best_hf_assisted": best_assisted,
+        "best_hf": best_hf,
+        "divergences": divergences,
+    }
+
+
+def row_for(summary: dict[str, Any], setting: str, category: str = OVERALL) -> dict[str, Any]:
+    for row in summary["rows"]:
+        if row["setting"] == setting and row["category"] == category:
+            return row
+    raise KeyError(f"no aggregate for {setting!r} in {category!r}")

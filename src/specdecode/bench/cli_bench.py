@@ -1,0 +1,130 @@
+"""`specdecode bench` and `specdecode report DIR`: argparse -> BenchConfig -> runner."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import time
+
+from specdecode.bench.methods import ALL_METHODS
+
+
+def _csv(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _int_csv(text: str) -> list[int]:
+    try:
+        return [int(part) for part in _csv(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+
+
+def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser(
+        "bench",
+        help="measure methods side by side on prompt suites (acceptance, speed, memory)",
+        description="Run every requested method on the same prompts in one process, interleaved "
+        "per prompt after a warm-up, and write results.jsonl, summary.json, report.md and plots.",
+    )
+    bench.add_argument("--target", default=None, help="target model (quick: smollm2-135m-instruct)")
+    bench.add_argument(
+        "--draft",
+        action="append",
+        default=None,
+        help="draft (repeatable): a model, ngram[:MIN-MAX] or early-exit:N (quick: ngram)",
+    )
+    bench.add_argument(
+        "--methods",
+        type=_csv,
+        default=None,
+        help=f"comma-separated, from {','.join(ALL_METHODS)} (default: all that apply)",
+    )
+    bench.add_argument("--k", type=_int_csv, default=None, help="look-aheads (default 1,2,4,6,8)")
+    bench.add_argument(
+        "--k-policy",
+        type=_csv,
+        default=None,
+        help="comma-separated k policies for spec (default fixed)",
+    )
+    bench.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    bench.add_argument("--top-k", type=int, default=None)
+    bench.add_argument("--top-p", type=float, default=None)
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--max-new-tokens", type=int, default=None, help="default 64 (quick: 32)")
+    bench.add_argument("--prompts", default=None, help="JSONL file (ours or Spec-Bench format)")
+    bench.add_argument("--categories", type=_csv, default=None, help="comma-separated categories")
+    bench.add_argument("--limit", type=int, default=None, help="prompts per category (quick: 1)")
+    bench.add_argument(
+        "--turns", default="first", choices=["first", "all"], help="multi-turn prompts"
+    )
+    bench.add_argument(
+        "--no-chat", dest="chat", action="store_false", help="raw prompts, no chat template"
+    )
+    bench.add_argument("--chat", dest="chat", action="store_true", help="chat template (default)")
+    bench.add_argument("--repeats", type=int, default=1)
+    bench.add_argument("--dtype", default="bfloat16")
+    bench.add_argument("--device", default=None)
+    bench.add_argument("--out", default=None, help="output folder (default runs/bench-TIME)")
+    bench.add_argument(
+        "--quick",
+        action="store_true",
+        help="smollm2-135m-instruct with ngram, 1 prompt per category, k=2,4: a few minutes",
+    )
+    bench.set_defaults(func=handle_bench, chat=True)
+
+    report = subparsers.add_parser("report", help="re-render a saved benchmark's report")
+    report.add_argument("dir", help="a folder written by `specdecode bench`")
+    report.set_defaults(func=handle_report)
+
+
+def handle_bench(args: argparse.Namespace) -> int:
+    from specdecode.bench.runner import QUICK_DRAFTS, QUICK_TARGET, BenchConfig, run_bench
+    from specdecode.sampling import SamplingParams
+
+    SamplingParams(args.temperature, args.top_k, args.top_p)  # bad values fail before loading
+    if args.target is None and not args.quick:
+        raise ValueError("--target is required (or --quick)")
+    config = BenchConfig(
+        target=args.target or QUICK_TARGET,
+        drafts=args.draft or (QUICK_DRAFTS if args.quick else []),
+        methods=args.methods,
+        ks=args.k or ([2, 4] if args.quick else [1, 2, 4, 6, 8]),
+        policies=args.k_policy or ["fixed"],
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens or (32 if args.quick else 64),
+        prompts_file=args.prompts,
+        categories=args.categories,
+        limit=args.limit or (1 if args.quick else None),
+        turns=args.turns,
+        chat=args.chat,
+        repeats=args.repeats,
+        dtype=args.dtype,
+        device=args.device,
+        out=args.out or time.strftime("runs/bench-%Y%m%d-%H%M%S"),
+        command=shlex.join(["specdecode", *args.argv]),
+    )
+    config.validate()
+    summary = run_bench(config)
+    _print_headline(summary, config.out)
+    return 0
+
+
+def handle_report(args: argparse.Namespace) -> int:
+    from specdecode.bench.runner import rerender
+
+    summary = rerender(args.dir)
+    _print_headline(summary, args.dir)
+    return 0
+
+
+def _print_headline(summary: dict, out_dir: str) -> None:
+    from specdecode.bench.report import overall_table
+
+    print(overall_table(summary))
+    print(f"\nreport: {out_dir}/report.md (results.jsonl, summary.json, plots beside it)")

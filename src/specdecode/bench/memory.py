@@ -1,0 +1,56 @@
+"""Memory a method needs: measured on CUDA, computed from the models on the CPU.
+
+On CUDA the peak of allocated memory is read per generation. On the CPU no allocator reports a
+per-run peak (the process RSS only grows), so the record carries the exact sum of what a run must
+hold: the weights of every model it uses (shared tensors counted once) plus the key/value caches
+of the tokens it processed. Records say which of the two they carry (`memory_source`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def weights_bytes(*models: Any) -> int:
+    """Bytes of the parameters and buffers of `models`, each storage counted once."""
+    seen: set[int] = set()
+    total = 0
+    for model in models:
+        for tensor in [*model.parameters(), *model.buffers()]:
+            key = tensor.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += tensor.untyped_storage().nbytes()
+    return total
+
+
+def kv_bytes_per_token(model: Any, layers: int | None = None) -> int:
+    """Bytes one token adds to `model`'s key/value cache (keys and values, every layer)."""
+    config = model.config
+    config = getattr(config, "text_config", config)
+    n_layers = layers if layers is not None else config.num_hidden_layers
+    heads = getattr(config, "num_attention_heads", None) or config.n_head
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    hidden = getattr(config, "hidden_size", None) or config.n_embd
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    element = next(model.parameters()).element_size()
+    return 2 * n_layers * kv_heads * head_dim * element
+
+
+def estimate_bytes(target: Any, draft: Any | None, n_tokens: int) -> int:
+    """Weights of target (and draft model) + their caches over `n_tokens` (prompt + new).
+
+    `draft` is the draft's model (an early-exit view shares the target's weights, so only its
+    cache over its own layers counts) or None for the target alone and model-free drafters.
+    """
+    total = weights_bytes(target) + kv_bytes_per_token(target) * n_tokens
+    if isinstance(draft, torch.nn.Module):
+        total += weights_bytes(draft) - _shared_bytes(target, draft)
+        total += kv_bytes_per_token(draft) * n_tokens
+    return total
+
+
+def _shared_bytes(a: Any, b: Any) -> int:
+    return weights_bytes(a) + weights_bytes(b) - weights_bytes(a, b)

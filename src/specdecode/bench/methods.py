@@ -1,0 +1,222 @@
+"""The methods a benchmark compares, each run the same way: ids in, ids and timings out.
+
+- `ar`: our target alone (the baseline); `spec`: our speculative decoding, one setting per
+  (draft, k, k policy);
+- `hf-ar`: Hugging Face `generate` alone (the peer's own baseline); `hf-assisted`: `generate(
+  assistant_model=draft)` with HF's default schedule or a constant k; `hf-prompt-lookup`:
+  `generate(prompt_lookup_num_tokens=k)`.
+
+Every method gets the same prompt ids, the same end-of-sequence ids and the same sampling
+parameters; new tokens are counted from the returned ids. Time to first token is taken where the
+first generated tokens appear (our step loop, HF's streamer), so prefill is kept apart from decode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specdecode.engine import SpeculativeDecoder, clock_for
+from specdecode.models.loading import LoadedModel
+from specdecode.types import Stats
+
+OUR_METHODS = ("ar", "spec")
+HF_METHODS = ("hf-ar", "hf-assisted", "hf-prompt-lookup")
+ALL_METHODS = OUR_METHODS + HF_METHODS
+# HF's prompt lookup matches up to this many trailing tokens (its default, made explicit)
+HF_PROMPT_LOOKUP_NGRAM = 2
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One column of the comparison: a method and its parameters."""
+
+    method: str  # one of ALL_METHODS
+    draft: str | None = None  # draft label for spec / hf-assisted
+    k: int = 0  # look-ahead (0 for ar / hf-ar and for HF's default schedule)
+    policy: str = "fixed"  # spec: k policy; hf-assisted: "default" or "constant"
+
+    @property
+    def label(self) -> str:
+        if self.method in ("ar", "hf-ar"):
+            return self.method
+        if self.method == "hf-prompt-lookup":
+            return f"hf-prompt-lookup k={self.k}"
+        if self.method == "hf-assisted" and self.policy == "default":
+            return f"hf-assisted[{self.draft}] default"
+        policy = "" if self.policy in ("fixed", "constant") else f" {self.policy}"
+        return f"{self.method}[{self.draft}] k={self.k}{policy}"
+
+
+@dataclass
+class RunOutput:
+    """What one generation produced and how long it took (seconds from the call)."""
+
+    token_ids: list[int]
+    wall_time_s: float
+    ttft_s: float  # until the first generated tokens were available
+    first_chunk: int  # tokens available at ttft (a speculative first step may give several)
+    stats: Stats | None = None  # our methods only: the core's counters
+    prefill_s: float | None = None  # our methods only: time in the prompt prefill forwards
+
+
+def plan_settings(
+    methods: list[str],
+    drafts: dict[str, Any],
+    ks: list[int],
+    policies: list[str],
+) -> list[Setting]:
+    """Every setting the requested methods imply; methods that do not apply are left out.
+
+    `drafts` maps a draft label to what `resolve_draft` made of it: hf-assisted applies only to
+    draft models (a `LoadedModel`), hf-prompt-lookup needs none.
+    """
+    unknown = [m for m in methods if m not in ALL_METHODS]
+    if unknown:
+        raise ValueError(f"unknown method {unknown[0]!r}: choose from {', '.join(ALL_METHODS)}")
+    settings: list[Setting] = []
+    for method in methods:
+        if method in ("ar", "hf-ar"):
+            settings.append(Setting(method))
+        elif method == "spec":
+            settings += [
+                Setting("spec", label, k, policy)
+                for label in drafts
+                for policy in policies
+                for k in ks
+            ]
+        elif method == "hf-assisted":
+            for label, draft in drafts.items():
+                if isinstance(draft, LoadedModel):
+                    settings.append(Setting("hf-assisted", label, 0, "default"))
+                    settings += [Setting("hf-assisted", label, k, "constant") for k in ks]
+        elif method == "hf-prompt-lookup":
+            settings += [Setting("hf-prompt-lookup", None, k) for k in ks]
+    return settings
+
+
+class MethodRunner:
+    """Runs any `Setting` on prompt ids with one target and its drafts, engines built once."""
+
+    def __init__(
+        self,
+        target: LoadedModel,
+        drafts: dict[str, Any],
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.target = target
+        self.drafts = drafts
+        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        self.seed = seed
+        self._engines: dict[Setting, SpeculativeDecoder] = {}
+        self.ar_engine = SpeculativeDecoder(target)
+        self.eos_token_ids = sorted(self.ar_engine.eos_token_ids)
+        self.clock: Callable[[], float] = clock_for(target.device)
+
+    def engine(self, setting: Setting) -> SpeculativeDecoder:
+        if setting.method == "ar":
+            return self.ar_engine
+        if setting not in self._engines:
+            options = {} if setting.policy == "fixed" else {"k_policy": setting.policy}
+            self._engines[setting] = SpeculativeDecoder(
+                self.target, self.drafts[setting.draft], k=setting.k, **options
+            )
+        return self._engines[setting]
+
+    def run(self, setting: Setting, prompt_ids: list[int], max_new_tokens: int) -> RunOutput:
+        if setting.method in OUR_METHODS:
+            return self._run_ours(setting, prompt_ids, max_new_tokens)
+        return self._run_hf(setting, prompt_ids, max_new_tokens)
+
+    def _run_ours(self, setting: Setting, ids: list[int], max_new_tokens: int) -> RunOutput:
+        engine = self.engine(setting)
+        stats = Stats()
+        chunks = engine.stream(
+            ids, max_new_tokens=max_new_tokens, seed=self.seed, stats=stats, **self.sampling
+        )
+        blocks = list(chunks)
+        tokens = [t for block in blocks for t in block]
+        first = len(blocks[0]) if blocks else 0
+        return RunOutput(tokens, stats.wall_time_s, stats.ttft_s, first, stats, stats.prefill_s)
+
+    def _run_hf(self, setting: Setting, ids: list[int], max_new_tokens: int) -> RunOutput:
+        from transformers import GenerationConfig
+
+        model = self.target.model
+        greedy = not self.sampling["temperature"]
+        config = GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            do_sample=not greedy,
+            temperature=None if greedy else self.sampling["temperature"],
+            top_k=None if greedy else (self.sampling["top_k"] or 0),
+            top_p=None if greedy else self.sampling["top_p"],
+            eos_token_id=self.eos_token_ids or None,
+            pad_token_id=self.eos_token_ids[0] if self.eos_token_ids else 0,
+        )
+        extra: dict[str, Any] = {}
+        if setting.method == "hf-assisted":
+            assistant = self.drafts[setting.draft].model
+            _set_assistant_schedule(assistant, setting)
+            extra["assistant_model"] = assistant
+        elif setting.method == "hf-prompt-lookup":
+            config.prompt_lookup_num_tokens = setting.k
+            config.max_matching_ngram_size = HF_PROMPT_LOOKUP_NGRAM
+        inputs = torch.tensor([ids], device=self.target.device)
+        timer = _FirstTokens(self.clock)
+        if not greedy:
+            torch.manual_seed(self.seed)
+        timer.start = self.clock()
+        with torch.inference_mode():
+            out = model.generate(
+                inputs,
+                attention_mask=torch.ones_like(inputs),
+                generation_config=config,
+                streamer=timer,
+                **extra,
+            )
+        wall = self.clock() - timer.start
+        tokens = out[0, len(ids) :].tolist()
+        ttft = timer.ttft if timer.ttft is not None else wall
+        return RunOutput(tokens, wall, ttft, timer.first_chunk or len(tokens))
+
+
+def _set_assistant_schedule(assistant: Any, setting: Setting) -> None:
+    """HF reads the assisted schedule from the assistant's generation config."""
+    config = assistant.generation_config
+    if setting.policy == "default":  # None: HF's own defaults apply
+        config.num_assistant_tokens = None
+        config.num_assistant_tokens_schedule = None
+        config.assistant_confidence_threshold = None
+    else:
+        config.num_assistant_tokens = setting.k
+        config.num_assistant_tokens_schedule = "constant"
+        config.assistant_confidence_threshold = 0.0  # no early stop: exactly k drafts
+
+
+class _FirstTokens:
+    """A `generate` streamer that notes when the first generated tokens arrive."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.start = 0.0
+        self.ttft: float | None = None
+        self.first_chunk = 0
+        self._puts = 0
+
+    def put(self, value: torch.Tensor) -> None:
+        self._puts += 1
+        if self._puts == 1:  # HF first puts the prompt itself
+            return
+        if self.ttft is None:
+            self.ttft = self.clock() - self.start
+            self.first_chunk = int(value.numel())
+
+    def end(self) -> None:
+        pass

@@ -1,0 +1,309 @@
+"""`specdecode bench`: every requested method on the same prompts, in one process, interleaved.
+
+Order of work: load the prompts and models, plan the settings, warm every setting up, then for
+each repeat and prompt run every setting (in an order rotated per prompt, so drift and cache
+effects hit all alike), writing each record to results.jsonl as soon as it exists (an interrupted
+run keeps what it measured). Greedy outputs are checked against `ar` for every prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdecode.bench.aggregate import summarize
+from specdecode.bench.memory import estimate_bytes
+from specdecode.bench.methods import ALL_METHODS, MethodRunner, Setting, plan_settings
+from specdecode.bench.records import make_record, mark_identity, top2_margin
+from specdecode.bench.suites import BenchPrompt, interleave_by_category, load_suite
+from specdecode.models.loading import LoadedModel
+
+QUICK_TARGET = "smollm2-135m-instruct"
+QUICK_DRAFTS = ["ngram"]  # no smaller sibling shares its tokenizer here
+RESULTS, SUMMARY, REPORT, RUN = "results.jsonl", "summary.json", "report.md", "run.json"
+
+
+@dataclass
+class BenchConfig:
+    target: str
+    drafts: list[str] = field(default_factory=list)
+    methods: list[str] | None = None  # None: every method that applies
+    ks: list[int] = field(default_factory=lambda: [1, 2, 4, 6, 8])
+    policies: list[str] = field(default_factory=lambda: ["fixed"])
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+    max_new_tokens: int = 64
+    prompts_file: str | None = None
+    categories: list[str] | None = None
+    limit: int | None = None
+    turns: str = "first"  # "first" or "all"
+    chat: bool = True
+    repeats: int = 1
+    dtype: str = "bfloat16"
+    device: str | None = None
+    out: str = "runs/bench"
+    command: str = ""  # the command line, written with the results
+
+    def validate(self) -> None:
+        if self.turns not in ("first", "all"):
+            raise ValueError(f"--turns is 'first' or 'all' (got {self.turns!r})")
+        if self.turns == "all" and not self.chat:
+            raise ValueError("--turns all plays conversations: it needs --chat")
+        for name in ("max_new_tokens", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit must be >= 1 (got {self.limit})")
+        if not self.ks or any(k < 1 for k in self.ks):
+            raise ValueError(f"--k takes look-aheads >= 1 (got {self.ks})")
+        if self.methods is not None:
+            unknown = [m for m in self.methods if m not in ALL_METHODS]
+            if unknown:
+                raise ValueError(
+                    f"unknown method {unknown[0]!r}: choose from {', '.join(ALL_METHODS)}"
+                )
+            if "ar" not in self.methods:
+                raise ValueError("every comparison needs the baseline: include `ar` in --methods")
+            if "spec" in self.methods and not self.drafts:
+                raise ValueError("method `spec` needs at least one --draft")
+
+
+def default_methods(drafts: dict[str, Any]) -> list[str]:
+    methods = ["ar", "hf-ar"]
+    if drafts:
+        methods.insert(1, "spec")
+    if any(isinstance(d, LoadedModel) for d in drafts.values()):
+        methods.append("hf-assisted")
+    methods.append("hf-prompt-lookup")
+    return methods
+
+
+class _Conversation:
+    """One setting's view of a prompt: its turns with its own answers in between."""
+
+    def __init__(self, prompt: BenchPrompt) -> None:
+        self.prompt = prompt
+        self.messages: list[dict[str, str]] = []
+
+    def next_input(self, turn: int, chat: bool) -> Any:
+        if not chat:
+            return self.prompt.turns[turn]
+        self.messages.append({"role": "user", "content": self.prompt.turns[turn]})
+        return list(self.messages)
+
+    def answer(self, text: str | None) -> None:
+        if self.messages:
+            self.messages.append({"role": "assistant", "content": text or ""})
+
+
+def run_bench(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
+    """Run the benchmark described by `config`; write DIR/{results.jsonl,summary.json,...}."""
+    from tqdm import tqdm
+
+    from specdecode.bench.report import write_report
+    from specdecode.drafters import resolve_draft
+    from specdecode.models.loading import load_model
+
+    config.validate()
+    prompts = interleave_by_category(
+        load_suite(config.prompts_file, categories=config.categories, limit=config.limit)
+    )
+    out_dir = Path(config.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    target = load_model(config.target, dtype=config.dtype, device=config.device)
+    drafts = {
+        spec: resolve_draft(spec, target, dtype=config.dtype, device=config.device)
+        for spec in config.drafts
+    }
+    methods = config.methods or default_methods(drafts)
+    settings = plan_settings(methods, drafts, config.ks, config.policies)
+    runner = MethodRunner(
+        target,
+        drafts,
+        temperature=config.temperature,
+        top_k=config.top_k,
+        top_p=config.top_p,
+        seed=config.seed,
+    )
+    engine = runner.ar_engine
+    _write_run_info(out_dir, config, settings, target)
+
+    def prompt_ids(value: Any) -> list[int]:
+        return engine.encode_prompt(value, chat=config.chat)
+
+    # warm-up: every setting once, on a short generation, before anything is timed
+    warm = prompt_ids(_Conversation(prompts[0]).next_input(0, config.chat))
+    for setting in tqdm(settings, desc="warm-up", disable=not progress, leave=False):
+        runner.run(setting, warm, min(8, config.max_new_tokens))
+
+    n_turns = sum(len(p.turns) if config.turns == "all" else 1 for p in prompts)
+    total = config.repeats * n_turns * len(settings)
+    records: list[dict[str, Any]] = []
+    greedy = not config.temperature
+    bar = tqdm(total=total, desc="bench", unit="run", disable=not progress)
+    with (out_dir / RESULTS).open("w") as results:
+        for repeat in range(config.repeats):
+            for index, prompt in enumerate(prompts):
+                turns = range(len(prompt.turns)) if config.turns == "all" else range(1)
+                conversations = {s: _Conversation(prompt) for s in settings}
+                order = _rotate(settings, index)
+                for turn in turns:
+                    done: dict[Setting, dict[str, Any]] = {}
+                    ids_of: dict[Setting, list[int]] = {}
+                    for setting in order:
+                        bar.set_postfix_str(f"{prompt.id} {setting.label}", refresh=False)
+                        ids = prompt_ids(conversations[setting].next_input(turn, config.chat))
+                        memory_source = _reset_peak(target)
+                        out = runner.run(setting, ids, config.max_new_tokens)
+                        memory = _peak_or_estimate(
+                            target, runner, setting, len(ids) + len(out.token_ids)
+                        )
+                        conversations[setting].answer(_decode(engine, out.token_ids))
+                        done[setting] = make_record(
+                            prompt,
+                            turn,
+                            repeat,
+                            setting,
+                            ids,
+                            out,
+                            dtype=config.dtype,
+                            temperature=config.temperature,
+                            memory_bytes=memory,
+                            memory_source=memory_source,
+                        )
+                        ids_of[setting] = ids
+                        bar.update()
+                    if greedy:
+                        _check_identity(target, done, ids_of)
+                    for setting in settings:  # records in plan order, whatever the run order
+                        results.write(json.dumps(done[setting]) + "\n")
+                        records.append(done[setting])
+                    results.flush()
+    bar.close()
+    summary = summarize(records)
+    (out_dir / SUMMARY).write_text(json.dumps(summary, indent=1))
+    write_report(out_dir, summary, records, _read_run_info(out_dir))
+    return summary
+
+
+def _rotate(settings: list[Setting], by: int) -> list[Setting]:
+    by %= len(settings)
+    return settings[by:] + settings[:by]
+
+
+def _decode(engine: Any, ids: list[int]) -> str | None:
+    if engine.tokenizer is None:
+        return None
+    return engine.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _check_identity(
+    target: LoadedModel, done: dict[Setting, dict[str, Any]], ids_of: dict[Setting, list[int]]
+) -> None:
+    """Mark every greedy record against `ar` of the same prompt; margins computed once."""
+    ar_setting = next(s for s in done if s.method == "ar")
+    ar_record = done[ar_setting]
+    ar_record["identical_to_ar"] = True
+    margins: dict[int, float] = {}
+
+    def margin(position: int) -> float:
+        if position not in margins:
+            margins[position] = top2_margin(
+                target.model, ids_of[ar_setting], ar_record["token_ids"], position
+            )
+        return margins[position]
+
+    for setting, record in done.items():
+        if setting is not ar_setting:
+            # a different prompt (another setting's history in a conversation) is not comparable
+            same_prompt = ids_of[setting] == ids_of[ar_setting]
+            mark_identity(ar_record, record, margin if same_prompt else None)
+
+
+def _reset_peak(target: LoadedModel) -> str:
+    """Start a new peak on CUDA; returns how this run's memory will be known."""
+    if target.device.type == "cuda":
+        torch.cuda.synchronize(target.device)
+        torch.cuda.reset_peak_memory_stats(target.device)
+        return "cuda max_memory_allocated"
+    return "weights + key/value caches (computed)"
+
+
+def _peak_or_estimate(
+    target: LoadedModel, runner: MethodRunner, setting: Setting, n_tokens: int
+) -> int:
+    if target.device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(target.device))
+    draft_model = None
+    if setting.method == "spec":
+        draft_model = getattr(runner.engine(setting).drafter, "model", None)
+    elif setting.method == "hf-assisted":
+        draft_model = runner.drafts[setting.draft].model
+    return estimate_bytes(target.model, draft_model, n_tokens)
+
+
+def _write_run_info(
+    out_dir: Path, config: BenchConfig, settings: list[Setting], target: LoadedModel
+) -> None:
+    import transformers
+
+    info = {
+        "command": config.command or " ".join(sys.argv),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "config": asdict(config),
+        "settings": [s.label for s in settings],
+        "target_dtype": str(target.dtype),
+        "device": str(target.device),
+        "machine": f"{platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads",
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
+    }
+    (out_dir / RUN).write_text(json.dumps(info, indent=1))
+
+
+def _read_run_info(out_dir: Path) -> dict[str, Any]:
+    path = out_dir / RUN
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def load_results(out_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of a saved run (results.jsonl), with a clear error when there are none."""
+    path = Path(out_dir) / RESULTS
+    if not path.exists():
+        raise ValueError(f"{path} does not exist: run `specdecode bench --out {out_dir}` first")
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{number}: not JSON ({err.msg})") from None
+    if not records:
+        raise ValueError(f"{path} holds no records")
+    return records
+
+
+def rerender(out_dir: str | Path) -> dict[str, Any]:
+    """`specdecode report DIR`: aggregates and report again from the saved records."""
+    from specdecode.bench.report import write_report
+
+    out_dir = Path(out_dir)
+    records = load_results(out_dir)
+    summary = summarize(records)
+    (out_dir / SUMMARY).write_text(json.dumps(summary, indent=1))
+    write_report(out_dir, summary, records, _read_run_info(out_dir))
+    return summary

@@ -1,0 +1,337 @@
+"""The benchmark lab: settings, records, aggregates against hand-made records, report, CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from specdecode import metrics
+from specdecode.bench.aggregate import row_for, summarize
+from specdecode.bench.methods import plan_settings
+from specdecode.bench.records import first_divergence, mark_identity
+from specdecode.bench.runner import BenchConfig, run_bench
+from specdecode.cli import main
+from specdecode.models.loading import LoadedModel
+
+from conftest import char_tokenizer, noisy_copy, tiny_llama
+
+RECORD_FIELDS = {
+    "prompt_id",
+    "category",
+    "method",
+    "k",
+    "draft",
+    "k_policy",
+    "new_tokens",
+    "wall_time_s",
+    "prefill_s",
+    "ttft_s",
+    "tokens_per_s",
+    "decode_tokens_per_s",
+    "steps",
+    "drafted",
+    "accepted",
+    "acceptance_rate",
+    "mean_acceptance_length",
+    "per_position_acceptance",
+    "identical_to_ar",
+    "first_divergence",
+    "dtype",
+    "peak_memory_bytes",
+    "memory_source",
+    "token_ids",
+}
+PNGS = [
+    "acceptance_by_category.png",
+    "speedup_vs_k.png",
+    "per_position_acceptance.png",
+    "measured_vs_ideal.png",
+]
+
+
+# -- settings and records ---------------------------------------------------------------------
+
+
+def test_plan_settings_applies_methods_to_drafts_they_fit():
+    drafts = {"m": LoadedModel(model=None, name="m"), "ngram": object()}
+    settings = plan_settings(
+        ["ar", "spec", "hf-ar", "hf-assisted", "hf-prompt-lookup"], drafts, [2, 4], ["fixed"]
+    )
+    labels = [s.label for s in settings]
+    assert labels == [
+        "ar",
+        "spec[m] k=2",
+        "spec[m] k=4",
+        "spec[ngram] k=2",
+        "spec[ngram] k=4",
+        "hf-ar",
+        "hf-assisted[m] default",
+        "hf-assisted[m] k=2",
+        "hf-assisted[m] k=4",
+        "hf-prompt-lookup k=2",
+        "hf-prompt-lookup k=4",
+    ]  # hf-assisted only for the draft model, never for the n-gram drafter
+    with pytest.raises(ValueError, match="unknown method 'fast'"):
+        plan_settings(["ar", "fast"], drafts, [2], ["fixed"])
+
+
+def test_first_divergence_and_identity_marks():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2, 3], [1, 2]) == 2  # an early stop is a divergence too
+    ar = {"token_ids": [7, 8, 9]}
+    same, other = {"token_ids": [7, 8, 9]}, {"token_ids": [7, 4, 9]}
+    mark_identity(ar, same, margin=lambda p: 1 / 0)  # never asked for identical outputs
+    assert same["identical_to_ar"] is True and same["first_divergence"] is None
+    mark_identity(ar, other, margin=lambda p: 0.25 * p)
+    assert other["identical_to_ar"] is False
+    assert other["first_divergence"] == {
+        "position": 1,
+        "ar_token": 8,
+        "spec_token": 4,
+        "top2_margin": 0.25,
+    }
+
+
+# -- aggregates from hand-made records ----------------------------------------------------------
+
+
+def _record(prompt, category, setting, method, decode_rate, **extra):
+    base = {
+        "prompt_id": prompt,
+        "category": category,
+        "turn": 0,
+        "repeat": 0,
+        "method": method,
+        "setting": setting,
+        "draft": extra.pop("draft", None),
+        "k": extra.pop("k", 0),
+        "k_policy": extra.pop("k_policy", "fixed"),
+        "new_tokens": 10,
+        "tokens_per_s": decode_rate / 2,
+        "decode_tokens_per_s": decode_rate,
+        "ttft_s": 1.0,
+        "peak_memory_bytes": extra.pop("memory", 100),
+        "identical_to_ar": extra.pop("identical", True),
+        "first_divergence": extra.pop("divergence", None),
+    }
+    for field in (
+        "steps",
+        "drafted",
+        "accepted",
+        "emitted",
+        "target_forwards",
+        "target_forward_s",
+        "draft_forwards",
+        "draft_forward_s",
+    ):
+        base[field] = extra.pop(field, None)
+    base["drafted_at"] = extra.pop("drafted_at", None)
+    base["accepted_at"] = extra.pop("accepted_at", None)
+    assert not extra
+    return base
+
+
+def _hand_made_records():
+    ar = dict(target_forwards=10, target_forward_s=1.0, steps=10, emitted=10, drafted=0, accepted=0)
+    spec = dict(draft="d", k=2, draft_forwards=10, draft_forward_s=0.2, memory=150)
+    hf = dict(draft="d")
+    divergence = {"position": 3, "ar_token": 5, "spec_token": 6, "top2_margin": 0.01}
+    return [
+        _record("a", "code", "ar", "ar", 10.0, **ar),
+        _record("b", "chat", "ar", "ar", 20.0, **ar),
+        _record(
+            "a",
+            "code",
+            "spec[d] k=2",
+            "spec",
+            20.0,
+            **spec,
+            steps=5,
+            emitted=10,
+            drafted=10,
+            accepted=5,
+            target_forwards=5,
+            target_forward_s=0.6,
+            drafted_at=[5, 5],
+            accepted_at=[4, 1],
+        ),
+        _record(
+            "b",
+            "chat",
+            "spec[d] k=2",
+            "spec",
+            20.0,
+            **spec,
+            steps=15,
+            emitted=30,
+            drafted=30,
+            accepted=15,
+            target_forwards=5,
+            target_forward_s=0.6,
+            drafted_at=[15, 15],
+            accepted_at=[10, 5],
+            identical=False,
+            divergence=divergence,
+        ),
+        _record("a", "code", "hf-assisted[d] default", "hf-assisted", 8.0, **hf),
+        _record("b", "chat", "hf-assisted[d] default", "hf-assisted", 20.0, **hf),
+        _record("a", "code", "hf-assisted[d] k=2", "hf-assisted", 16.0, **hf, k=2),
+        _record("b", "chat", "hf-assisted[d] k=2", "hf-assisted", 16.0, **hf, k=2),
+    ]
+
+
+def test_aggregates_match_hand_computation():
+    summary = summarize(_hand_made_records())
+    spec = row_for(summary, "spec[d] k=2")
+    # speedup: geometric mean of the per-prompt ratios 20/10 and 20/20
+    assert spec["speedup"] == pytest.approx(math.sqrt(2.0))
+    assert spec["e2e_speedup"] == pytest.approx(math.sqrt(2.0))
+    assert spec["acceptance_rate"] == pytest.approx(20 / 40)
+    assert spec["mean_acceptance_length"] == pytest.approx(40 / 20)
+    assert spec["per_position_acceptance"] == pytest.approx([14 / 20, 6 / 20])
+    # c: 0.02 s per draft forward / 0.1 s per ar target forward; v: 0.12 s / 0.1 s
+    assert spec["c"] == pytest.approx(0.2)
+    assert spec["v"] == pytest.approx(1.2)
+    ideal = (1 - 0.5**3) / (1 - 0.5) / (2 * 0.2 + 1.2)
+    assert spec["ideal_speedup"] == pytest.approx(ideal)
+    assert spec["efficiency"] == pytest.approx(math.sqrt(2.0) / ideal)
+    assert spec["memory_overhead"] == pytest.approx(1.5)
+    assert (spec["identical"], spec["compared"]) == (1, 2)
+    # HF's constant-k setting is its fastest overall (sqrt(1.6 * 0.8) > sqrt(0.8 * 1.0))
+    assert summary["best_hf_assisted"] == "hf-assisted[d] k=2"
+    assert spec["vs_hf_assisted"] == pytest.approx(math.sqrt(20 / 16 * 20 / 16))
+    # per category: one prompt each
+    assert row_for(summary, "spec[d] k=2", "code")["speedup"] == pytest.approx(2.0)
+    assert row_for(summary, "spec[d] k=2", "chat")["speedup"] == pytest.approx(1.0)
+    assert summary["best_k"]["code"]["d (fixed)"] == {"k": 2, "speedup": pytest.approx(2.0)}
+    assert summary["divergences"] == [
+        {
+            "prompt_id": "b",
+            "category": "chat",
+            "turn": 0,
+            "setting": "spec[d] k=2",
+            "position": 3,
+            "ar_token": 5,
+            "spec_token": 6,
+            "top2_margin": 0.01,
+        }
+    ]
+
+
+def test_theory_against_known_values():
+    assert metrics.expected_emitted_per_step(0.0, 4) == 1.0
+    assert metrics.expected_emitted_per_step(1.0, 4) == 5.0
+    assert metrics.expected_emitted_per_step(0.5, 2) == pytest.approx(1.75)
+    assert metrics.ideal_speedup(0.8, 4, 0.0, 1.0) == pytest.approx((1 - 0.8**5) / 0.2)
+    assert metrics.geometric_mean([2.0, 8.0]) == pytest.approx(4.0)
+    assert metrics.geometric_mean([]) is None
+    with pytest.raises(ValueError):
+        metrics.geometric_mean([1.0, 0.0])
+
+
+def test_summarize_needs_the_baseline():
+    records = [r for r in _hand_made_records() if r["method"] != "ar"]
+    with pytest.raises(ValueError, match="no `ar` baseline"):
+        summarize(records)
+
+
+def test_bench_config_rejects_bad_options():
+    cases = [
+        (dict(turns="some"), "--turns"),
+        (dict(turns="all", chat=False), "needs --chat"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(ks=[0, 2]), "--k"),
+        (dict(methods=["spec"], drafts=["ngram"]), "include `ar`"),
+        (dict(methods=["ar", "spec"]), "needs at least one --draft"),
+        (dict(methods=["ar", "magic"]), "unknown method"),
+    ]
+    for overrides, message in cases:
+        with pytest.raises(ValueError, match=message):
+            BenchConfig(target="t", **overrides).validate()
+
+
+# -- the whole harness on tiny models ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench-models")
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'][0] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}a: {% endif %}"
+    )
+    target = tiny_llama(seed=0, vocab=len(tokenizer))
+    for name, model in (("target", target), ("draft", noisy_copy(target, 0.05))):
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    prompts = root / "prompts.jsonl"
+    lines = [
+        {"question_id": 1, "category": "writing", "turns": ["tell me a story.", "shorter!"]},
+        {"question_id": 2, "category": "writing", "turns": ["a poem about the sea."]},
+        {"question_id": 3, "category": "qa", "turns": ["why is the sky blue?"]},
+    ]
+    prompts.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    return root
+
+
+def test_bench_end_to_end_on_tiny_models(tiny_folders, tmp_path):
+    out = tmp_path / "run"
+    config = BenchConfig(
+        target=str(tiny_folders / "target"),
+        drafts=[str(tiny_folders / "draft"), "ngram"],
+        ks=[1, 3],
+        max_new_tokens=12,
+        prompts_file=str(tiny_folders / "prompts.jsonl"),
+        turns="all",
+        dtype="float32",
+        out=str(out),
+    )
+    summary = run_bench(config, progress=False)
+
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    settings = summary["settings"]
+    assert len(settings) == 1 + 4 + 1 + 3 + 2  # ar, spec x2 drafts x2 k, hf-ar, hf-assisted, lookup
+    assert len(records) == 4 * len(settings)  # 4 turns in all, every setting on each
+    for record in records:
+        assert record.keys() >= RECORD_FIELDS, RECORD_FIELDS - record.keys()
+        assert record["new_tokens"] == len(record["token_ids"]) > 0
+        assert record["wall_time_s"] >= record["ttft_s"] > 0
+        # float32: every method, ours and Hugging Face's, reproduces greedy AR exactly
+        assert record["identical_to_ar"] is True, record["setting"]
+        if record["method"] == "spec":
+            assert 0 <= record["accepted"] <= record["drafted"]
+            assert record["steps"] >= 1 and record["acceptance_rate"] is not None
+    by_turn = {(r["prompt_id"], r["turn"]) for r in records}
+    assert by_turn == {("1", 0), ("1", 1), ("2", 0), ("3", 0)}
+
+    assert {r["category"] for r in summary["rows"]} == {"all", "writing", "qa"}
+    spec_all = row_for(summary, f"spec[{tiny_folders / 'draft'}] k=3")
+    assert spec_all["ideal_speedup"] > 0 and spec_all["c"] > 0 and spec_all["v"] > 0
+    assert summary["divergences"] == []
+    report = (out / "report.md").read_text()
+    assert "## Speedup by category" in report and "## Best k per category" in report
+    assert "Every greedy output was identical" in report
+    for name in PNGS:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    run_info = json.loads((out / "run.json").read_text())
+    assert run_info["config"]["target"] == str(tiny_folders / "target")
+
+    # `specdecode report DIR` re-renders from the saved records alone
+    (out / "report.md").unlink()
+    (out / "summary.json").unlink()
+    assert main(["report", str(out)]) == 0
+    assert (out / "report.md").read_text() == report
+    assert json.loads((out / "summary.json").read_text())["settings"] == settings
+
+
+def test_bench_cli_errors_are_one_line(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    assert "results.jsonl does not exist" in capsys.readouterr().err
+    assert main(["bench", "--k", "0"]) == 2  # no target and no --quick
+    assert main(["bench", "--target", "t", "--methods", "spec", "--draft", "ngram"]) == 2
+    assert "include `ar`" in capsys.readouterr().err
+    assert main(["bench", "--target", "t", "--temperature", "-1"]) == 2
