@@ -1,0 +1,90 @@
+"""Where the time of a speculative step goes: draft forwards, target forward, verification,
+cache moves, and the Python around them.
+
+    python benchmarks/profile_step.py --limit 4 --k 4 --max-new-tokens 64
+
+Wraps the core's pieces with timers (the core itself reads no clock) and runs the built-in demo
+prompts speculatively, greedy, chat template on. Every step's wall time is split into:
+- draft forwards (`KVCache.forward` on the draft model), target forward (on the target),
+- verification (`verify_greedy` / `verify_sampling`), cache moves (`KVCache.rollback`),
+- the rest: Python in the step, the drafter's own bookkeeping, tensor glue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+from specdecode import SpeculativeDecoder, decode, load_model
+from specdecode.cache import KVCache
+from specdecode.demo import DEMO_PROMPTS
+from specdecode.drafters import resolve_draft
+
+SECONDS: dict[str, float] = defaultdict(float)
+IN_STEP = [False]  # prefill forwards happen outside steps and are not counted
+
+
+def timed(name: Callable[..., str] | str, fn: Callable[..., Any], step: bool = False):
+    """`fn` timed under `name` (or name(*args)) whenever it runs inside a step."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not (IN_STEP[0] or step):
+            return fn(*args, **kwargs)
+        label = name(*args) if callable(name) else name
+        IN_STEP[0] = True
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            SECONDS[label] += time.perf_counter() - start
+            IN_STEP[0] = IN_STEP[0] and not step
+
+    return wrapper
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--limit", type=int, default=4)
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args()
+
+    target = load_model(args.target, dtype=args.dtype, device="cpu")
+    draft = resolve_draft(args.draft, target, dtype=args.dtype, device="cpu")
+    spec = SpeculativeDecoder(target, draft, k=args.k, time_forwards=False)
+    spec.generate(DEMO_PROMPTS[0][1], max_new_tokens=4, chat=True)  # warm-up
+
+    target_model = target.model
+    KVCache.forward = timed(
+        lambda cache, *a: "target forward" if cache.model is target_model else "draft forwards",
+        KVCache.forward,
+    )
+    KVCache.rollback = timed("cache moves (rollback)", KVCache.rollback)
+    decode.verify_greedy = timed("verification", decode.verify_greedy)
+    decode.verify_sampling = timed("verification", decode.verify_sampling)
+    decode.speculative_step = timed("step", decode.speculative_step, step=True)
+
+    tokens = steps = 0
+    for _, prompt in DEMO_PROMPTS[: args.limit]:
+        result = spec.generate(prompt, max_new_tokens=args.max_new_tokens, chat=True)
+        tokens, steps = tokens + result.stats.new_tokens, steps + result.stats.steps
+
+    step = SECONDS.pop("step")
+    print(f"{args.target} / {args.draft}, k={args.k}, {args.dtype}: {steps} steps, {tokens} tokens")
+    print(f"{'part':<28}{'ms/step':>10}{'share':>9}")
+    rest = step
+    for label in ("draft forwards", "target forward", "verification", "cache moves (rollback)"):
+        rest -= SECONDS[label]
+        print(f"{label:<28}{1000 * SECONDS[label] / steps:>10.2f}{SECONDS[label] / step:>9.1%}")
+    print(f"{'Python and glue (the rest)':<28}{1000 * rest / steps:>10.2f}{rest / step:>9.1%}")
+    print(f"{'whole step':<28}{1000 * step / steps:>10.2f}{1:>9.1%}")
+
+
+if __name__ == "__main__":
+    main()
