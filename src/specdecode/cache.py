@@ -1,7 +1,8 @@
-"""The cache protocol over Hugging Face caches: a length, and one verb to roll back.
+"""The cache protocol over Hugging Face caches: a length, and one verb per cache move.
 
 Invariant 2 (DESIGN.md): after every step the target's cache covers exactly the committed tokens
-minus the last one, which is the next step's first input. Rollback is one call: `rollback(length)`.
+minus the last one, which is the next step's first input. Rollback is one call: `rollback(length)`;
+after a token tree, `compact(keep)` moves the accepted path next to the prefix and drops the rest.
 """
 
 from __future__ import annotations
@@ -42,16 +43,63 @@ class KVCache:
         if n_drop:
             self.hf.crop(-n_drop)  # a negative count drops that many positions (4.x and 5.x)
 
-    def forward(self, input_ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+    def compact(self, keep: list[int] | torch.Tensor) -> None:
+        """Keep only the cached positions `keep` (strictly increasing), moved to 0..len(keep)-1.
+
+        The one cache move after a token tree: the accepted path's keys/values slide down next to
+        the committed prefix and every other node is dropped. The unchanged leading run of `keep`
+        stays in place; only the tail is gathered (O(tail), not O(cache)).
+        """
+        keep = torch.as_tensor(keep, dtype=torch.long).cpu()  # [m]
+        n = len(self)
+        if keep.numel() and (bool((keep[1:] <= keep[:-1]).any()) or keep[0] < 0 or keep[-1] >= n):
+            raise ValueError(f"keep must be increasing positions in [0, {n}) (got {keep.tolist()})")
+        run = int((keep == torch.arange(keep.numel())).cumprod(0).sum())  # positions already home
+        tail = keep[run:]  # [m - run]
+        for layer in _layers(self.hf):
+            for name in ("keys", "values"):
+                states = getattr(layer, name)  # [batch, heads, n, head_dim]
+                if tail.numel():
+                    # the gather copies before the write, so overlapping slots are safe
+                    states[..., run : keep.numel(), :] = states[..., tail.to(states.device), :]
+                setattr(layer, name, states[..., : keep.numel(), :])
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        last_only: bool = False,
+        *,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Run the model over new tokens appended to the cached ones; the cache grows by n.
 
         input_ids: [n] int64. Returns logits [n, V], or [1, V] for the last position only when
         `last_only` (prefill and drafting need no more: the output head over a 150k vocabulary
-        is a large share of a small model's forward).
+        is a large share of a small model's forward). A token tree passes its own position ids
+        [n] and a 4D attention mask [1, 1, n, len(self) + n] (see tree.py).
         """
-        kwargs = {self._cache_kwarg: self.hf}
+        kwargs: dict[str, Any] = {self._cache_kwarg: self.hf}
         if last_only and self._can_trim_logits:
             kwargs["logits_to_keep"] = 1
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids[None]  # [1, n]
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask
         out = self.model(input_ids=input_ids[None], use_cache=True, **kwargs)
         logits = out.logits[0]  # [n, V] or [1, V]
         return logits[-1:] if last_only else logits
+
+
+def _layers(hf: Any) -> list[Any]:
+    """The per-layer key/value holders of a DynamicCache (`.keys`/`.values`: [b, h, n, d])."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(hf, "layers", None)
+    if layers is None:
+        raise ValueError("compact needs a transformers cache with per-layer storage (5.x)")
+    for layer in layers:
+        # sliding-window or quantized layers keep more state than keys and values
+        if type(layer) is not DynamicLayer:
+            raise ValueError(f"compact supports plain dynamic layers, not {type(layer).__name__}")
+    return [layer for layer in layers if layer.is_initialized]

@@ -25,16 +25,18 @@ def _require_positive(args: argparse.Namespace, *names: str) -> None:
             raise ValueError(f"{name} must be an integer >= 1 (got {value})")
 
 
-def _add_model_args(parser: argparse.ArgumentParser) -> None:
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    # --target, --draft, --dtype, --device and --k default to None: unset, they come from
+    # --config, then from RunConfig's defaults (config.py)
     parser.add_argument(
-        "--target", required=True, help="preset name, local folder, .gguf or hub id"
+        "--target", default=None, help="preset name, local folder, .gguf or hub id (required)"
     )
     parser.add_argument(
         "--draft",
         default=None,
         help="draft: a model (same forms as --target), early-exit:N or ngram[:MIN-MAX]",
     )
-    parser.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float32, float16")
+    parser.add_argument("--dtype", default=None, help="bfloat16 (default), float32, float16")
     parser.add_argument(
         "--device", default=None, help="cpu, cuda, cuda:N (default: cuda if present)"
     )
@@ -42,7 +44,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--k", type=int, default=4, help="tokens drafted per step (default 4, quick: 2)"
+        "--k",
+        type=int,
+        default=None,
+        help="tokens drafted per step (default 4); the heuristic's start, the cost policy's max",
     )
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -53,9 +58,67 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
 
 
-def _cmd_generate(args: argparse.Namespace) -> int:
+def add_policy_args(parser: argparse.ArgumentParser) -> None:
+    from specdecode.policies import K_POLICIES
+
+    parser.add_argument(
+        "--k-policy",
+        choices=K_POLICIES,
+        default=None,
+        help="how k is chosen each step: fixed (default), heuristic (HF's +2/-1), cost (model)",
+    )
+    parser.add_argument(
+        "--confidence",
+        type=float,
+        default=None,
+        metavar="P",
+        help="stop a model draft before a token whose draft top probability is below P",
+    )
+    parser.add_argument(
+        "--config", default=None, metavar="FILE", help="JSON run config; explicit flags win"
+    )
+
+
+def run_config_from_args(args: argparse.Namespace):
+    """--config's values (or RunConfig's defaults) under the flags given explicitly."""
+    import dataclasses
+
+    from specdecode.config import RunConfig, load_config
+
+    base = load_config(args.config) if args.config else RunConfig()
+    keys = ("target", "draft", "k", "k_policy", "confidence", "dtype", "device")
+    given = {key: getattr(args, key) for key in keys if getattr(args, key) is not None}
+    run = dataclasses.replace(base, **given)  # validates
+    if run.target is None:
+        raise ValueError('a target is needed: --target, or "target" in the --config file')
+    return run
+
+
+def engine_from_args(args: argparse.Namespace):
+    """The engine `generate` and `serve` run: --config under explicit flags, checked before any
+    model is loaded (needs the arguments of add_model_args, add_policy_args and --k, --tree)."""
     from specdecode import SpeculativeDecoder, load_model
     from specdecode.drafters import resolve_draft
+
+    run = run_config_from_args(args)
+    model_draft = run.draft is not None and not run.draft.startswith("ngram")
+    if run.confidence is not None and not model_draft:
+        raise ValueError("--confidence needs a model draft (a model or early-exit:N)")
+    if args.tree is not None:
+        from specdecode.drafters.tree_shape import parse_tree_spec
+
+        parse_tree_spec(args.tree)
+        if not model_draft:
+            raise ValueError("--tree needs a model draft (a model or early-exit:N)")
+
+    target = load_model(run.target, dtype=run.dtype, device=run.device)
+    draft = resolve_draft(run.draft, target, dtype=run.dtype, device=run.device)
+    return SpeculativeDecoder(
+        target, draft, k=run.k, k_policy=run.k_policy, confidence=run.confidence, tree=args.tree
+    )
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
     from specdecode.sampling import SamplingParams
 
     # validate cheap arguments before loading any model
@@ -64,10 +127,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     prompt = args.prompt if args.prompt is not None else args.prompt_ids
     if not prompt:
         raise ValueError("the prompt is empty")
-
-    target = load_model(args.target, dtype=args.dtype, device=args.device)
-    draft = resolve_draft(args.draft, target, dtype=args.dtype, device=args.device)
-    engine = SpeculativeDecoder(target, draft, k=args.k)
+    engine = engine_from_args(args)
     options = dict(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -123,8 +183,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for one prompt")
-    _add_model_args(gen)
+    add_model_args(gen)
     _add_sampling_args(gen)
+    add_policy_args(gen)
+    gen.add_argument(
+        "--tree",
+        default=None,
+        metavar="SHAPE",
+        help="draft a token tree with the draft model: static:3,2,2,1,1 or dynamic:NODES",
+    )
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text")
     source.add_argument("--prompt-ids", type=_positive_int_list, help="comma-separated token ids")

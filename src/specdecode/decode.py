@@ -15,7 +15,9 @@ import torch.nn.functional as F
 
 from specdecode.cache import KVCache
 from specdecode.drafters.base import Drafter
+from specdecode.policies import FixedK, KPolicy, forward_seconds, seconds_since
 from specdecode.sampling import SamplingParams, logits_to_probs
+from specdecode.tree import TreeDrafter
 from specdecode.types import Stats, StepResult
 from specdecode.verify import verify_greedy, verify_sampling
 
@@ -86,8 +88,9 @@ def decode(
     prompt_ids: list[int],
     max_new_tokens: int,
     *,
-    drafter: Drafter | None = None,
+    drafter: Drafter | TreeDrafter | None = None,
     k: int = 4,
+    k_policy: KPolicy | None = None,
     params: SamplingParams | None = None,
     generator: torch.Generator | None = None,
     eos_token_ids: Collection[int] = (),
@@ -96,22 +99,39 @@ def decode(
     """Generate up to `max_new_tokens` tokens after `prompt_ids`, yielding each step's tokens.
 
     With `drafter=None` this is the autoregressive baseline (one target forward per token).
+    Each step drafts `k_policy.next_k(...)` tokens (default: `FixedK(k)`); the policy then
+    observes the step's counts and forward-time deltas (read from the meter, never a clock).
     Stops exactly (invariant 3): never more than max_new_tokens, and the first EOS id inside a
     committed block ends the output (the EOS token itself is the last token yielded).
     """
     params = params or SamplingParams()
     stats = stats if stats is not None else Stats()
-    stats.k = k if drafter is not None else 0
+    policy = k_policy if k_policy is not None else FixedK(k)
+    stats.k = policy.k_max if drafter is not None else 0
+    stats.k_policy = policy.name if drafter is not None else ""
     stats.prompt_tokens = len(prompt_ids)
     state = prefill(target, prompt_ids, stats)
     if drafter is not None:
         drafter.begin(prompt_ids, params, generator, stats.meter)
+        policy.begin()
+
+    tree = isinstance(drafter, TreeDrafter)  # a token tree per step (tree_decode.py)
+    if tree:
+        from specdecode.tree_decode import tree_step  # it builds on this module
 
     produced = 0
     while produced < max_new_tokens:
         # a step emits up to k_step + 1 tokens: never draft past max_new_tokens
-        k_step = min(k, max_new_tokens - produced - 1) if drafter is not None else 0
-        step = speculative_step(state, drafter, k_step, params, generator, stats)
+        allowed = max_new_tokens - produced - 1
+        k_step = max(0, min(policy.next_k(allowed), allowed)) if drafter is not None else 0
+        spent = forward_seconds(stats.meter)
+        if tree:  # the tree's depth, not k, is bounded by what is left to emit
+            step = tree_step(state, drafter, params, generator, stats, max_depth=allowed)
+        else:
+            step = speculative_step(state, drafter, k_step, params, generator, stats)
+        if drafter is not None:
+            policy.observe(step.drafted, step.accepted, *seconds_since(stats.meter, spent))
+        stats.k_hist[k_step] = stats.k_hist.get(k_step, 0) + 1
         committed, n_accepted = step.committed, step.accepted
         eos_at = next((i for i, t in enumerate(committed) if t in eos_token_ids), None)
         if eos_at is not None:

@@ -14,10 +14,13 @@ import torch
 
 from specdecode.decode import decode
 from specdecode.drafters.base import Drafter
-from specdecode.drafters.model import ModelDrafter
+from specdecode.drafters.model import ModelDrafter, check_confidence
+from specdecode.drafters.tree_model import TreeModelDrafter, make_tree_drafter
 from specdecode.models.compat import common_vocab_size, context_length, logits_size
 from specdecode.models.loading import LoadedModel, wrap_model
+from specdecode.policies import KPolicy, make_k_policy, prior_cost_ratio
 from specdecode.sampling import SamplingParams, make_generator
+from specdecode.tree import TreeDrafter
 from specdecode.types import ForwardMeter, GenerationResult, Stats
 
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]
@@ -55,7 +58,13 @@ class SpeculativeDecoder:
     """Generate with `target`, drafted by `draft`; `draft=None` is the autoregressive baseline.
 
     `draft` is a loaded model (`load_model`), a transformers model, or any `Drafter`.
-    `time_forwards=False` skips per-forward timing (on CUDA each timed forward synchronises).
+    `k_policy` chooses each step's look-ahead (policies.py): "fixed" drafts `k` every step,
+    "heuristic" starts at `k` and moves between 1 and 2k, "cost" picks from 0..k (k is k_max);
+    or pass any `KPolicy`. `confidence` stops a model draft early when the draft's top
+    probability falls below it. `time_forwards=False` skips per-forward timing (on CUDA each
+    timed forward synchronises); the cost policy then decides from priors only.
+    `tree` ("static:3,2,2,1,1" or "dynamic:16", see drafters/tree_shape.py) drafts a token tree
+    with the draft model each step and verifies it in one target forward (k is then unused).
     """
 
     def __init__(
@@ -64,22 +73,37 @@ class SpeculativeDecoder:
         draft: LoadedModel | Drafter | Any | None = None,
         k: int = 4,
         *,
+        k_policy: str | KPolicy = "fixed",
+        confidence: float | None = None,
         time_forwards: bool = True,
+        tree: str | None = None,
     ) -> None:
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"k must be an integer >= 1 (got {k!r})")
         self.target = wrap_model(target)
         self.k = k
         self.time_forwards = time_forwards
-        self.drafter: Drafter | None
-        if draft is None:
+        self.drafter: Drafter | TreeDrafter | None
+        if tree is not None:
+            self.drafter = make_tree_drafter(tree, self.target, draft)
+        elif draft is None:
             self.drafter = None
-        elif isinstance(draft, Drafter):
+        elif isinstance(draft, (Drafter, TreeDrafter)):
             self.drafter = draft
         else:
             loaded = wrap_model(draft)
             vocab = common_vocab_size(self.target, loaded)
             self.drafter = ModelDrafter(loaded.model, vocab_size=vocab, name=loaded.name)
+        if confidence is not None:
+            if not hasattr(self.drafter, "confidence"):
+                raise ValueError("confidence needs a model draft (a model or early-exit:N)")
+            self.drafter.confidence = check_confidence(confidence)  # type: ignore[union-attr]
+        if isinstance(k_policy, str):
+            prior = (
+                prior_cost_ratio(self.target.model, self.drafter) if k_policy == "cost" else None
+            )
+            k_policy = make_k_policy(k_policy, k, cost_ratio=prior)
+        self.k_policy: KPolicy = k_policy
         self.tokenizer = self.target.tokenizer
         self.eos_token_ids = _eos_ids(self.target)
         self.last_stats: Stats | None = None
@@ -124,7 +148,7 @@ class SpeculativeDecoder:
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1 (got {max_new_tokens!r})")
         models = [("target", self.target.model)]
-        if isinstance(self.drafter, ModelDrafter):
+        if isinstance(self.drafter, (ModelDrafter, TreeModelDrafter)):
             models.append(("draft", self.drafter.model))
         for role, model in models:
             limit = context_length(model)
@@ -188,6 +212,7 @@ class SpeculativeDecoder:
             max_new_tokens,
             drafter=self.drafter,
             k=self.k,
+            k_policy=self.k_policy,
             params=params,
             generator=generator,
             eos_token_ids=eos,

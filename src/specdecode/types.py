@@ -63,7 +63,9 @@ class ForwardMeter:
 class Stats:
     """Raw counters of one generation, filled by the core; rates are derived (metrics.py)."""
 
-    k: int = 0  # look-ahead asked for (0 = autoregressive)
+    k: int = 0  # look-ahead asked for (0 = autoregressive); an adaptive policy's k_max
+    k_policy: str = ""  # the policy choosing each step's k ("fixed", "heuristic", "cost")
+    k_hist: dict[int, int] = field(default_factory=dict)  # steps per k asked for
     steps: int = 0  # target forwards after prefill (verification steps)
     drafted: int = 0
     accepted: int = 0
@@ -72,6 +74,7 @@ class Stats:
     prompt_tokens: int = 0
     drafted_at: list[int] = field(default_factory=list)  # [k] drafts at position i
     accepted_at: list[int] = field(default_factory=list)  # [k] acceptances at position i
+    nodes_verified: int = 0  # token-tree nodes the target verified (trees only; drafted = depth)
     stop_reason: str = ""  # "length", "eos" or "stop"
     # measured by the caller around the core (engine), never inside it
     wall_time_s: float = 0.0  # from the call to the last token
@@ -124,6 +127,8 @@ class Stats:
     def to_dict(self) -> dict[str, Any]:
         return {
             "k": self.k,
+            "k_policy": self.k_policy,
+            "k_hist": dict(sorted(self.k_hist.items())),
             "steps": self.steps,
             "drafted": self.drafted,
             "accepted": self.accepted,
@@ -139,6 +144,7 @@ class Stats:
             "tokens_per_s": self.tokens_per_s,
             "target_forwards": self.target_forwards,
             "draft_forwards": self.draft_forwards,
+            "nodes_verified": self.nodes_verified,
             "forward_s": dict(self.meter.seconds),
             "stop_reason": self.stop_reason,
         }

@@ -66,10 +66,11 @@ def early_exit_model(target: Any, n_layers: int) -> Any:
 class EarlyExitDrafter(ModelDrafter):
     """`early-exit:N`: draft with the target's first N layers (no extra weights in memory)."""
 
-    def __init__(self, target: Any, n_layers: int) -> None:
+    def __init__(self, target: Any, n_layers: int, confidence: float | None = None) -> None:
         head = target.get_output_embeddings()
         super().__init__(
             early_exit_model(target, n_layers),
             vocab_size=int(head.weight.shape[0]),
             name=f"early-exit:{n_layers}",
+            confidence=confidence,
         )

@@ -18,11 +18,23 @@ class ModelDrafter:
     two when the previous draft was fully accepted — the catch-up, which never recomputes the
     prefix) and then k-1 drafted tokens, so it costs exactly k forwards and leaves the cache
     covering context + d_1..d_{k-1}. `observe(n)` rolls it back to context + d_1..d_min(n, k-1).
+
+    `confidence`: stop drafting before a token whose draft distribution's top probability is
+    below it (always at least one token). The forward that found the low top probability was
+    fed d_k', so the cache then covers context + d_1..d_k' and a fully accepted draft needs no
+    catch-up. The stop depends only on the draft, never on the target: still lossless.
     """
 
-    def __init__(self, model: Any, vocab_size: int | None = None, name: str = "draft") -> None:
+    def __init__(
+        self,
+        model: Any,
+        vocab_size: int | None = None,
+        name: str = "draft",
+        confidence: float | None = None,
+    ) -> None:
         self.model = model
         self.name = name
+        self.confidence = check_confidence(confidence)
         # tokens at or above vocab_size are never drafted (the target's and draft's common vocab)
         self.vocab_size = vocab_size
         self.cache: KVCache | None = None
@@ -30,7 +42,7 @@ class ModelDrafter:
         # random or sampled target may emit them) are fed as id 0; verification keeps output exact
         self.embed_size = model.get_input_embeddings().num_embeddings
         self._context_len = 0
-        self._k = 0
+        self._cached_drafts = 0  # drafted tokens the cache holds after propose()
 
     def begin(
         self,
@@ -55,21 +67,38 @@ class ModelDrafter:
         assert self.cache is not None, "begin() first"
         inputs = self._ids(context[len(self.cache) :])  # [1 or 2]
         tokens, qs = [], []
-        for _ in range(k):
+        self._context_len, self._cached_drafts = len(context), k - 1
+        for i in range(k):
             with self.meter.forward("draft", inputs.shape[0]):
                 logits = self.cache.forward(inputs, last_only=True)[0]  # [V_draft]
             logits = logits[: self.vocab_size]  # [V_common]
-            if self.params.greedy:
+            # greedy drafts judge their confidence on the plain softmax
+            q = logits_to_probs(logits, self.params) if not self.params.greedy else None
+            if self.confidence is not None and i > 0:
+                top = (q if q is not None else logits.softmax(-1)).max()
+                if top < self.confidence:  # unsure: stop before this token
+                    self._cached_drafts = i
+                    break
+            if q is None:
                 token = logits.argmax()
             else:
-                q = logits_to_probs(logits, self.params)  # [V_common]
-                token = sample(q, self.generator)
+                token = sample(q, self.generator)  # q: [V_common]
                 qs.append(q)
             tokens.append(token)
             inputs = token.view(1)
-        self._context_len, self._k = len(context), k
         return Draft(torch.stack(tokens), torch.stack(qs) if qs else None)
 
     def observe(self, n_accepted: int) -> None:
         assert self.cache is not None
-        self.cache.rollback(self._context_len + min(n_accepted, self._k - 1))
+        self.cache.rollback(self._context_len + min(n_accepted, self._cached_drafts))
+
+
+def check_confidence(confidence: float | None) -> float | None:
+    """None, or a probability threshold strictly between 0 and 1 (ValueError otherwise)."""
+    if confidence is None:
+        return None
+    if isinstance(confidence, bool) or not isinstance(confidence, (int, float)):
+        raise ValueError(f"confidence must be a number in (0, 1) (got {confidence!r})")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0, 1) (got {confidence})")
+    return float(confidence)

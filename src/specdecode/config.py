@@ -1,0 +1,186 @@
+"""A run configuration file: which models, which drafter, how many tokens to draft, and how.
+
+One JSON object; every key is optional (a run still needs a target from somewhere:
+`specdecode generate --config FILE` takes the file's values as defaults, explicit flags win):
+
+    {
+      "target": "qwen2.5-coder-1.5b-instruct",
+      "draft": "qwen2.5-coder-0.5b-instruct",
+      "k": 4, "k_policy": "cost", "confidence": null,
+      "dtype": "bfloat16", "device": null,
+      "per_category": {"code": {"k": 6}, "chat": {"draft": "ngram:1-3", "k": 2}}
+    }
+
+`draft` takes what `--draft` takes: a model, `early-exit:N` or `ngram[:MIN-MAX]`; null (the
+default) is autoregressive. `k` is the fixed k, the heuristic's starting k or the cost
+policy's k_max (policies.py).
+
+`per_category` holds a tuner's overrides per prompt category (only the keys in
+`CATEGORY_KEYS`); `RunConfig.for_category(name)` applies them. The server and the bench read
+the same file through `load_config`. `to_vllm_speculative_config` exports the drafting part as
+vLLM's `speculative_config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specdecode.drafters.model import check_confidence
+from specdecode.policies import K_POLICIES
+
+CATEGORY_KEYS = ("draft", "k", "k_policy", "confidence")  # what a tuner may set per category
+
+
+@dataclass
+class RunConfig:
+    """Validated on construction: ValueError with the offending key on a bad value."""
+
+    target: str | None = None  # preset, local folder, .gguf or hub id
+    draft: str | None = None  # None = autoregressive
+    k: int = 4  # fixed k / heuristic's starting k / cost's k_max
+    k_policy: str = "fixed"  # one of policies.K_POLICIES
+    confidence: float | None = None  # stop a model draft below this top probability
+    dtype: str = "bfloat16"
+    device: str | None = None  # None: cuda if present
+    per_category: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for key in ("target", "draft", "device"):
+            _check_optional_str(key, getattr(self, key))
+        if not isinstance(self.dtype, str):
+            raise ValueError(f"dtype must be a string (got {self.dtype!r})")
+        _check_drafting(self.__dict__)
+        if not isinstance(self.per_category, dict):
+            raise ValueError("per_category must be an object of {category: {key: value}}")
+        for name, overrides in self.per_category.items():
+            if not isinstance(overrides, dict):
+                raise ValueError(f"per_category[{name!r}] must be an object")
+            _check_keys(overrides, CATEGORY_KEYS, f"per_category[{name!r}]")
+            _check_drafting(overrides, where=f"per_category[{name!r}].")
+            if "draft" in overrides:
+                _check_optional_str(f"per_category[{name!r}].draft", overrides["draft"])
+
+    def for_category(self, category: str | None) -> RunConfig:
+        """This config with `per_category[category]` applied (unchanged for an unknown one)."""
+        overrides = self.per_category.get(category, {}) if category is not None else {}
+        return dataclasses.replace(self, **overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        if not isinstance(data, dict):
+            raise ValueError("a run config is a JSON object")
+        _check_keys(data, [f.name for f in dataclasses.fields(cls)], "run config")
+        return cls(**data)
+
+
+def load_config(path: str | Path) -> RunConfig:
+    """Read and validate a JSON run config (ValueError on a missing file or a bad value)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ValueError(f"config file {path} not found") from None
+    except OSError as err:
+        raise ValueError(f"cannot read config file {path}: {err.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON: {err}") from None
+    try:
+        return RunConfig.from_dict(data)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+
+
+def save_config(config: RunConfig, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+
+
+def to_vllm_speculative_config(config: RunConfig) -> dict[str, Any]:
+    """The drafting part of `config` as vLLM's `speculative_config` (`vllm serve TARGET
+    --speculative-config '<json>'`).
+
+    A model draft -> {"method": "draft_model", "model": ..., "num_speculative_tokens": k};
+    `ngram:MIN-MAX` -> {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min":
+    MIN, "prompt_lookup_max": MAX}. vLLM drafts a fixed number of tokens, so an adaptive
+    policy exports its k (the largest it would try) and `confidence` is not exported. A preset
+    exports the folder it was converted to (fetch it first). ValueError for no draft and for
+    early-exit drafts, which vLLM has no equivalent of.
+    """
+    draft = config.draft
+    if draft is None:
+        raise ValueError("the config has no draft: nothing to export to vLLM")
+    if draft.startswith("early-exit"):
+        raise ValueError(f"vLLM has no early-exit (self-speculative) drafting: {draft!r}")
+    if draft == "ngram" or draft.startswith("ngram:"):
+        from specdecode.drafters import resolve_draft
+
+        ngram = resolve_draft(draft, target=None)  # validates MIN-MAX
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": config.k,
+            "prompt_lookup_min": ngram.min_ngram,
+            "prompt_lookup_max": ngram.max_ngram,
+        }
+    return {
+        "method": "draft_model",
+        "model": _vllm_model(draft),
+        "num_speculative_tokens": config.k,
+    }
+
+
+def _vllm_model(spec: str) -> str:
+    """A model vLLM can load: presets become their converted folder."""
+    from specdecode.models.presets import PRESETS
+
+    if spec not in PRESETS:
+        return spec
+    from specdecode.models.fetch import cached_path
+
+    folder = cached_path(spec)
+    if folder is None:
+        raise ValueError(
+            f"{spec} is a specdecode preset: run `specdecode models fetch {spec}` first, then "
+            "vLLM loads the converted folder"
+        )
+    return str(folder)
+
+
+# -- validation ------------------------------------------------------------------------------
+
+
+def _check_keys(data: dict[str, Any], allowed: Any, where: str) -> None:
+    unknown = sorted(set(data) - set(allowed))
+    if unknown:
+        raise ValueError(
+            f"unknown key(s) in {where}: {', '.join(unknown)} (allowed: {', '.join(allowed)})"
+        )
+
+
+def _check_optional_str(key: str, value: Any) -> None:
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{key} must be a string or null (got {value!r})")
+
+
+def _check_drafting(values: dict[str, Any], where: str = "") -> None:
+    """k, k_policy and confidence, where present in `values`."""
+    if "k" in values:
+        k = values["k"]
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"{where}k must be an integer >= 1 (got {k!r})")
+    if "k_policy" in values and values["k_policy"] not in K_POLICIES:
+        raise ValueError(
+            f"{where}k_policy must be one of {', '.join(K_POLICIES)} (got {values['k_policy']!r})"
+        )
+    if "confidence" in values:
+        try:
+            check_confidence(values["confidence"])
+        except ValueError as err:
+            raise ValueError(f"{where}{err}") from None

@@ -1,0 +1,69 @@
+"""Tree shapes: `static:3,2,2,1,1` (children per node at each depth) or `dynamic:NODES`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_NODES = 1024  # a verification forward over more tree nodes than this is surely a typo
+
+_EXAMPLES = "e.g. static:3,2,2,1,1 (children per node at depth 1, 2, ...), dynamic:16 (a budget "
+_EXAMPLES += "of 16 nodes) or dynamic:16,6,4 (budget, deepest level, nodes expanded per level)"
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """How a tree drafter grows its tree.
+
+    static: every node at depth d - 1 gets `branching[d - 1]` children (the draft's top tokens
+    when greedy, that many i.i.d. draws when sampling).
+    dynamic (EAGLE-2 style): at each depth the `width` most probable new nodes (cumulative draft
+    probability along their path) are expanded with `width` children each, down to `depth`
+    levels, within a budget of `nodes` nodes.
+    """
+
+    branching: tuple[int, ...] = ()  # static
+    nodes: int = 0  # dynamic: node budget
+    depth: int = 6  # dynamic: deepest level
+    width: int = 4  # dynamic: nodes expanded per level, children per expanded node
+
+    @property
+    def dynamic(self) -> bool:
+        return not self.branching
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth if self.dynamic else len(self.branching)
+
+    def __str__(self) -> str:
+        if self.dynamic:
+            return f"dynamic:{self.nodes},{self.depth},{self.width}"
+        return "static:" + ",".join(map(str, self.branching))
+
+
+def _positive_ints(text: str, spec: str) -> list[int]:
+    parts = [part.strip() for part in text.split(",")]
+    if not parts or not all(part.isdigit() and int(part) >= 1 for part in parts):
+        raise ValueError(f"bad tree {spec!r}: expected positive integers, {_EXAMPLES}")
+    return [int(part) for part in parts]
+
+
+def parse_tree_spec(spec: str) -> TreeShape:
+    """`static:C1,C2,...` or `dynamic:NODES[,DEPTH[,WIDTH]]` -> TreeShape (ValueError if bad)."""
+    kind, sep, rest = spec.partition(":")
+    if not sep or kind not in ("static", "dynamic"):
+        raise ValueError(f"bad tree {spec!r}: {_EXAMPLES}")
+    numbers = _positive_ints(rest, spec)
+    if kind == "static":
+        nodes, level = 0, 1
+        for children in numbers:
+            level *= children
+            nodes += level
+        if nodes > MAX_NODES:
+            raise ValueError(f"tree {spec!r} has {nodes} nodes (at most {MAX_NODES})")
+        return TreeShape(branching=tuple(numbers))
+    if len(numbers) > 3:
+        raise ValueError(f"bad tree {spec!r}: {_EXAMPLES}")
+    if numbers[0] > MAX_NODES:
+        raise ValueError(f"tree {spec!r} has {numbers[0]} nodes (at most {MAX_NODES})")
+    extra = dict(zip(("depth", "width"), numbers[1:], strict=False))  # optional, in order
+    return TreeShape(nodes=numbers[0], **extra)

@@ -1,0 +1,311 @@
+"""How many tokens to draft next: fixed, heuristic (Hugging Face's schedule) or a cost model.
+
+A `KPolicy` is asked for the look-ahead `k` before every step and told what happened after it.
+Choosing k only from past steps keeps decoding lossless: k never depends on the target's
+randomness in the step it is used for. (Stopping a draft early when the drafter is unsure is the
+drafter's job: `ModelDrafter(confidence=...)`, combinable with any policy.)
+
+Costs (DESIGN.md glossary, metrics.py): the cost ratio c = draft forward time / target
+single-token forward time, the verify cost v(k) = target forward time over k+1 tokens / over 1.
+`CostK` maximises expected emitted tokens per unit of time,
+
+    E[emitted](k) / (k·c + v(k)),   E[emitted](k) = 1 + sum_{i=1..k} prod_{j<=i} a_j,
+
+where a_j is the probability that draft position j is accepted given positions 1..j-1 were.
+With i.i.d. acceptance α this is `metrics.ideal_speedup(α, k, c, v(k))`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from specdecode.types import ForwardMeter
+
+K_POLICIES = ("fixed", "heuristic", "cost")
+
+
+@runtime_checkable
+class KPolicy(Protocol):
+    name: str  # "fixed", "heuristic", "cost" (reported in Stats.k_policy)
+    k_max: int  # the largest k it ever asks for
+
+    def begin(self) -> None:
+        """Start a new sequence."""
+
+    def next_k(self, max_k_allowed: int) -> int:
+        """The look-ahead for the next step, in 0..min(k_max, max_k_allowed) (0 = plain AR step)."""
+
+    def observe(
+        self, drafted: int, accepted: int, draft_s: float | None, target_s: float | None
+    ) -> None:
+        """Learn from the step just done: tokens drafted (may be fewer than asked) and accepted,
+        seconds spent in draft and target forwards (None when forwards are not timed)."""
+
+
+class FixedK:
+    """The same k every step."""
+
+    name = "fixed"
+
+    def __init__(self, k: int) -> None:
+        if not isinstance(k, int) or k < 0:
+            raise ValueError(f"k must be an integer >= 0 (got {k!r})")
+        self.k = self.k_max = k
+
+    def begin(self) -> None:
+        pass
+
+    def next_k(self, max_k_allowed: int) -> int:
+        return max(0, min(self.k, max_k_allowed))
+
+    def observe(
+        self, drafted: int, accepted: int, draft_s: float | None, target_s: float | None
+    ) -> None:
+        pass
+
+
+class HeuristicK:
+    """Hugging Face's "heuristic" schedule: k += 2 after a step whose drafts were all accepted,
+    k -= 1 otherwise (never below 1), here also capped at `k_max`. k restarts at `k0` for each
+    sequence (HF's "heuristic_transient"; plain "heuristic" carries k over between calls)."""
+
+    name = "heuristic"
+
+    def __init__(self, k0: int, k_max: int) -> None:
+        if not (isinstance(k0, int) and isinstance(k_max, int) and 1 <= k0 <= k_max):
+            raise ValueError(f"heuristic k needs integers 1 <= k0 <= k_max (got {k0}, {k_max})")
+        self.k0, self.k_max = k0, k_max
+        self.k = k0
+
+    def begin(self) -> None:
+        self.k = self.k0
+
+    def next_k(self, max_k_allowed: int) -> int:
+        return max(0, min(self.k, max_k_allowed))
+
+    def observe(
+        self, drafted: int, accepted: int, draft_s: float | None, target_s: float | None
+    ) -> None:
+        if drafted == 0:  # nothing drafted (no n-gram match, or the last token): no evidence
+            return
+        self.k = min(self.k + 2, self.k_max) if accepted == drafted else max(1, self.k - 1)
+
+
+class _Mean:
+    """A running mean that turns into an exponential moving average after `memory` samples,
+    so old evidence fades (the text's difficulty and the machine's load drift)."""
+
+    def __init__(self, memory: int) -> None:
+        self.memory = memory
+        self.n = 0  # effective sample count, capped at memory
+        self.mean = 0.0
+
+    def add(self, x: float) -> None:
+        self.n = min(self.n + 1, self.memory)
+        self.mean += (x - self.mean) / self.n
+
+
+class CostK:
+    """Picks the k in 0..k_max that maximises expected emitted tokens per unit of time.
+
+    Estimates, all online:
+    - acceptance a_j per draft position j: the mean of "accepted" over the steps where position j
+      was drafted and positions 1..j-1 were accepted, shrunk towards a prior of weight
+      `prior_weight`: a_1's prior is `prior_acceptance`, a_j's is the estimate of a_{j-1}
+      (untried deep positions inherit the last tried one). Reset at `begin()`: acceptance
+      depends on the prompt.
+    - target forward time T(n) over n+1 tokens, averaged per n; an n not seen yet is
+      interpolated linearly between the nearest seen n, or extrapolated from the nearest with
+      the slope fitted to the seen ones. v(k) = T(k) / T(0).
+    - draft time per drafted token d; c = d / T(0).
+    Costs are properties of the models and the machine, so they carry over between sequences.
+    Without a clock (untimed forwards) the priors stand in: v(k) = 1 + `verify_slope`·k and
+    c = `cost_ratio` (the engine passes the draft/target parameter ratio); choices are then
+    deterministic for a given sequence of acceptances.
+
+    Every `explore_every`-th step drafts a neighbour of the best k instead (alternately one
+    more and one fewer) so the estimates of other ks do not go stale; when the best k is 0
+    it explores k = 1, because a k = 0 step teaches nothing about acceptance. 0 disables it.
+    """
+
+    name = "cost"
+
+    def __init__(
+        self,
+        k_max: int,
+        *,
+        cost_ratio: float = 0.25,
+        verify_slope: float = 0.05,
+        prior_acceptance: float = 0.6,
+        prior_weight: float = 2.0,
+        memory: int = 32,
+        explore_every: int = 8,
+    ) -> None:
+        if not isinstance(k_max, int) or k_max < 1:
+            raise ValueError(f"k_max must be an integer >= 1 (got {k_max!r})")
+        if cost_ratio < 0 or verify_slope < 0 or not 0 <= prior_acceptance <= 1:
+            raise ValueError("cost_ratio, verify_slope >= 0 and prior_acceptance in [0, 1]")
+        if prior_weight <= 0 or memory < 1 or explore_every < 0:
+            raise ValueError("prior_weight > 0, memory >= 1 and explore_every >= 0 needed")
+        self.k_max = k_max
+        self.cost_ratio, self.verify_slope = cost_ratio, verify_slope
+        self.prior_acceptance, self.prior_weight = prior_acceptance, prior_weight
+        self.memory, self.explore_every = memory, explore_every
+        self._target = [_Mean(memory) for _ in range(k_max + 1)]  # T(n), n = 0..k_max
+        self._draft = _Mean(memory)  # seconds per drafted token
+        self.begin()
+
+    def begin(self) -> None:
+        self._accept = [_Mean(self.memory) for _ in range(self.k_max)]  # position j = index + 1
+        self._steps = 0
+        self._last = 0
+
+    # -- estimates --------------------------------------------------------------------------
+
+    def acceptance(self) -> list[float]:
+        """[k_max] estimated a_j: P(position j accepted | positions 1..j-1 accepted)."""
+        out, prior = [], self.prior_acceptance
+        for m in self._accept:
+            prior = (m.n * m.mean + self.prior_weight * prior) / (m.n + self.prior_weight)
+            out.append(prior)
+        return out
+
+    def _target_time(self, n: int) -> float | None:
+        """T(n): seconds of a target forward over n+1 tokens (None before any timed step)."""
+        seen = [(i, m.mean) for i, m in enumerate(self._target) if m.n]
+        if not seen:
+            return None
+        below = [(i, t) for i, t in seen if i <= n]
+        above = [(i, t) for i, t in seen if i >= n]
+        if below and above:
+            (i0, t0), (i1, t1) = below[-1], above[0]
+            return t0 if i0 == i1 else t0 + (t1 - t0) * (n - i0) / (i1 - i0)
+        i0, t0 = below[-1] if below else above[0]
+        # extrapolate from the nearest seen n with the slope of a least-squares line through
+        # all seen points (one point: the prior's relative slope), never sloping down
+        if len(seen) >= 2:
+            xm = sum(i for i, _ in seen) / len(seen)
+            ym = sum(t for _, t in seen) / len(seen)
+            var = sum((i - xm) ** 2 for i, _ in seen)
+            slope = max(0.0, sum((i - xm) * (t - ym) for i, t in seen) / var)
+        else:
+            slope = t0 * self.verify_slope / (1 + self.verify_slope * i0)
+        # a forward is never free: floor at a tenth of the cheapest seen
+        return max(t0 + slope * (n - i0), 0.1 * min(t for _, t in seen))
+
+    def costs(self) -> tuple[float, list[float]]:
+        """(c, [v(0) .. v(k_max)]) from measurements where there are any, else the priors."""
+        t0 = self._target_time(0)
+        if t0 is None:
+            return self.cost_ratio, [1 + self.verify_slope * k for k in range(self.k_max + 1)]
+        times = [self._target_time(k) or t0 for k in range(self.k_max + 1)]  # all set here
+        v = [max(1.0, t / t0) for t in times]  # clamp: noise must not make k+1 tokens cheaper
+        c = self._draft.mean / t0 if self._draft.n else self.cost_ratio
+        return c, v
+
+    def rates(self, k_limit: int | None = None) -> list[float]:
+        """Expected emitted tokens per target-single-token time, for k = 0..k_limit."""
+        k_limit = self.k_max if k_limit is None else min(k_limit, self.k_max)
+        c, v = self.costs()
+        a = self.acceptance()
+        rates, emitted, reach = [], 1.0, 1.0
+        for k in range(k_limit + 1):
+            if k:
+                reach *= a[k - 1]  # P(positions 1..k all accepted)
+                emitted += reach
+            rates.append(emitted / (k * c + v[k]))
+        return rates
+
+    # -- the policy -------------------------------------------------------------------------
+
+    def next_k(self, max_k_allowed: int) -> int:
+        limit = min(self.k_max, max_k_allowed)
+        if limit <= 0:
+            return 0
+        rates = self.rates(limit)
+        best = max(range(limit + 1), key=rates.__getitem__)  # ties: the smaller k
+        self._steps += 1
+        if self.explore_every and self._steps % self.explore_every == 0:
+            up = (self._steps // self.explore_every) % 2 == 1
+            options = [n for n in (best + 1, best - 1) if 0 <= n <= limit]
+            if best == 0:
+                options = [1]
+            elif not up and len(options) == 2:
+                options.reverse()
+            best = options[0] if options else best
+        self._last = best
+        return best
+
+    def observe(
+        self, drafted: int, accepted: int, draft_s: float | None, target_s: float | None
+    ) -> None:
+        # positions 1..accepted were accepted; position accepted+1 (if drafted) was rejected;
+        # later positions were never judged
+        for j in range(min(accepted + 1, drafted, self.k_max)):
+            self._accept[j].add(1.0 if j < accepted else 0.0)
+        if target_s is not None and drafted <= self.k_max:
+            self._target[drafted].add(target_s)
+        # per drafted token: with confidence stops the one unused forward is charged to them
+        if draft_s is not None and drafted:
+            self._draft.add(draft_s / drafted)
+
+
+def make_k_policy(name: str, k: int, *, cost_ratio: float | None = None) -> KPolicy:
+    """`fixed` (k every step), `heuristic` (starts at k, grows up to 2k) or `cost` (k_max = k;
+    `cost_ratio` is its prior for c when forwards are untimed)."""
+    if name == "fixed":
+        return FixedK(k)
+    if name == "heuristic":
+        return HeuristicK(k, 2 * k)
+    if name == "cost":
+        return CostK(k) if cost_ratio is None else CostK(k, cost_ratio=cost_ratio)
+    raise ValueError(f"unknown k policy {name!r}; choose one of {', '.join(K_POLICIES)}")
+
+
+# -- helpers for the core and the engine -----------------------------------------------------
+
+
+def forward_seconds(meter: ForwardMeter) -> tuple[float, float] | None:
+    """Seconds spent so far in (draft, target) forwards, or None when forwards are untimed."""
+    if meter.clock is None:
+        return None
+    return meter.seconds.get("draft", 0.0), meter.seconds.get("target", 0.0)
+
+
+def seconds_since(
+    meter: ForwardMeter, before: tuple[float, float] | None
+) -> tuple[float | None, float | None]:
+    """(draft_s, target_s) spent since `before = forward_seconds(meter)`; Nones if untimed."""
+    after = forward_seconds(meter)
+    if before is None or after is None:
+        return None, None
+    return after[0] - before[0], after[1] - before[1]
+
+
+def _compute_params(model: Any) -> int:
+    """Parameters a forward multiplies by: all but the input embedding (a lookup), unless the
+    embedding is tied to the output head."""
+    total = sum(p.numel() for p in model.parameters())
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    if head is None or head.weight is not embed:
+        total -= embed.numel()
+    return total
+
+
+def prior_cost_ratio(target: Any, drafter: Any) -> float | None:
+    """A clock-free guess at c: draft / target parameter count (forwards at batch 1 are
+    memory-bound, so time tracks bytes read). 0 for a drafter without a model (n-gram); None
+    when it cannot tell."""
+    from specdecode.drafters.ngram import NgramDrafter
+
+    if isinstance(drafter, NgramDrafter):
+        return 0.0
+    model = getattr(drafter, "model", None)
+    if model is None:
+        return None
+    try:
+        return _compute_params(model) / max(1, _compute_params(target))
+    except (AttributeError, TypeError):
+        return None
