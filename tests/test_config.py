@@ -172,3 +172,14 @@ def test_bad_k_policy_flag_is_refused_by_argparse(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--target", "x", "--prompt-ids", "1", "--k-policy", "adaptive"])
     assert "fixed" in capsys.readouterr().err
+
+
+def test_serve_reads_the_same_config_and_fails_early(tmp_path, capsys):
+    from specdecode.cli import main
+
+    assert main(["serve", "--config", str(tmp_path / "missing.json")]) == 2
+    assert "not found" in capsys.readouterr().err
+    assert main(["serve"]) == 2  # no target from flags or a file
+    assert "a target is needed" in capsys.readouterr().err
+    assert main(["serve", "--target", "t", "--draft", "ngram", "--tree", "static:2"]) == 2
+    assert "--tree needs a model draft" in capsys.readouterr().err

@@ -222,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_models_parser(sub)
+    from specdecode.server.cli_serve import add_serve_parser
+
+    add_serve_parser(sub)  # imports nothing of the server until `serve` runs
     from specdecode.bench.cli_bench import add_bench_parsers
 
     add_bench_parsers(sub)

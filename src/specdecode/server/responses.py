@@ -1,0 +1,98 @@
+"""OpenAI response bodies and stream chunks for completions and chat completions."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from specdecode.types import Stats
+
+DONE = "data: [DONE]\n\n"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def finish_reason(outcome_reason: str) -> str:
+    """OpenAI's finish_reason. A stream stopped by the timeout ends as "length": it was cut by a
+    limit, not finished by the model."""
+    return "stop" if outcome_reason == "stop" else "length"
+
+
+def usage(stats: Stats) -> dict[str, Any]:
+    """OpenAI usage plus the speculative counters of this request."""
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.new_tokens,
+        "total_tokens": stats.prompt_tokens + stats.new_tokens,
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": stats.accepted,
+            "rejected_prediction_tokens": stats.drafted - stats.accepted,
+        },
+        "speculative": {
+            "k": stats.k,
+            "steps": stats.steps,
+            "drafted": stats.drafted,
+            "accepted": stats.accepted,
+            "acceptance_rate": stats.acceptance_rate,
+            "mean_acceptance_length": stats.mean_acceptance_length,
+        },
+    }
+
+
+class Shape:
+    """The fields that differ between /v1/completions and /v1/chat/completions."""
+
+    def __init__(self, chat: bool, model: str) -> None:
+        self.chat, self.model = chat, model
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.created = int(time.time())
+
+    def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def response(self, text: str, reason: str, stats: Stats) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+            body = self._envelope("chat.completion", [choice])
+        else:
+            choice = {"index": 0, "text": text}
+            body = self._envelope("text_completion", [choice])
+        choice.update(logprobs=None, finish_reason=finish_reason(reason))
+        body["usage"] = usage(stats)
+        return body
+
+    def chunk(
+        self, text: str | None, reason: str | None = None, *, role: bool = False
+    ) -> dict[str, Any]:
+        """One stream chunk: new text, or (text=None) the last one with its finish_reason."""
+        done = None if reason is None else finish_reason(reason)
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": done}
+            return self._envelope("chat.completion.chunk", [choice])
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": done}
+        return self._envelope("text_completion", [choice])
+
+    def usage_chunk(self, stats: Stats) -> dict[str, Any]:
+        """The chunk OpenAI sends last when stream_options.include_usage is true: no choices."""
+        object_name = "chat.completion.chunk" if self.chat else "text_completion"
+        body = self._envelope(object_name, [])
+        body["usage"] = usage(stats)
+        return body
+
+
+def sse(data: dict[str, Any]) -> str:
+    """One server-sent event."""
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"

@@ -1,0 +1,305 @@
+"""One generation at a time, on one thread: the queue in front of the model.
+
+The engine holds one model state (KV caches, the drafter's cache), so every call into it, the
+tokenizer included, runs on the worker's single thread. Requests wait in a bounded FIFO; a full
+queue refuses at once (429). Cancellation (client gone) and the per-request deadline are checked
+between speculative steps: the engine's generator is closed there, which stops generation at once.
+
+Results go back as events through each job's `deliver` callback (the app posts them to its event
+loop): `Started`, any number of `Delta`, then exactly one of `Finished` or `Failed`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from specdecode.drafters.model import ModelDrafter
+from specdecode.engine import SpeculativeDecoder
+from specdecode.models.compat import context_length
+from specdecode.server.errors import APIError
+from specdecode.server.telemetry import ServerMetrics
+from specdecode.server.textstream import IncrementalText
+from specdecode.types import Stats
+
+log = logging.getLogger("specdecode.server")
+
+# max_tokens when neither the request nor the model's config bounds the generation
+FALLBACK_MAX_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    prompt: str | list[int] | list[dict[str, str]]
+    chat: bool
+    max_tokens: int | None  # None: up to the end of the model's context
+    temperature: float
+    top_p: float | None
+    top_k: int | None
+    seed: int | None
+    stops: list[str]
+    prompt_param: str = "prompt"  # how the request names the prompt ("prompt" or "messages")
+
+
+@dataclass
+class Outcome:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or stop string), "length", "timeout" or "cancelled"
+    stats: Stats
+
+
+@dataclass
+class Started:
+    prompt_tokens: int
+
+
+@dataclass
+class Delta:
+    text: str
+
+
+@dataclass
+class Finished:
+    outcome: Outcome
+
+
+@dataclass
+class Failed:
+    error: APIError
+
+
+Event = Started | Delta | Finished | Failed
+
+
+@dataclass(eq=False)
+class Job:
+    params: GenerationParams
+    endpoint: str
+    deliver: Callable[[Event], None]  # must be callable from the worker thread
+    timeout_s: float | None = None
+    arrival: float = field(default_factory=time.monotonic)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def expired(self) -> bool:
+        return self.timeout_s is not None and time.monotonic() - self.arrival > self.timeout_s
+
+
+def context_limit(engine: SpeculativeDecoder) -> int | None:
+    """The smallest context of the target and a model drafter, when their configs say."""
+    models = [engine.target.model]
+    if isinstance(engine.drafter, ModelDrafter):
+        models.append(engine.drafter.model)
+    limits = [n for n in (context_length(m) for m in models) if n is not None]
+    return min(limits) if limits else None
+
+
+class GenerationWorker:
+    def __init__(
+        self,
+        engine: SpeculativeDecoder,
+        queue_size: int = 16,
+        max_prompt_tokens: int | None = None,
+        metrics: ServerMetrics | None = None,
+    ) -> None:
+        if engine.tokenizer is None:
+            raise ValueError("serving needs a model with a tokenizer")
+        self.engine = engine
+        self.queue_size = queue_size
+        self.max_prompt_tokens = max_prompt_tokens
+        self.metrics = metrics
+        self._waiting: deque[Job] = deque()
+        self._running: Job | None = None
+        self._closed = False
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    # -- the event loop's side ---------------------------------------------------------------
+
+    @property
+    def queue_depth(self) -> int:
+        with self._cond:
+            return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        with self._cond:
+            return int(self._running is not None)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="specdecode-worker", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        with self._cond:
+            self._closed = True
+            waiting, self._waiting = list(self._waiting), deque()
+            if self._running is not None:
+                self._running.cancelled.set()
+            self._cond.notify_all()
+        for job in waiting:
+            self._end_unstarted(job)
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def submit(self, job: Job) -> None:
+        """Queue `job`, or raise APIError 429 when `queue_size` requests already wait."""
+        with self._cond:
+            if self._closed:
+                raise APIError(503, "the server is shutting down", type="server_error")
+            idle = self._running is None and not self._waiting
+            if not idle and len(self._waiting) >= self.queue_size:
+                raise APIError(
+                    429,
+                    f"the server is busy ({len(self._waiting)} requests waiting): retry later",
+                    type="rate_limit_exceeded",
+                    code="queue_full",
+                    headers={"Retry-After": "1"},
+                )
+            self._waiting.append(job)
+            self._cond.notify()
+
+    def cancel(self, job: Job, outcome: str = "cancelled") -> None:
+        """Drop the job from the queue (counted as `outcome`), or stop it at the next step."""
+        with self._cond:
+            try:
+                self._waiting.remove(job)
+            except ValueError:
+                job.cancelled.set()  # running (stops between steps) or already over
+                return
+        self._end_unstarted(job, outcome)
+
+    # -- the worker thread -------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waiting and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                job = self._running = self._waiting.popleft()
+            try:
+                self._run(job)
+            except Exception:  # never let one request kill the worker
+                log.exception("generation failed")
+                self._count(job, "error", None)
+                job.deliver(Failed(APIError(500, "generation failed", type="server_error")))
+            finally:
+                with self._cond:
+                    self._running = None
+
+    def _end_unstarted(self, job: Job, outcome: str = "cancelled") -> None:
+        stats = Stats()
+        stats.stop_reason = outcome
+        self._count(job, outcome, None)  # counted before the client can hear of it
+        job.deliver(Finished(Outcome("", [], outcome, stats)))
+
+    def _count(
+        self, job: Job, outcome: str, stats: Stats | None, ttft: float | None = None
+    ) -> None:
+        if self.metrics is not None:
+            duration = time.monotonic() - job.arrival if stats is not None else None
+            self.metrics.count_generation(job.endpoint, outcome, stats, duration, ttft)
+
+    def _plan(self, params: GenerationParams) -> tuple[list[int], int]:
+        """Prompt ids and max_new_tokens, or APIError 400 for a prompt that does not fit."""
+        try:
+            ids = self.engine.encode_prompt(params.prompt, chat=params.chat)
+        except ValueError as err:
+            raise APIError(400, str(err), param=params.prompt_param) from None
+        n, where = len(ids), params.prompt_param
+        if self.max_prompt_tokens is not None and n > self.max_prompt_tokens:
+            raise APIError(
+                400,
+                f"the prompt has {n} tokens, more than this server accepts "
+                f"({self.max_prompt_tokens}, --max-prompt-tokens)",
+                param=where,
+                code="context_length_exceeded",
+            )
+        limit = context_limit(self.engine)
+        room = None if limit is None else limit - n
+        if room is not None and room < 1:
+            raise APIError(
+                400,
+                f"the prompt has {n} tokens and fills the model's context of {limit} tokens",
+                param=where,
+                code="context_length_exceeded",
+            )
+        max_new = params.max_tokens
+        if max_new is None:
+            max_new = room if room is not None else FALLBACK_MAX_TOKENS
+        elif room is not None and max_new > room:
+            raise APIError(
+                400,
+                f"prompt ({n} tokens) + max_tokens ({max_new}) exceeds the model's context of "
+                f"{limit} tokens",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return ids, max_new
+
+    def _run(self, job: Job) -> None:
+        if job.cancelled.is_set() or job.expired():
+            self._end_unstarted(job, "cancelled" if job.cancelled.is_set() else "timeout")
+            return
+        params, engine = job.params, self.engine
+        stats = Stats()
+        try:
+            prompt_ids, max_new = self._plan(params)
+            chunks = engine.stream(
+                prompt_ids,
+                max_new_tokens=max_new,
+                temperature=params.temperature,
+                top_k=params.top_k,
+                top_p=params.top_p,
+                seed=params.seed,
+                stop=params.stops,
+                stats=stats,
+            )
+        except APIError as err:
+            job.deliver(Failed(err))
+            return
+        except ValueError as err:
+            job.deliver(Failed(APIError(400, str(err))))
+            return
+        job.deliver(Started(len(prompt_ids)))
+
+        text = IncrementalText(engine.tokenizer, params.stops)
+        ttft: float | None = None
+        interrupted = ""
+        try:
+            for committed in chunks:
+                if ttft is None:
+                    ttft = time.monotonic() - job.arrival
+                delta = text.push(committed)
+                if delta:
+                    job.deliver(Delta(delta))
+                if self._over(stats, max_new, committed, text):
+                    continue  # the engine's generator ends by itself at the next step
+                if job.cancelled.is_set():
+                    interrupted = "cancelled"
+                    break
+                if job.expired():
+                    interrupted = "timeout"
+                    break
+        finally:
+            chunks.close()  # stops generation now (also when the loop raised)
+
+        rest = text.finish()
+        if rest:
+            job.deliver(Delta(rest))
+        finish = interrupted or ("length" if stats.stop_reason == "length" else "stop")
+        self._count(job, finish, stats, ttft)
+        job.deliver(Finished(Outcome(text.final_text, text.ids, finish, stats)))
+
+    def _over(
+        self, stats: Stats, max_new: int, committed: list[int], text: IncrementalText
+    ) -> bool:
+        """Whether the step just yielded was the last one (length, EOS or a stop string)."""
+        eos = bool(committed) and committed[-1] in self.engine.eos_token_ids
+        return stats.new_tokens >= max_new or eos or text.stopped

@@ -1,0 +1,582 @@
+"""`specdecode serve`: the real uvicorn server on 127.0.0.1, driven by the openai client and httpx.
+
+Tiny float32 models (a Llama target, a noisy copy as draft) with a character tokenizer: greedy
+outputs through the API must equal the engine's own `generate`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from specdecode import SpeculativeDecoder  # noqa: E402
+from specdecode.cli import main  # noqa: E402
+from specdecode.models.loading import wrap_model  # noqa: E402
+from specdecode.server.app import create_app  # noqa: E402
+from specdecode.server.background import serve_in_thread  # noqa: E402
+from specdecode.server.prom import Counter, Histogram, Registry  # noqa: E402
+from specdecode.server.textstream import IncrementalText  # noqa: E402
+
+from conftest import char_tokenizer, noisy_copy, tiny_llama  # noqa: E402
+
+MODEL = "tiny"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+CONTEXT = 256  # the tiny models' max_position_embeddings
+MAX_PROMPT_TOKENS = 100
+
+
+# -- fixtures: models, engines, a server in a thread ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def models():
+    tokenizer = char_tokenizer(":")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    target = tiny_llama(seed=0, vocab=len(tokenizer))
+    return wrap_model(target, tokenizer, name=MODEL), noisy_copy(target, 0.05)
+
+
+def make_engine(models, cls=SpeculativeDecoder) -> SpeculativeDecoder:
+    """A fresh engine (its own drafter cache) over the shared, stateless tiny models."""
+    target, draft = models
+    return cls(target, draft, k=3)
+
+
+@pytest.fixture(scope="module")
+def reference(models) -> SpeculativeDecoder:
+    """The engine the API's outputs are checked against; used only from the test thread."""
+    return make_engine(models)
+
+
+@contextlib.contextmanager
+def serving(engine: SpeculativeDecoder, **options) -> Iterator[str]:
+    """The app over `engine` under uvicorn on a free port, in a thread; yields its base URL."""
+    with serve_in_thread(create_app(engine, MODEL, **options)) as base:
+        assert httpx.get(f"{base}/health").json()["status"] == "ok"
+        yield base
+
+
+@pytest.fixture(scope="module")
+def url(models) -> Iterator[str]:
+    with serving(make_engine(models), max_prompt_tokens=MAX_PROMPT_TOKENS) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+
+
+def metric_values(text: str) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value}; checks every line's syntax on the way."""
+    values = {}
+    sample = re.compile(r'^([a-z_]+)(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? (\S+)$')
+    for line in text.splitlines():
+        if line.startswith("# HELP ") or line.startswith("# TYPE "):
+            continue
+        match = sample.match(line)
+        assert match, f"not a Prometheus sample line: {line!r}"
+        values[match.group(1) + (match.group(2) or "")] = float(match.group(4))
+    return values
+
+
+def sse_events(response) -> list[dict | str]:
+    """The data of each server-sent event ('[DONE]' kept as a string)."""
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line.removeprefix("data: ")
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+# -- the OpenAI client: same output as the engine, streamed or not ------------------------------
+
+
+def test_models_and_health(client, url):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    health = httpx.get(f"{url}/health").json()
+    assert health["status"] == "ok" and health["queue_depth"] == 0
+
+
+def test_completions_match_engine(client, reference):
+    expected = reference.generate("the cat", max_new_tokens=24, temperature=0.0)
+    stats = expected.stats
+    args = dict(model=MODEL, prompt="the cat", max_tokens=24, temperature=0)
+    out = client.completions.create(**args)
+    assert out.choices[0].text == expected.text
+    assert out.choices[0].finish_reason == ("length" if stats.stop_reason == "length" else "stop")
+    usage = out.usage
+    assert usage.prompt_tokens == len(expected.prompt_ids)
+    assert usage.completion_tokens == len(expected.token_ids)
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    details = usage.completion_tokens_details
+    assert details.accepted_prediction_tokens == stats.accepted
+    assert details.rejected_prediction_tokens == stats.drafted - stats.accepted
+    spec = usage.model_extra["speculative"]
+    assert spec["steps"] == stats.steps and spec["drafted"] == stats.drafted > 0
+    assert spec["accepted"] == stats.accepted
+    assert spec["acceptance_rate"] == pytest.approx(stats.acceptance_rate)
+    assert spec["mean_acceptance_length"] == pytest.approx(stats.mean_acceptance_length)
+
+    chunks = list(client.completions.create(**args, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == out.choices[0].finish_reason
+    assert all(c.usage is None for c in chunks)  # no include_usage: no usage (OpenAI)
+
+    by_ids = client.completions.create(**{**args, "prompt": expected.prompt_ids})
+    assert by_ids.choices[0].text == expected.text
+
+
+def test_chat_matches_engine(client, reference):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    expected = reference.generate(messages, max_new_tokens=30, temperature=0.0, chat=True)
+    args = dict(model=MODEL, messages=messages, max_tokens=30, temperature=0)
+    out = client.chat.completions.create(**args)
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == expected.text
+    assert out.usage.prompt_tokens == len(expected.prompt_ids)
+    assert out.usage.completion_tokens == len(expected.token_ids)
+
+    stream = client.chat.completions.create(
+        **args, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected.text == out.choices[0].message.content
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finals[-1] == out.choices[0].finish_reason and set(finals[:-1]) == {None}
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None  # include_usage: last chunk
+    assert chunks[-1].usage.completion_tokens == out.usage.completion_tokens
+    assert chunks[-1].usage.model_extra["speculative"] == out.usage.model_extra["speculative"]
+
+    # max_completion_tokens is OpenAI's newer name for max_tokens
+    newer = client.chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=30, temperature=0
+    )
+    assert newer.choices[0].message.content == expected.text
+
+
+def test_stop_strings_streamed_and_not(client, reference):
+    full = reference.generate("hello", max_new_tokens=40, temperature=0.0).text
+    stop = full[4:6]  # a stop string the greedy output reaches
+    expected = reference.generate("hello", max_new_tokens=40, temperature=0.0, stop=stop)
+    assert expected.text == full[: full.find(stop)]
+    args = dict(model=MODEL, prompt="hello", max_tokens=40, temperature=0, stop=[stop, "!!!"])
+    out = client.completions.create(**args)
+    assert out.choices[0].text == expected.text
+    assert out.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(**args, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_sampling_is_seeded(client):
+    args = dict(model=MODEL, prompt="abc", max_tokens=20, temperature=1.0, top_p=0.9, seed=7)
+    first = client.completions.create(**args).choices[0].text
+    assert client.completions.create(**args).choices[0].text == first
+    extra = client.completions.create(**args, extra_body={"top_k": 5}).choices[0].text
+    assert isinstance(extra, str)
+
+
+# -- bad input: 4xx in OpenAI's shape, and the server keeps serving ----------------------------
+
+LONG = "ab" * 60  # 120 tokens > MAX_PROMPT_TOKENS
+C, CH = "/v1/completions", "/v1/chat/completions"
+GOOD = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "temperature": 0}
+HI = [{"role": "user", "content": "hi"}]
+BAD_REQUESTS = [
+    # (path, body: bytes = raw, dict = merged into GOOD / a chat body, status, param)
+    (C, b"{not json", 400, None),
+    (C, b"[1, 2]", 400, None),
+    (C, b"\xff\xfe", 400, None),
+    (C, b"", 400, None),
+    (C, b'{"model": "tiny", "prompt": "hi", "temperature": NaN}', 400, "temperature"),
+    (C, {"max_tokens": "5"}, 400, "max_tokens"),
+    (C, {"max_tokens": 4.5}, 400, "max_tokens"),
+    (C, {"temperature": "hot"}, 400, "temperature"),
+    (C, {"stream": "yes"}, 400, "stream"),
+    (C, {"prompt": 5}, 400, "prompt"),
+    (C, {"prompt": None}, 400, "prompt"),
+    (C, {"model": None}, 400, "model"),
+    (C, {"seed": True}, 400, "seed"),
+    (C, {"seed": 2**70}, 400, "seed"),
+    (C, {"temperature": -0.1}, 400, "temperature"),
+    (C, {"temperature": 2.5}, 400, "temperature"),
+    (C, {"top_p": 0}, 400, "top_p"),
+    (C, {"top_p": 1.5}, 400, "top_p"),
+    (C, {"top_k": 0}, 400, "top_k"),
+    (C, {"max_tokens": 0}, 400, "max_tokens"),
+    (C, {"max_tokens": CONTEXT}, 400, "max_tokens"),  # prompt + max_tokens > context
+    (C, {"prompt": ""}, 400, "prompt"),
+    (C, {"prompt": []}, 400, "prompt"),
+    (C, {"prompt": LONG}, 400, "prompt"),  # > --max-prompt-tokens
+    (C, {"prompt": [1, 2, 10_000]}, 400, "prompt"),  # outside the vocabulary
+    (C, {"prompt": ["a", "b"]}, 400, "prompt"),  # a batch
+    (C, {"stop": ""}, 400, "stop"),
+    (C, {"stop": ["a", 3]}, 400, "stop"),
+    (C, {"n": 2}, 400, "n"),
+    (C, {"best_of": 3}, 400, "best_of"),
+    (C, {"logprobs": 2}, 400, "logprobs"),
+    (C, {"echo": True}, 400, "echo"),
+    (C, {"suffix": "x"}, 400, "suffix"),
+    (C, {"presence_penalty": 0.5}, 400, "presence_penalty"),
+    (C, {"logit_bias": {"3": 10}}, 400, "logit_bias"),
+    (C, {"model": "gpt-4"}, 404, "model"),
+    (CH, {"messages": []}, 400, "messages"),
+    (CH, {"messages": "hi"}, 400, "messages"),
+    (CH, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+    (CH, {"messages": [{"role": "user", "content": ""}]}, 400, "messages"),  # empty prompt
+    (CH, {"messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
+    (CH, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
+    (CH, {"logprobs": True}, 400, "logprobs"),
+    (CH, {"tools": [{"type": "function"}]}, 400, "tools"),
+    (CH, {"response_format": {"type": "json_object"}}, 400, "response_format"),
+    (CH, {"model": "other"}, 404, "model"),
+]
+
+
+def _bad_request(url: str, path: str, body, client: httpx.Client):
+    if isinstance(body, bytes):
+        return client.post(url + path, content=body)
+    base = dict(GOOD)
+    if path == CH:
+        base = {"model": MODEL, "messages": HI, "max_tokens": 4, "temperature": 0}
+    return client.post(url + path, json={**base, **body})
+
+
+def test_bad_input_gets_4xx_in_openai_shape(url):
+    with httpx.Client(timeout=30) as http:
+        for path, body, status, param in BAD_REQUESTS:
+            for stream in (False, True):
+                if stream and isinstance(body, bytes):
+                    continue
+                sent = {**body, "stream": True} if stream and "stream" not in body else body
+                response = _bad_request(url, path, sent, http)
+                case = f"{path} {body!r} stream={stream}"
+                assert response.status_code == status, f"{case}: {response.text}"
+                error = response.json()["error"]
+                assert set(error) == {"message", "type", "param", "code"}, case
+                assert error["message"] and error["type"], case
+                assert error["param"] == param, f"{case}: {error}"
+        assert http.get(url + "/v1/nowhere").status_code == 404
+        assert http.get(url + C).status_code == 405
+        assert "error" in http.get(url + C).json()
+        # unknown parameters are ignored, as OpenAI clients expect; the server still serves
+        ok = http.post(url + C, json={**GOOD, "user": "u", "frobnicate": [1], "n": 1})
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["choices"][0]["text"] is not None
+        chat = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        }
+        assert http.post(url + CH, json={**chat, "max_tokens": 3}).status_code == 200
+
+
+def test_openai_client_sees_errors(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="hi", temperature=-1)
+    assert err.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi")
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=HI, n=2)
+
+
+# -- load: bounded queue, 429 + Retry-After, nothing lost ----------------------------------
+
+
+def _completion_text(http: httpx.Client, url: str, prompt: str, stream: bool) -> tuple[str, int]:
+    """(text, number of 429 answers before it succeeded)."""
+    busy = 0
+    body = {**GOOD, "prompt": prompt, "max_tokens": 5, "stream": stream}
+    while True:
+        if stream:
+            with http.stream("POST", url + C, json=body) as response:
+                if response.status_code == 200:
+                    events = sse_events(response)
+                    assert events[-1] == "[DONE]"
+                    return "".join(e["choices"][0]["text"] for e in events[:-1]), busy
+                response.read()
+        else:
+            response = http.post(url + C, json=body)
+            if response.status_code == 200:
+                return response.json()["choices"][0]["text"], busy
+        assert response.status_code == 429, response.text
+        assert response.headers["retry-after"] == "1"
+        assert response.json()["error"]["code"] == "queue_full"
+        busy += 1
+        time.sleep(0.02)  # shorter than Retry-After: keeps the test fast
+
+
+def test_load_with_a_bounded_queue(models, reference):
+    prompts = ["hello", "the cat", "abc", "once upon", "zz top", "a, b.", "why?", "ok ok"]
+    expected = {p: reference.generate(p, max_new_tokens=5, temperature=0.0).text for p in prompts}
+    n_requests, n_clients = 200, 16
+    with serving(make_engine(models), queue_size=2) as base:
+        local = threading.local()
+
+        def one(i: int) -> tuple[str, str, int]:
+            if not hasattr(local, "http"):
+                local.http = httpx.Client(timeout=60)
+            prompt = prompts[i % len(prompts)]
+            text, busy = _completion_text(local.http, base, prompt, stream=i % 4 == 0)
+            return prompt, text, busy
+
+        with ThreadPoolExecutor(n_clients) as pool:
+            results = list(pool.map(one, range(n_requests)))
+        values = metric_values(httpx.get(base + "/metrics").text)
+
+    assert len(results) == n_requests
+    assert all(text == expected[prompt] for prompt, text, _ in results)
+    busy = sum(b for _, _, b in results)
+    assert busy > 0, "the queue limit was never reached"
+    assert values['specdecode_requests_total{endpoint="/v1/completions",status="429"}'] == busy
+    assert values['specdecode_requests_total{endpoint="/v1/completions",status="200"}'] == 200
+    assert values["specdecode_queue_depth"] == 0
+
+
+# -- disconnects and timeouts -----------------------------------------------------------------
+
+
+class SlowEngine(SpeculativeDecoder):
+    """The engine with a pause after each step, so a request is surely still running when the
+    test acts; EOS is ignored so that generation runs to max_tokens."""
+
+    delay_s = 0.03
+
+    def stream(self, *args, **kwargs):
+        chunks = super().stream(*args, **kwargs)  # validates now, as the real one
+
+        def slowly():
+            try:
+                for chunk in chunks:
+                    time.sleep(self.delay_s)
+                    yield chunk
+            finally:
+                chunks.close()
+
+        return slowly()
+
+
+def _slow_engine(models) -> SlowEngine:
+    engine = make_engine(models, SlowEngine)
+    engine.eos_token_ids = set()
+    return engine
+
+
+def _wait_for(url: str, key: str, value: float, timeout_s: float = 20) -> dict[str, float]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        values = metric_values(httpx.get(url + "/metrics").text)
+        if values.get(key) == value or time.monotonic() > deadline:
+            return values
+        time.sleep(0.05)
+
+
+def test_disconnect_stops_generation(models):
+    long = {**GOOD, "max_tokens": 200}
+    cancelled = 'specdecode_generations_total{endpoint="/v1/completions",outcome="cancelled"}'
+    with serving(_slow_engine(models), queue_size=1) as base, httpx.Client(timeout=30) as http:
+        with http.stream("POST", base + C, json={**long, "stream": True}) as response:
+            assert response.status_code == 200
+            assert next(response.iter_lines()).startswith("data: ")
+        # the stream was closed after one event: generation stops at the next step
+        values = _wait_for(base, cancelled, 1)
+        assert values[cancelled] == 1
+        assert values["specdecode_completion_tokens_total"] < 200
+
+        # a non-streaming client that gives up: its generation stops too
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(base + C, json=long, timeout=0.3)
+        values = _wait_for(base, cancelled, 2)
+        assert values[cancelled] == 2
+        assert values["specdecode_completion_tokens_total"] < 400
+
+        # a client that gives up while queued frees its place at once
+        with http.stream("POST", base + C, json={**long, "stream": True}) as running:
+            assert running.status_code == 200
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(base + C, json=long, timeout=0.3)
+            values = _wait_for(base, cancelled, 3)
+            assert values["specdecode_queue_depth"] == 0
+            assert values["specdecode_requests_running"] == 1  # the stream still generates
+        values = _wait_for(base, cancelled, 4)
+        assert values[cancelled] == 4
+        assert _wait_for(base, "specdecode_requests_running", 0)["specdecode_requests_running"] == 0
+
+        # and the server serves the next request
+        ok = http.post(base + C, json={**GOOD, "max_tokens": 3})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+def test_timeout(models):
+    long = {**GOOD, "max_tokens": 200}
+    with serving(_slow_engine(models), timeout_s=0.3) as base, httpx.Client(timeout=30) as http:
+        response = http.post(base + C, json=long)
+        assert response.status_code == 504
+        assert response.json()["error"]["code"] == "timeout"
+        # a stream that times out ends like one cut by max_tokens: finish_reason "length"
+        with http.stream("POST", base + C, json={**long, "stream": True}) as streamed:
+            assert streamed.status_code == 200
+            events = sse_events(streamed)
+        assert events[-1] == "[DONE]"
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+        timeouts = 'specdecode_generations_total{endpoint="/v1/completions",outcome="timeout"}'
+        values = metric_values(http.get(base + "/metrics").text)
+        assert values[timeouts] == 2
+        assert values["specdecode_completion_tokens_total"] < 400
+        ok = http.post(base + C, json={**GOOD, "max_tokens": 2})
+        assert ok.status_code == 200
+
+        # a request whose time runs out while it waits in the queue: 504 too
+        with http.stream("POST", base + C, json={**long, "stream": True}) as running:
+            assert running.status_code == 200
+            queued = httpx.post(base + C, json=long, timeout=30)
+        assert queued.status_code == 504
+
+
+# -- /metrics adds up to what was sent ---------------------------------------------------------
+
+
+def test_metrics_add_up(models):
+    usages = []
+    with serving(make_engine(models)) as base, httpx.Client(timeout=30) as http:
+        for prompt in ("hello", "the cat"):
+            out = http.post(base + C, json={**GOOD, "prompt": prompt, "max_tokens": 12})
+            usages.append(out.json()["usage"])
+        stream_body = {**GOOD, "max_tokens": 9, "stream": True}
+        stream_body["stream_options"] = {"include_usage": True}
+        with http.stream("POST", base + C, json=stream_body) as response:
+            usages.append(sse_events(response)[-2]["usage"])
+        for content in ("hi", "abc"):
+            chat = {"model": MODEL, "messages": [{"role": "user", "content": content}]}
+            out = http.post(base + CH, json={**chat, "max_tokens": 7, "temperature": 0})
+            usages.append(out.json()["usage"])
+        assert http.post(base + C, json={**GOOD, "top_p": 2}).status_code == 400
+        too_long = http.post(base + C, json={**GOOD, "prompt": "a" * (CONTEXT + 1)})
+        assert too_long.status_code == 400  # beyond the context (no --max-prompt-tokens here)
+        assert too_long.json()["error"]["code"] == "context_length_exceeded"
+        unknown = {"model": "x", "messages": HI}
+        assert http.post(base + CH, json=unknown).status_code == 404
+        assert http.get(base + "/v1/models").status_code == 200
+        values = metric_values(http.get(base + "/metrics").text)
+
+    def requests(endpoint: str, status: int) -> float:
+        return values.get(
+            f'specdecode_requests_total{{endpoint="{endpoint}",status="{status}"}}', 0
+        )
+
+    assert requests(C, 200) == 3 and requests(C, 400) == 2
+    assert requests(CH, 200) == 2 and requests(CH, 404) == 1
+    assert requests("/v1/models", 200) == 1
+    assert requests("/health", 200) >= 1  # the start-up probe
+    outcome = 'specdecode_generations_total{{endpoint="{}",outcome="{}"}}'
+    generations = {k: v for k, v in values.items() if k.startswith("specdecode_generations_total")}
+    assert sum(generations.values()) == 5
+    assert (
+        values.get(outcome.format(C, "length"), 0) + values.get(outcome.format(C, "stop"), 0) == 3
+    )
+
+    total = {key: sum(u[key] for u in usages) for key in ("prompt_tokens", "completion_tokens")}
+    assert values["specdecode_prompt_tokens_total"] == total["prompt_tokens"]
+    assert values["specdecode_completion_tokens_total"] == total["completion_tokens"]
+    for key in ("steps", "drafted", "accepted"):
+        name = "speculative_steps" if key == "steps" else f"{key}_tokens"
+        assert values[f"specdecode_{name}_total"] == sum(u["speculative"][key] for u in usages)
+    accepted = sum(u["completion_tokens_details"]["accepted_prediction_tokens"] for u in usages)
+    assert values["specdecode_accepted_tokens_total"] == accepted
+    # per position: the positions add up to the totals, and acceptance only falls with depth
+    drafted_at = [
+        values[f'specdecode_drafted_at_position_total{{position="{i}"}}'] for i in (1, 2, 3)
+    ]
+    accepted_at = [
+        values[f'specdecode_accepted_at_position_total{{position="{i}"}}'] for i in (1, 2, 3)
+    ]
+    assert sum(drafted_at) == values["specdecode_drafted_tokens_total"]
+    assert sum(accepted_at) == accepted
+    assert accepted_at == sorted(accepted_at, reverse=True)
+    for hist in ("request_duration_seconds", "time_to_first_token_seconds"):
+        assert values[f'specdecode_{hist}_count{{endpoint="{C}"}}'] == 3
+        assert values[f'specdecode_{hist}_count{{endpoint="{CH}"}}'] == 2
+        assert values[f'specdecode_{hist}_bucket{{endpoint="{C}",le="+Inf"}}'] == 3
+    assert values["specdecode_queue_depth"] == 0
+
+
+# -- units: incremental text, Prometheus format, the command line -------------------------------
+
+
+class ByteTokenizer:
+    """Each id is one UTF-8 byte: a multi-byte character spans several tokens."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_incremental_text_holds_back_partial_characters_and_stops():
+    data = "héllo wörld".encode()
+    text = IncrementalText(ByteTokenizer())
+    deltas = [text.push([b]) for b in data]
+    assert "\ufffd" not in "".join(deltas)
+    assert "".join(deltas) + text.finish() == "héllo wörld"
+    assert deltas[1] == "" and deltas[2] == "é"  # é is two bytes: sent once complete
+
+    text = IncrementalText(ByteTokenizer(), stops=["lo w", "xyz"])
+    deltas = [text.push([b]) for b in data]
+    sent = "".join(deltas)
+    assert sent == "hél" and text.stopped
+    assert text.final_text == "hél" and text.finish() == ""
+
+    text = IncrementalText(ByteTokenizer(), stops=["ld!"])
+    deltas = [text.push([b]) for b in data]
+    assert "".join(deltas) == "héllo wör"  # "l" and "ld" might begin the stop string
+    assert text.finish() == "ld" and text.sent == "héllo wörld"
+
+
+def test_prometheus_text_format():
+    registry = Registry()
+    counter = registry.add(Counter("x_total", "a counter", ("path",)))
+    counter.inc(path='a"b\\c')
+    counter.inc(2, path='a"b\\c')
+    hist = registry.add(Histogram("h_seconds", "a histogram", (0.1, 1)))
+    for value in (0.05, 0.1, 0.5, 5):
+        hist.observe(value)
+    text = registry.render()
+    assert 'x_total{path="a\\"b\\\\c"} 3' in text
+    assert 'h_seconds_bucket{le="0.1"} 2' in text  # le is inclusive
+    assert 'h_seconds_bucket{le="1"} 3' in text
+    assert 'h_seconds_bucket{le="+Inf"} 4' in text
+    assert "h_seconds_count 4" in text and "h_seconds_sum 5.65" in text
+    assert "# TYPE h_seconds histogram" in text
+    with pytest.raises(ValueError):
+        counter.inc(-1, path="x")
+
+
+def test_serve_without_the_extra(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # import fastapi -> ImportError
+    assert main(["serve", "--target", "anything"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pip install 'specdecode[serve]'" in err
+
+
+def test_serve_checks_numbers_before_loading(capsys):
+    assert main(["serve", "--target", "anything", "--queue-size", "-1"]) == 2
+    assert "queue-size" in capsys.readouterr().err
