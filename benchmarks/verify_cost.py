@@ -3,29 +3,18 @@
     python benchmarks/verify_cost.py --model qwen2.5-coder-1.5b-instruct --dtype bfloat16
 
 Speculative decoding pays only when verifying k+1 tokens costs about as much as one token; this
-prints the ratio on the machine at hand (minimum of several repeats, after a warm-up).
+prints the ratio on the machine at hand (median of several repeats, after a warm-up).
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
-import time
 
 import torch
 
-from specdecode.cache import KVCache
+from specdecode.bench.costs import forward_seconds
 from specdecode.models.loading import load_model
-
-
-def forward_ms(cache: KVCache, ids: torch.Tensor, prefix: int, n: int, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        cache.forward(ids[prefix : prefix + n])
-        times.append(time.perf_counter() - start)
-        cache.rollback(prefix)
-    return min(times) * 1000
 
 
 def main() -> None:
@@ -38,24 +27,16 @@ def main() -> None:
     args = parser.parse_args()
 
     model = load_model(args.model, dtype=args.dtype, device="cpu").model
-    sizes = [int(n) for n in args.tokens.split(",")]
-    ids = torch.randint(
-        0, 1000, (args.prefix + max(sizes),), generator=torch.Generator().manual_seed(0)
+    sizes = sorted({1, *(int(n) for n in args.tokens.split(","))})
+    seconds = forward_seconds(model, sizes, prefix=args.prefix, repeats=args.repeats)
+    print(
+        f"{args.model}, {args.dtype}, {platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}"
     )
-    cache = KVCache(model)
-    with torch.inference_mode():
-        cache.forward(ids[: args.prefix], last_only=True)
-        forward_ms(cache, ids, args.prefix, 1, 1)  # warm-up
-        base = forward_ms(cache, ids, args.prefix, 1, args.repeats)
-        print(
-            f"{args.model}, {args.dtype}, {platform.processor() or platform.machine()}, "
-            f"{torch.get_num_threads()} threads, torch {torch.__version__}"
-        )
-        print("| new tokens | forward ms | v = ms / one-token ms |")
-        print("|---|---|---|")
-        for n in sizes:
-            ms = base if n == 1 else forward_ms(cache, ids, args.prefix, n, args.repeats)
-            print(f"| {n} | {ms:.0f} | {ms / base:.2f} |")
+    print("| new tokens | forward ms | v = ms / one-token ms |")
+    print("|---|---|---|")
+    for n in sizes:
+        print(f"| {n} | {seconds[n] * 1000:.0f} | {seconds[n] / seconds[1]:.2f} |")
 
 
 if __name__ == "__main__":

@@ -96,3 +96,29 @@ def llama_pair():
     """A tiny target and a draft that agrees with it on roughly half of the tokens."""
     target = tiny_llama(0)
     return target, noisy_copy(target, 0.05)
+
+
+@pytest.fixture(scope="session")
+def tiny_folders(tmp_path_factory):
+    """A tiny target and draft saved with a chat-template tokenizer, and a small prompt file."""
+    import json
+
+    root = tmp_path_factory.mktemp("bench-models")
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'][0] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}a: {% endif %}"
+    )
+    target = tiny_llama(seed=0, vocab=len(tokenizer))
+    for name, model in (("target", target), ("draft", noisy_copy(target, 0.05))):
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    prompts = root / "prompts.jsonl"
+    lines = [
+        {"question_id": 1, "category": "writing", "turns": ["tell me a story.", "shorter!"]},
+        {"question_id": 2, "category": "writing", "turns": ["a poem about the sea."]},
+        {"question_id": 3, "category": "qa", "turns": ["why is the sky blue?"]},
+        {"question_id": 4, "category": "qa", "turns": ["what is a lighthouse?"]},
+    ]
+    prompts.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    return root

@@ -15,8 +15,6 @@ from specdecode.bench.runner import BenchConfig, run_bench
 from specdecode.cli import main
 from specdecode.models.loading import LoadedModel
 
-from conftest import char_tokenizer, noisy_copy, tiny_llama
-
 RECORD_FIELDS = {
     "prompt_id",
     "category",
@@ -247,6 +245,8 @@ def test_bench_config_rejects_bad_options():
         (dict(methods=["spec"], drafts=["ngram"]), "include `ar`"),
         (dict(methods=["ar", "spec"]), "needs at least one --draft"),
         (dict(methods=["ar", "magic"]), "unknown method"),
+        (dict(policies=["fast"]), "unknown k policy"),
+        (dict(trees=["static:0"]), "tree"),
     ]
     for overrides, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -256,34 +256,14 @@ def test_bench_config_rejects_bad_options():
 # -- the whole harness on tiny models ----------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bench-models")
-    tokenizer = char_tokenizer()
-    tokenizer.chat_template = (
-        "{% for m in messages %}{{ m['role'][0] }}: {{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}a: {% endif %}"
-    )
-    target = tiny_llama(seed=0, vocab=len(tokenizer))
-    for name, model in (("target", target), ("draft", noisy_copy(target, 0.05))):
-        model.save_pretrained(root / name)
-        tokenizer.save_pretrained(root / name)
-    prompts = root / "prompts.jsonl"
-    lines = [
-        {"question_id": 1, "category": "writing", "turns": ["tell me a story.", "shorter!"]},
-        {"question_id": 2, "category": "writing", "turns": ["a poem about the sea."]},
-        {"question_id": 3, "category": "qa", "turns": ["why is the sky blue?"]},
-    ]
-    prompts.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
-    return root
-
-
 def test_bench_end_to_end_on_tiny_models(tiny_folders, tmp_path):
     out = tmp_path / "run"
     config = BenchConfig(
         target=str(tiny_folders / "target"),
         drafts=[str(tiny_folders / "draft"), "ngram"],
         ks=[1, 3],
+        policies=["fixed", "cost"],
+        trees=["static:2,1"],
         max_new_tokens=12,
         prompts_file=str(tiny_folders / "prompts.jsonl"),
         turns="all",
@@ -294,8 +274,11 @@ def test_bench_end_to_end_on_tiny_models(tiny_folders, tmp_path):
 
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     settings = summary["settings"]
-    assert len(settings) == 1 + 4 + 1 + 3 + 2  # ar, spec x2 drafts x2 k, hf-ar, hf-assisted, lookup
-    assert len(records) == 4 * len(settings)  # 4 turns in all, every setting on each
+    # ar; spec: 2 drafts x 2 policies x 2 k + 1 tree (model draft only); hf-ar; hf-assisted
+    # (model draft: default + 2 k); prompt lookup x 2 k
+    assert len(settings) == 1 + 8 + 1 + 1 + 3 + 2
+    assert f"spec[{tiny_folders / 'draft'}] tree=static:2,1" in settings
+    assert len(records) == 5 * len(settings)  # 5 turns in all, every setting on each
     for record in records:
         assert record.keys() >= RECORD_FIELDS, RECORD_FIELDS - record.keys()
         assert record["new_tokens"] == len(record["token_ids"]) > 0
@@ -304,9 +287,11 @@ def test_bench_end_to_end_on_tiny_models(tiny_folders, tmp_path):
         assert record["identical_to_ar"] is True, record["setting"]
         if record["method"] == "spec":
             assert 0 <= record["accepted"] <= record["drafted"]
-            assert record["steps"] >= 1 and record["acceptance_rate"] is not None
+            assert record["steps"] >= 1
+            # the cost policy may find drafting does not pay (k = 0 steps): no rate then
+            assert (record["acceptance_rate"] is None) == (record["drafted"] == 0)
     by_turn = {(r["prompt_id"], r["turn"]) for r in records}
-    assert by_turn == {("1", 0), ("1", 1), ("2", 0), ("3", 0)}
+    assert by_turn == {("1", 0), ("1", 1), ("2", 0), ("3", 0), ("4", 0)}
 
     assert {r["category"] for r in summary["rows"]} == {"all", "writing", "qa"}
     spec_all = row_for(summary, f"spec[{tiny_folders / 'draft'}] k=3")

@@ -49,6 +49,13 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="comma-separated k policies for spec (default fixed)",
     )
+    bench.add_argument(
+        "--tree",
+        action="append",
+        default=None,
+        metavar="SHAPE",
+        help="token tree for each model draft (repeatable): static:3,2,2,1,1 or dynamic:NODES",
+    )
     bench.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     bench.add_argument("--top-k", type=int, default=None)
     bench.add_argument("--top-p", type=float, default=None)
@@ -78,6 +85,35 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
     )
     bench.set_defaults(func=handle_bench, chat=True)
 
+    tune = subparsers.add_parser(
+        "tune",
+        help="recommend a drafter and k per category, predicted and then measured",
+        description="Calibrate every candidate drafter once at k_max, predict the speedup of "
+        "every k per category from measured acceptance and costs, recommend, and check the "
+        "overall recommendation on prompts the calibration did not see. Writes config.json "
+        "(for --config), vllm.json, tune.md and tune.json.",
+    )
+    tune.add_argument("--target", required=True, help="target model")
+    tune.add_argument(
+        "--draft",
+        action="append",
+        required=True,
+        help="candidate drafter (repeatable): a model, ngram[:MIN-MAX] or early-exit:N",
+    )
+    tune.add_argument("--k-max", type=int, default=8, help="largest k considered (default 8)")
+    tune.add_argument(
+        "--limit", type=int, default=2, help="prompts per category to calibrate (and validate)"
+    )
+    tune.add_argument("--categories", type=_csv, default=None)
+    tune.add_argument("--prompts", default=None, help="JSONL file (ours or Spec-Bench format)")
+    tune.add_argument("--max-new-tokens", type=int, default=64)
+    tune.add_argument("--no-chat", dest="chat", action="store_false")
+    tune.add_argument("--dtype", default="bfloat16")
+    tune.add_argument("--device", default=None)
+    tune.add_argument("--no-validate", dest="validate", action="store_false")
+    tune.add_argument("--out", default=None, help="output folder (default runs/tune-TIME)")
+    tune.set_defaults(func=handle_tune, chat=True)
+
     report = subparsers.add_parser("report", help="re-render a saved benchmark's report")
     report.add_argument("dir", help="a folder written by `specdecode bench`")
     report.set_defaults(func=handle_report)
@@ -96,6 +132,7 @@ def handle_bench(args: argparse.Namespace) -> int:
         methods=args.methods,
         ks=args.k or ([2, 4] if args.quick else [1, 2, 4, 6, 8]),
         policies=args.k_policy or ["fixed"],
+        trees=args.tree or [],
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
@@ -115,6 +152,32 @@ def handle_bench(args: argparse.Namespace) -> int:
     config.validate()
     summary = run_bench(config)
     _print_headline(summary, config.out)
+    return 0
+
+
+def handle_tune(args: argparse.Namespace) -> int:
+    from specdecode.bench.runner import BenchConfig
+    from specdecode.bench.tune import render_tune, run_tune
+
+    if args.k_max < 1:
+        raise ValueError(f"--k-max must be >= 1 (got {args.k_max})")
+    config = BenchConfig(
+        target=args.target,
+        drafts=args.draft,
+        ks=[args.k_max],
+        max_new_tokens=args.max_new_tokens,
+        prompts_file=args.prompts,
+        categories=args.categories,
+        limit=args.limit,
+        chat=args.chat,
+        dtype=args.dtype,
+        device=args.device,
+        out=args.out or time.strftime("runs/tune-%Y%m%d-%H%M%S"),
+        command=shlex.join(["specdecode", *args.argv]),
+    )
+    result = run_tune(config, args.k_max, validate=args.validate)
+    print(render_tune(result))
+    print(f"config: {config.out}/config.json (use with --config); details in {config.out}/")
     return 0
 
 

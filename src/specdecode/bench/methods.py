@@ -38,11 +38,14 @@ class Setting:
     draft: str | None = None  # draft label for spec / hf-assisted
     k: int = 0  # look-ahead (0 for ar / hf-ar and for HF's default schedule)
     policy: str = "fixed"  # spec: k policy; hf-assisted: "default" or "constant"
+    tree: str | None = None  # spec: a token-tree shape ("static:3,2,1" / "dynamic:16"), k unused
 
     @property
     def label(self) -> str:
         if self.method in ("ar", "hf-ar"):
             return self.method
+        if self.tree is not None:
+            return f"{self.method}[{self.draft}] tree={self.tree}"
         if self.method == "hf-prompt-lookup":
             return f"hf-prompt-lookup k={self.k}"
         if self.method == "hf-assisted" and self.policy == "default":
@@ -68,11 +71,12 @@ def plan_settings(
     drafts: dict[str, Any],
     ks: list[int],
     policies: list[str],
+    trees: list[str] = (),  # type: ignore[assignment]
 ) -> list[Setting]:
     """Every setting the requested methods imply; methods that do not apply are left out.
 
-    `drafts` maps a draft label to what `resolve_draft` made of it: hf-assisted applies only to
-    draft models (a `LoadedModel`), hf-prompt-lookup needs none.
+    `drafts` maps a draft label to what `resolve_draft` made of it: hf-assisted and token trees
+    apply only to draft models (a `LoadedModel`), hf-prompt-lookup needs none.
     """
     unknown = [m for m in methods if m not in ALL_METHODS]
     if unknown:
@@ -87,6 +91,12 @@ def plan_settings(
                 for label in drafts
                 for policy in policies
                 for k in ks
+            ]
+            settings += [
+                Setting("spec", label, 0, "fixed", tree)
+                for label, draft in drafts.items()
+                if isinstance(draft, LoadedModel)
+                for tree in trees
             ]
         elif method == "hf-assisted":
             for label, draft in drafts.items():
@@ -124,9 +134,11 @@ class MethodRunner:
         if setting.method == "ar":
             return self.ar_engine
         if setting not in self._engines:
-            options = {} if setting.policy == "fixed" else {"k_policy": setting.policy}
+            options: dict[str, Any] = {"k_policy": setting.policy}
+            if setting.tree is not None:
+                options["tree"] = setting.tree
             self._engines[setting] = SpeculativeDecoder(
-                self.target, self.drafts[setting.draft], k=setting.k, **options
+                self.target, self.drafts[setting.draft], k=max(setting.k, 1), **options
             )
         return self._engines[setting]
 

@@ -37,6 +37,7 @@ class BenchConfig:
     methods: list[str] | None = None  # None: every method that applies
     ks: list[int] = field(default_factory=lambda: [1, 2, 4, 6, 8])
     policies: list[str] = field(default_factory=lambda: ["fixed"])
+    trees: list[str] = field(default_factory=list)  # token-tree shapes, for model drafts
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
@@ -65,6 +66,16 @@ class BenchConfig:
             raise ValueError(f"limit must be >= 1 (got {self.limit})")
         if not self.ks or any(k < 1 for k in self.ks):
             raise ValueError(f"--k takes look-aheads >= 1 (got {self.ks})")
+        from specdecode.drafters.tree_shape import parse_tree_spec
+        from specdecode.policies import K_POLICIES
+
+        for policy in self.policies:
+            if policy not in K_POLICIES:
+                raise ValueError(
+                    f"unknown k policy {policy!r}: choose from {', '.join(K_POLICIES)}"
+                )
+        for tree in self.trees:
+            parse_tree_spec(tree)
         if self.methods is not None:
             unknown = [m for m in self.methods if m not in ALL_METHODS]
             if unknown:
@@ -105,28 +116,47 @@ class _Conversation:
             self.messages.append({"role": "assistant", "content": text or ""})
 
 
-def run_bench(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
-    """Run the benchmark described by `config`; write DIR/{results.jsonl,summary.json,...}."""
-    from tqdm import tqdm
-
-    from specdecode.bench.report import write_report
+def load_bench_models(config: BenchConfig) -> tuple[LoadedModel, dict[str, Any]]:
+    """The target and every draft of `config` (draft label -> what resolve_draft made of it)."""
     from specdecode.drafters import resolve_draft
     from specdecode.models.loading import load_model
-
-    config.validate()
-    prompts = interleave_by_category(
-        load_suite(config.prompts_file, categories=config.categories, limit=config.limit)
-    )
-    out_dir = Path(config.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
 
     target = load_model(config.target, dtype=config.dtype, device=config.device)
     drafts = {
         spec: resolve_draft(spec, target, dtype=config.dtype, device=config.device)
         for spec in config.drafts
     }
+    return target, drafts
+
+
+def run_bench(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
+    """Run the benchmark described by `config`; write DIR/{results.jsonl,summary.json,...}."""
+    config.validate()
+    prompts = interleave_by_category(
+        load_suite(config.prompts_file, categories=config.categories, limit=config.limit)
+    )
+    target, drafts = load_bench_models(config)
     methods = config.methods or default_methods(drafts)
-    settings = plan_settings(methods, drafts, config.ks, config.policies)
+    settings = plan_settings(methods, drafts, config.ks, config.policies, config.trees)
+    _, summary = run_settings(config, target, drafts, settings, prompts, progress)
+    return summary
+
+
+def run_settings(
+    config: BenchConfig,
+    target: LoadedModel,
+    drafts: dict[str, Any],
+    settings: list[Setting],
+    prompts: list[BenchPrompt],
+    progress: bool = True,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Run `settings` on `prompts` with loaded models; write and return records and summary."""
+    from tqdm import tqdm
+
+    from specdecode.bench.report import write_report
+
+    out_dir = Path(config.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
     runner = MethodRunner(
         target,
         drafts,
@@ -193,7 +223,7 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
     summary = summarize(records)
     (out_dir / SUMMARY).write_text(json.dumps(summary, indent=1))
     write_report(out_dir, summary, records, _read_run_info(out_dir))
-    return summary
+    return records, summary
 
 
 def _rotate(settings: list[Setting], by: int) -> list[Setting]:

@@ -1,0 +1,261 @@
+"""`specdecode tune`: measure once, predict every k, recommend, then check the prediction.
+
+1. Calibration: `ar` and every candidate drafter at k = k_max on the first `limit` prompts of
+   each category (greedy). Greedy output does not depend on k, so one run per drafter gives the
+   distribution of the accepted length L at every step start: P(L >= i) = accepted_at[i] /
+   steps, and of the drafted length D (an n-gram drafter finds no match on some steps).
+2. Costs: v(n) measured directly (bench/costs.py); the draft forward time and the Python
+   overhead per step / per AR token from the calibration's timed forwards.
+3. Prediction for every drafter, k <= k_max and category, with D_k = min(D, k):
+       step time  = E[D_k]·t_draft + E[v(D_k + 1)]·t_1 + o_step     (t_draft = 0 model-free)
+       tokens     = 1 + sum_{i=1..k} P(L >= i)
+       speedup    = tokens / step time · (t_1 + o_ar)
+   The recommendation per category is the best prediction; overall, the setting with the best
+   geometric mean of predictions over categories.
+4. Validation: `ar` and the overall recommendation on the next `limit` prompts of each category
+   (prompts the calibration did not see); measured vs predicted speedup, per category and overall.
+Writes DIR/tune.json, DIR/tune.md, DIR/config.json (`--config` for generate/bench/serve) and
+DIR/vllm.json (vLLM's speculative_config, when the recommendation has one).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from specdecode import metrics
+from specdecode.bench.aggregate import OVERALL, row_for
+from specdecode.bench.costs import verify_costs
+from specdecode.bench.methods import Setting
+from specdecode.bench.runner import BenchConfig, load_bench_models, run_settings
+from specdecode.bench.suites import BenchPrompt, interleave_by_category, load_suite
+from specdecode.config import RunConfig, save_config, to_vllm_speculative_config
+
+Record = dict[str, Any]
+
+
+def split_prompts(
+    prompts: list[BenchPrompt], limit: int
+) -> tuple[list[BenchPrompt], list[BenchPrompt]]:
+    """First `limit` prompts of each category for calibration, the next `limit` for validation."""
+    seen: dict[str, int] = defaultdict(int)
+    calibration, validation = [], []
+    for prompt in prompts:
+        index = seen[prompt.category]
+        seen[prompt.category] += 1
+        if index < limit:
+            calibration.append(prompt)
+        elif index < 2 * limit:
+            validation.append(prompt)
+    return calibration, validation
+
+
+def _pooled(records: list[Record], field: str) -> list[int]:
+    total: list[int] = []
+    for r in records:
+        for i, value in enumerate(r.get(field) or []):
+            if i == len(total):
+                total.append(0)
+            total[i] += value
+    return total
+
+
+def step_profile(records: list[Record], k_max: int) -> dict[str, list[float]]:
+    """P(L >= i) and P(D >= i), i = 1..k_max, over every step of `records` (one drafter)."""
+    steps = sum(r["steps"] for r in records)
+    accepted = _pooled(records, "accepted_at") + [0] * k_max
+    drafted = _pooled(records, "drafted_at") + [0] * k_max
+    return {
+        "p_accepted_ge": [accepted[i] / steps for i in range(k_max)],
+        "p_drafted_ge": [drafted[i] / steps for i in range(k_max)],
+    }
+
+
+def predict_speedup(
+    profile: dict[str, list[float]],
+    k: int,
+    v: dict[int, float],
+    t_draft: float,
+    t_1: float,
+    o_step: float,
+    o_ar: float,
+) -> float:
+    """Predicted decode speedup at look-ahead k (module docstring, step 3); times in seconds."""
+    p_acc, p_dr = profile["p_accepted_ge"], profile["p_drafted_ge"]
+    tokens = 1.0 + sum(p_acc[:k])
+    ge = [1.0, *p_dr[:k], 0.0]  # P(D_k >= j), j = 0..k+1 (D_k = min(D, k))
+    p_exact = [ge[j] - ge[j + 1] for j in range(k + 1)]  # P(D_k = j)
+    mean_drafted = sum(j * p for j, p in enumerate(p_exact))
+    verify = sum(p * v[j + 1] for j, p in enumerate(p_exact)) * t_1
+    step = mean_drafted * t_draft + verify + o_step
+    return tokens / step * (t_1 + o_ar)
+
+
+def measured_costs(ar: list[Record], spec: list[Record]) -> dict[str, float]:
+    """t_1, o_ar from `ar` records; t_draft, o_step from one drafter's spec records (seconds)."""
+
+    def total(records: list[Record], field: str) -> float:
+        return sum(r[field] or 0 for r in records)
+
+    def decode_time(records: list[Record]) -> float:
+        return sum(r["wall_time_s"] - (r["prefill_s"] or 0.0) for r in records)
+
+    t_1 = total(ar, "target_forward_s") / total(ar, "target_forwards")
+    o_ar = decode_time(ar) / total(ar, "steps") - t_1
+    forwards = total(spec, "target_forward_s") + total(spec, "draft_forward_s")
+    o_step = (decode_time(spec) - forwards) / total(spec, "steps")
+    draft_calls = total(spec, "draft_forwards")
+    t_draft = total(spec, "draft_forward_s") / draft_calls if draft_calls else 0.0
+    return {"t_1": t_1, "o_ar": max(o_ar, 0.0), "o_step": max(o_step, 0.0), "t_draft": t_draft}
+
+
+def predictions(
+    records: list[Record], drafts: list[str], k_max: int, v: dict[int, float]
+) -> list[dict[str, Any]]:
+    """Predicted speedup for every drafter x k x category (and overall), from calibration."""
+    ar = [r for r in records if r["method"] == "ar"]
+    categories = list(dict.fromkeys(r["category"] for r in records))
+    rows = []
+    for draft in drafts:
+        spec = [r for r in records if r["method"] == "spec" and r["draft"] == draft]
+        costs = measured_costs(ar, spec)
+        for category in categories:
+            profile = step_profile([r for r in spec if r["category"] == category], k_max)
+            for k in range(1, k_max + 1):
+                speedup = predict_speedup(profile, k, v, **costs)
+                rows.append({"draft": draft, "k": k, "category": category, "predicted": speedup})
+        for k in range(1, k_max + 1):
+            per_category = [r["predicted"] for r in rows if r["draft"] == draft and r["k"] == k]
+            overall = metrics.geometric_mean(per_category)
+            rows.append({"draft": draft, "k": k, "category": OVERALL, "predicted": overall})
+    return rows
+
+
+def recommend(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The best predicted drafter and k per category and overall."""
+    best: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        held = best.get(row["category"])
+        if held is None or row["predicted"] > held["predicted"]:
+            best[row["category"]] = row
+    return best
+
+
+def run_tune(config: BenchConfig, k_max: int, validate: bool = True, progress: bool = True):
+    """Calibrate, predict, recommend and (optionally) validate; write the files in config.out."""
+    config.validate()
+    if not config.drafts:
+        raise ValueError("tune needs at least one candidate --draft")
+    if config.temperature:
+        raise ValueError("tune calibrates greedy decoding: leave --temperature at 0")
+    limit = config.limit or 2
+    prompts = load_suite(config.prompts_file, categories=config.categories, limit=2 * limit)
+    calibration, validation = split_prompts(prompts, limit)
+    if validate and not validation:
+        raise ValueError(
+            f"no prompts left to validate on: each category needs more than {limit} prompts "
+            "(lower --limit or pass --no-validate)"
+        )
+    out = Path(config.out)
+    target, drafts = load_bench_models(config)
+
+    settings = [Setting("ar")] + [Setting("spec", d, k_max) for d in config.drafts]
+    cal_config = replace(config, out=str(out / "calibration"))
+    records, _ = run_settings(
+        cal_config, target, drafts, settings, interleave_by_category(calibration), progress
+    )
+    v = verify_costs(target.model, k_max + 1)
+    rows = predictions(records, config.drafts, k_max, v)
+    best = recommend(rows)
+    overall = best[OVERALL]
+    result: dict[str, Any] = {
+        "command": config.command,
+        "k_max": k_max,
+        "v": v,
+        "predictions": rows,
+        "recommended": best,
+        "validation": None,
+    }
+
+    if validate:
+        chosen = Setting("spec", overall["draft"], overall["k"])
+        val_config = replace(config, out=str(out / "validation"))
+        _, summary = run_settings(
+            val_config,
+            target,
+            drafts,
+            [Setting("ar"), chosen],
+            interleave_by_category(validation),
+            progress,
+        )
+        per_category = {}
+        for category in [*summary["categories"], OVERALL]:
+            measured = row_for(summary, chosen.label, category)["speedup"]
+            predicted = next(
+                r["predicted"]
+                for r in rows
+                if r["draft"] == chosen.draft and r["k"] == chosen.k and r["category"] == category
+            )
+            per_category[category] = {
+                "predicted": predicted,
+                "measured": measured,
+                "error": measured / predicted - 1 if measured else None,
+            }
+        result["validation"] = {"setting": chosen.label, "per_category": per_category}
+
+    run_config = RunConfig(
+        target=config.target,
+        draft=overall["draft"],
+        k=overall["k"],
+        dtype=config.dtype,
+        device=config.device,
+        per_category={
+            c: {"draft": r["draft"], "k": r["k"]} for c, r in best.items() if c != OVERALL
+        },
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(run_config, out / "config.json")
+    try:
+        (out / "vllm.json").write_text(json.dumps(to_vllm_speculative_config(run_config), indent=2))
+    except ValueError as err:  # early exit has no vLLM counterpart: say so, keep the rest
+        result["vllm"] = str(err)
+    (out / "tune.json").write_text(json.dumps(result, indent=1))
+    (out / "tune.md").write_text(render_tune(result))
+    return result
+
+
+def render_tune(result: dict[str, Any]) -> str:
+    best = result["recommended"]
+    lines = [
+        "# Tuning report",
+        "",
+        f"Command: `{result['command']}`",
+        "",
+        "Predicted decode speedup over the target alone (from one calibration run per drafter at "
+        f"k = {result['k_max']}, measured v(n) and forward times).",
+        "",
+        "| category | drafter | k | predicted |",
+        "|---|---|---|---|",
+    ]
+    for category, row in best.items():
+        lines.append(f"| {category} | {row['draft']} | {row['k']} | {row['predicted']:.2f}x |")
+    v = ", ".join(f"v({n}) = {x:.2f}" for n, x in result["v"].items())
+    lines += ["", f"Verification cost: {v}.", ""]
+    validation = result.get("validation")
+    if validation:
+        lines += [
+            f"## Validation of `{validation['setting']}` on prompts the calibration did not see",
+            "",
+            "| category | predicted | measured | error |",
+            "|---|---|---|---|",
+        ]
+        for category, row in validation["per_category"].items():
+            measured = "-" if row["measured"] is None else f"{row['measured']:.2f}x"
+            error = "-" if row["error"] is None else f"{row['error']:+.0%}"
+            lines.append(f"| {category} | {row['predicted']:.2f}x | {measured} | {error} |")
+    if "vllm" in result:
+        lines += ["", f"No vLLM export: {result['vllm']}"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,86 @@
+"""`specdecode tune`: the prediction model on hand-made numbers, and the whole loop on tiny models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdecode.bench.runner import BenchConfig
+from specdecode.bench.suites import BenchPrompt
+from specdecode.bench.tune import predict_speedup, run_tune, split_prompts, step_profile
+from specdecode.cli import main
+from specdecode.config import load_config
+
+
+def test_prediction_for_a_model_drafter():
+    profile = {"p_accepted_ge": [0.8, 0.6], "p_drafted_ge": [1.0, 1.0]}
+    v = {1: 1.0, 2: 1.1, 3: 1.2}
+    # tokens 1 + 0.8 + 0.6; step: 2 draft forwards of 0.2, verify v(3) = 1.2, overhead 0.1
+    expected = 2.4 / (2 * 0.2 + 1.2 + 0.1) * (1.0 + 0.05)
+    got = predict_speedup(profile, 2, v, t_draft=0.2, t_1=1.0, o_step=0.1, o_ar=0.05)
+    assert got == pytest.approx(expected)
+    # k = 1 ignores what lies beyond the first position
+    got = predict_speedup(profile, 1, v, t_draft=0.2, t_1=1.0, o_step=0.0, o_ar=0.0)
+    assert got == pytest.approx(1.8 / (0.2 + 1.1))
+
+
+def test_prediction_for_a_drafter_that_sometimes_proposes_nothing():
+    # an n-gram drafter: half the steps find no match (D = 0), a quarter propose 2 tokens
+    profile = {"p_accepted_ge": [0.4, 0.2], "p_drafted_ge": [0.5, 0.25]}
+    v = {1: 1.0, 2: 2.0, 3: 3.0}
+    verify = 0.5 * 1.0 + 0.25 * 2.0 + 0.25 * 3.0  # P(D_2 = 0, 1, 2) times v(D_2 + 1)
+    got = predict_speedup(profile, 2, v, t_draft=0.0, t_1=1.0, o_step=0.0, o_ar=0.0)
+    assert got == pytest.approx(1.6 / verify)
+
+
+def test_step_profile_pools_steps():
+    records = [
+        {"steps": 4, "accepted_at": [3, 1], "drafted_at": [4, 4]},
+        {"steps": 6, "accepted_at": [2], "drafted_at": [6]},
+    ]
+    profile = step_profile(records, 3)
+    assert profile["p_accepted_ge"] == pytest.approx([0.5, 0.1, 0.0])
+    assert profile["p_drafted_ge"] == pytest.approx([1.0, 0.4, 0.0])
+
+
+def test_split_prompts_keeps_calibration_and_validation_apart():
+    prompts = [BenchPrompt(f"{c}{i}", c, ["x"]) for c in "ab" for i in range(3)]
+    calibration, validation = split_prompts(prompts, 1)
+    assert [p.id for p in calibration] == ["a0", "b0"]
+    assert [p.id for p in validation] == ["a1", "b1"]  # the rest is not used
+
+
+def test_tune_end_to_end_on_tiny_models(tiny_folders, tmp_path):
+    config = BenchConfig(
+        target=str(tiny_folders / "target"),
+        drafts=[str(tiny_folders / "draft"), "ngram"],
+        max_new_tokens=10,
+        prompts_file=str(tiny_folders / "prompts.jsonl"),
+        limit=1,
+        dtype="float32",
+        out=str(tmp_path / "tune"),
+        command="specdecode tune ...",
+    )
+    result = run_tune(config, k_max=3, progress=False)
+    assert len(result["predictions"]) == 2 * 3 * 3  # drafters x k x (2 categories + overall)
+    assert set(result["v"]) == {1, 2, 3, 4} and result["v"][1] == 1.0
+    best = result["recommended"]
+    assert set(best) == {"writing", "qa", "all"}
+    validation = result["validation"]["per_category"]
+    assert set(validation) == {"writing", "qa", "all"}
+    assert all(row["measured"] is not None for row in validation.values())
+
+    out = tmp_path / "tune"
+    saved = load_config(out / "config.json")  # what --config reads
+    assert (saved.draft, saved.k) == (best["all"]["draft"], best["all"]["k"])
+    assert set(saved.per_category) == {"writing", "qa"}
+    assert "Validation of" in (out / "tune.md").read_text()
+    assert json.loads((out / "tune.json").read_text())["k_max"] == 3
+    assert (out / "calibration" / "results.jsonl").exists()
+    assert (out / "validation" / "report.md").exists()
+
+
+def test_tune_cli_rejects_bad_input(tmp_path, capsys):
+    assert main(["tune", "--target", "t", "--draft", "ngram", "--k-max", "0"]) == 2
+    assert "--k-max" in capsys.readouterr().err
