@@ -269,6 +269,7 @@ def test_bench_end_to_end_on_tiny_models(tiny_folders, tmp_path):
         turns="all",
         dtype="float32",
         out=str(out),
+        share_prefill=True,
     )
     summary = run_bench(config, progress=False)
 
@@ -290,6 +291,9 @@ def test_bench_end_to_end_on_tiny_models(tiny_folders, tmp_path):
             assert record["steps"] >= 1
             # the cost policy may find drafting does not pay (k = 0 steps): no rate then
             assert (record["acceptance_rate"] is None) == (record["drafted"] == 0)
+    # one prefill per prompt, shared by the methods that can start from a cache
+    shared = {r["method"] for r in records if r["shared_prefill_s"] is not None}
+    assert shared == {"ar", "spec", "hf-ar"}
     by_turn = {(r["prompt_id"], r["turn"]) for r in records}
     assert by_turn == {("1", 0), ("1", 1), ("2", 0), ("3", 0), ("4", 0)}
 

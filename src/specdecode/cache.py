@@ -29,7 +29,7 @@ class KVCache:
         self.hf = DynamicCache()
         params = _forward_params(type(model))
         # transformers 5.x names the cache argument `cache`, 4.x `past_key_values`
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._can_trim_logits = "logits_to_keep" in params
 
     def __len__(self) -> int:
@@ -42,6 +42,13 @@ class KVCache:
             raise ValueError(f"cannot roll back a cache of {len(self)} positions to {length}")
         if n_drop:
             self.hf.crop(-n_drop)  # a negative count drops that many positions (4.x and 5.x)
+
+    def copy(self) -> KVCache:
+        """An independent copy over the same model (one prompt's prefill reused by many runs)."""
+        other = KVCache(self.model)
+        for index, layer in enumerate(_layers(self.hf)):
+            other.hf.update(layer.keys.clone(), layer.values.clone(), index)
+        return other
 
     def compact(self, keep: list[int] | torch.Tensor) -> None:
         """Keep only the cached positions `keep` (strictly increasing), moved to 0..len(keep)-1.
@@ -79,7 +86,7 @@ class KVCache:
         is a large share of a small model's forward). A token tree passes its own position ids
         [n] and a 4D attention mask [1, 1, n, len(self) + n] (see tree.py).
         """
-        kwargs: dict[str, Any] = {self._cache_kwarg: self.hf}
+        kwargs: dict[str, Any] = {self.cache_kwarg: self.hf}
         if last_only and self._can_trim_logits:
             kwargs["logits_to_keep"] = 1
         if position_ids is not None:

@@ -31,8 +31,21 @@ class DecodeState:
 
 
 @torch.inference_mode()
-def prefill(target: Any, prompt_ids: list[int], stats: Stats) -> DecodeState:
-    """Fill the target's cache with all prompt tokens but the last (the first step's input)."""
+def prefill(
+    target: Any, prompt_ids: list[int], stats: Stats, prefilled: KVCache | None = None
+) -> DecodeState:
+    """Fill the target's cache with all prompt tokens but the last (the first step's input).
+
+    `prefilled`: a cache that already covers prompt_ids[:-1] (a prompt prefilled once and
+    reused); it is used as is, and the decode then owns it.
+    """
+    if prefilled is not None:
+        if len(prefilled) != len(prompt_ids) - 1:
+            raise ValueError(
+                f"a prefilled cache must cover the prompt but its last token "
+                f"({len(prompt_ids) - 1} positions), not {len(prefilled)}"
+            )
+        return DecodeState(tokens=list(prompt_ids), target_cache=prefilled)
     cache = KVCache(target)
     if len(prompt_ids) > 1:
         device = next(target.parameters()).device
@@ -95,6 +108,7 @@ def decode(
     generator: torch.Generator | None = None,
     eos_token_ids: Collection[int] = (),
     stats: Stats | None = None,
+    prefilled: KVCache | None = None,
 ) -> Iterator[list[int]]:
     """Generate up to `max_new_tokens` tokens after `prompt_ids`, yielding each step's tokens.
 
@@ -110,7 +124,7 @@ def decode(
     stats.k = policy.k_max if drafter is not None else 0
     stats.k_policy = policy.name if drafter is not None else ""
     stats.prompt_tokens = len(prompt_ids)
-    state = prefill(target, prompt_ids, stats)
+    state = prefill(target, prompt_ids, stats, prefilled)
     if drafter is not None:
         drafter.begin(prompt_ids, params, generator, stats.meter)
         policy.begin()

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from specdecode.cache import KVCache
 from specdecode.decode import decode
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.model import ModelDrafter, check_confidence
@@ -172,10 +173,13 @@ class SpeculativeDecoder:
         eos_token_ids: Sequence[int] | None = None,
         chat: bool = False,
         stats: Stats | None = None,
+        prefilled: KVCache | None = None,
     ) -> Iterator[list[int]]:
         """Yield each step's committed new token ids; `self.last_stats` holds the counters.
 
         Input is validated here, before the first token (ValueError on bad input).
+        `prefilled`: the target's cache over the prompt ids but the last, computed once
+        elsewhere (`KVCache.copy()` of it per run); the run then skips the target's prefill.
         """
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         prompt_ids = self.encode_prompt(prompt, chat=chat)
@@ -188,7 +192,7 @@ class SpeculativeDecoder:
         eos = self.eos_token_ids if eos_token_ids is None else set(eos_token_ids)
         stats = stats if stats is not None else Stats()
         self.last_stats = stats
-        return self._run(prompt_ids, max_new_tokens, params, seed, stops, eos, stats)
+        return self._run(prompt_ids, max_new_tokens, params, seed, stops, eos, stats, prefilled)
 
     def _run(
         self,
@@ -199,6 +203,7 @@ class SpeculativeDecoder:
         stops: list[str],
         eos: set[int],
         stats: Stats,
+        prefilled: KVCache | None = None,
     ) -> Iterator[list[int]]:
         device = self.target.device
         clock = clock_for(device)
@@ -217,6 +222,7 @@ class SpeculativeDecoder:
             generator=generator,
             eos_token_ids=eos,
             stats=stats,
+            prefilled=prefilled,
         )
         stop_check = _StopStrings(self.tokenizer, stops) if stops else None
         try:

@@ -44,6 +44,12 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
     )
     bench.add_argument("--k", type=_int_csv, default=None, help="look-aheads (default 1,2,4,6,8)")
     bench.add_argument(
+        "--hf-k",
+        type=_int_csv,
+        default=None,
+        help="k of HF's constant-k assisted and prompt-lookup settings (default: --k)",
+    )
+    bench.add_argument(
         "--k-policy",
         type=_csv,
         default=None,
@@ -72,6 +78,12 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
     )
     bench.add_argument("--chat", dest="chat", action="store_true", help="chat template (default)")
     bench.add_argument("--repeats", type=int, default=1)
+    bench.add_argument(
+        "--share-prefill",
+        action="store_true",
+        help="prefill each prompt once and reuse the cache in ar, spec and hf-ar (HF's assisted "
+        "and lookup methods cannot take it): TTFT and e2e rates then exclude that prefill",
+    )
     bench.add_argument(
         "--dtype", default=None, help="default bfloat16 (quick: float32, exact identity to AR)"
     )
@@ -133,6 +145,7 @@ def handle_bench(args: argparse.Namespace) -> int:
         ks=args.k or ([2, 4] if args.quick else [1, 2, 4, 6, 8]),
         policies=args.k_policy or ["fixed"],
         trees=args.tree or [],
+        hf_ks=args.hf_k,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
@@ -144,6 +157,7 @@ def handle_bench(args: argparse.Namespace) -> int:
         turns=args.turns,
         chat=args.chat,
         repeats=args.repeats,
+        share_prefill=args.share_prefill,
         dtype=args.dtype or ("float32" if args.quick else "bfloat16"),
         device=args.device,
         out=args.out or time.strftime("runs/bench-%Y%m%d-%H%M%S"),

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from specdecode.cache import KVCache
 from specdecode.engine import SpeculativeDecoder, clock_for
 from specdecode.models.loading import LoadedModel
 from specdecode.types import Stats
@@ -72,12 +73,15 @@ def plan_settings(
     ks: list[int],
     policies: list[str],
     trees: list[str] = (),  # type: ignore[assignment]
+    hf_ks: list[int] | None = None,
 ) -> list[Setting]:
     """Every setting the requested methods imply; methods that do not apply are left out.
 
     `drafts` maps a draft label to what `resolve_draft` made of it: hf-assisted and token trees
-    apply only to draft models (a `LoadedModel`), hf-prompt-lookup needs none.
+    apply only to draft models (a `LoadedModel`), hf-prompt-lookup needs none. HF's constant-k
+    settings use `hf_ks` (default: the same ks as ours).
     """
+    hf_ks = ks if hf_ks is None else hf_ks
     unknown = [m for m in methods if m not in ALL_METHODS]
     if unknown:
         raise ValueError(f"unknown method {unknown[0]!r}: choose from {', '.join(ALL_METHODS)}")
@@ -102,9 +106,9 @@ def plan_settings(
             for label, draft in drafts.items():
                 if isinstance(draft, LoadedModel):
                     settings.append(Setting("hf-assisted", label, 0, "default"))
-                    settings += [Setting("hf-assisted", label, k, "constant") for k in ks]
+                    settings += [Setting("hf-assisted", label, k, "constant") for k in hf_ks]
         elif method == "hf-prompt-lookup":
-            settings += [Setting("hf-prompt-lookup", None, k) for k in ks]
+            settings += [Setting("hf-prompt-lookup", None, k) for k in hf_ks]
     return settings
 
 
@@ -142,23 +146,52 @@ class MethodRunner:
             )
         return self._engines[setting]
 
-    def run(self, setting: Setting, prompt_ids: list[int], max_new_tokens: int) -> RunOutput:
+    def run(
+        self,
+        setting: Setting,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        prefilled: KVCache | None = None,
+    ) -> RunOutput:
+        """One generation. `prefilled` (the target's cache over prompt_ids[:-1]) is copied and
+        reused by the methods that can take it (`takes_prefill`); the others prefill."""
+        if not takes_prefill(setting):
+            prefilled = None
         if setting.method in OUR_METHODS:
-            return self._run_ours(setting, prompt_ids, max_new_tokens)
-        return self._run_hf(setting, prompt_ids, max_new_tokens)
+            return self._run_ours(setting, prompt_ids, max_new_tokens, prefilled)
+        return self._run_hf(setting, prompt_ids, max_new_tokens, prefilled)
 
-    def _run_ours(self, setting: Setting, ids: list[int], max_new_tokens: int) -> RunOutput:
+    def prefill(self, prompt_ids: list[int]) -> tuple[KVCache, float]:
+        """The target's cache over prompt_ids[:-1], and the seconds it took."""
+        cache = KVCache(self.target.model)
+        start = self.clock()
+        with torch.inference_mode():
+            if len(prompt_ids) > 1:
+                ids = torch.tensor(prompt_ids[:-1], device=self.target.device)
+                cache.forward(ids, last_only=True)
+        return cache, self.clock() - start
+
+    def _run_ours(
+        self, setting: Setting, ids: list[int], max_new_tokens: int, prefilled: KVCache | None
+    ) -> RunOutput:
         engine = self.engine(setting)
         stats = Stats()
         chunks = engine.stream(
-            ids, max_new_tokens=max_new_tokens, seed=self.seed, stats=stats, **self.sampling
+            ids,
+            max_new_tokens=max_new_tokens,
+            seed=self.seed,
+            stats=stats,
+            prefilled=prefilled.copy() if prefilled is not None else None,
+            **self.sampling,
         )
         blocks = list(chunks)
         tokens = [t for block in blocks for t in block]
         first = len(blocks[0]) if blocks else 0
         return RunOutput(tokens, stats.wall_time_s, stats.ttft_s, first, stats, stats.prefill_s)
 
-    def _run_hf(self, setting: Setting, ids: list[int], max_new_tokens: int) -> RunOutput:
+    def _run_hf(
+        self, setting: Setting, ids: list[int], max_new_tokens: int, prefilled: KVCache | None
+    ) -> RunOutput:
         from transformers import GenerationConfig
 
         model = self.target.model
@@ -180,6 +213,8 @@ class MethodRunner:
         elif setting.method == "hf-prompt-lookup":
             config.prompt_lookup_num_tokens = setting.k
             config.max_matching_ngram_size = HF_PROMPT_LOOKUP_NGRAM
+        if prefilled is not None:  # generate() runs only the prompt tokens the cache lacks
+            extra[prefilled.cache_kwarg] = prefilled.copy().hf
         inputs = torch.tensor([ids], device=self.target.device)
         timer = _FirstTokens(self.clock)
         if not greedy:
@@ -197,6 +232,15 @@ class MethodRunner:
         tokens = out[0, len(ids) :].tolist()
         ttft = timer.ttft if timer.ttft is not None else wall
         return RunOutput(tokens, wall, ttft, timer.first_chunk or len(tokens))
+
+
+def takes_prefill(setting: Setting) -> bool:
+    """Whether a method can start from a pre-filled target cache with unchanged output.
+
+    Ours and plain HF generate can. HF's assisted generation and prompt lookup cannot: in
+    transformers 5.24 their greedy output changes when generate() gets a pre-filled cache.
+    """
+    return setting.method in ("ar", "spec", "hf-ar")
 
 
 def _set_assistant_schedule(assistant: Any, setting: Setting) -> None:

@@ -20,7 +20,13 @@ import torch
 
 from specdecode.bench.aggregate import summarize
 from specdecode.bench.memory import estimate_bytes
-from specdecode.bench.methods import ALL_METHODS, MethodRunner, Setting, plan_settings
+from specdecode.bench.methods import (
+    ALL_METHODS,
+    MethodRunner,
+    Setting,
+    plan_settings,
+    takes_prefill,
+)
 from specdecode.bench.records import make_record, mark_identity, top2_margin
 from specdecode.bench.suites import BenchPrompt, interleave_by_category, load_suite
 from specdecode.models.loading import LoadedModel
@@ -38,6 +44,7 @@ class BenchConfig:
     ks: list[int] = field(default_factory=lambda: [1, 2, 4, 6, 8])
     policies: list[str] = field(default_factory=lambda: ["fixed"])
     trees: list[str] = field(default_factory=list)  # token-tree shapes, for model drafts
+    hf_ks: list[int] | None = None  # k of HF's constant-k settings (None: the same as ks)
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
@@ -49,6 +56,9 @@ class BenchConfig:
     turns: str = "first"  # "first" or "all"
     chat: bool = True
     repeats: int = 1
+    # prefill each prompt once and hand a copy of the cache to every method that can take one
+    # (methods.takes_prefill); their TTFT and e2e rates then exclude the target's prefill
+    share_prefill: bool = False
     dtype: str = "bfloat16"
     device: str | None = None
     out: str = "runs/bench"
@@ -64,8 +74,9 @@ class BenchConfig:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit must be >= 1 (got {self.limit})")
-        if not self.ks or any(k < 1 for k in self.ks):
-            raise ValueError(f"--k takes look-aheads >= 1 (got {self.ks})")
+        for name, ks in (("--k", self.ks), ("--hf-k", self.hf_ks)):
+            if ks is not None and (not ks or any(k < 1 for k in ks)):
+                raise ValueError(f"{name} takes look-aheads >= 1 (got {ks})")
         from specdecode.drafters.tree_shape import parse_tree_spec
         from specdecode.policies import K_POLICIES
 
@@ -137,7 +148,9 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
     )
     target, drafts = load_bench_models(config)
     methods = config.methods or default_methods(drafts)
-    settings = plan_settings(methods, drafts, config.ks, config.policies, config.trees)
+    settings = plan_settings(
+        methods, drafts, config.ks, config.policies, config.trees, config.hf_ks
+    )
     _, summary = run_settings(config, target, drafts, settings, prompts, progress)
     return summary
 
@@ -190,11 +203,17 @@ def run_settings(
                 for turn in turns:
                     done: dict[Setting, dict[str, Any]] = {}
                     ids_of: dict[Setting, list[int]] = {}
+                    shared: dict[tuple[int, ...], tuple[Any, float]] = {}  # ids -> cache, s
                     for setting in order:
                         bar.set_postfix_str(f"{prompt.id} {setting.label}", refresh=False)
                         ids = prompt_ids(conversations[setting].next_input(turn, config.chat))
+                        prefilled, prefill_s = None, None
+                        if config.share_prefill and takes_prefill(setting):
+                            if tuple(ids) not in shared:
+                                shared[tuple(ids)] = runner.prefill(ids)
+                            prefilled, prefill_s = shared[tuple(ids)]
                         memory_source = _reset_peak(target)
-                        out = runner.run(setting, ids, config.max_new_tokens)
+                        out = runner.run(setting, ids, config.max_new_tokens, prefilled)
                         memory = _peak_or_estimate(
                             target, runner, setting, len(ids) + len(out.token_ids)
                         )
@@ -210,6 +229,7 @@ def run_settings(
                             temperature=config.temperature,
                             memory_bytes=memory,
                             memory_source=memory_source,
+                            shared_prefill_s=prefill_s,
                         )
                         ids_of[setting] = ids
                         bar.update()
