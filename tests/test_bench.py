@@ -300,6 +300,9 @@ def test_bench_end_to_end_on_tiny_models(tiny_folders, tmp_path):
     assert {r["category"] for r in summary["rows"]} == {"all", "writing", "qa"}
     spec_all = row_for(summary, f"spec[{tiny_folders / 'draft'}] k=3")
     assert spec_all["ideal_speedup"] > 0 and spec_all["c"] > 0 and spec_all["v"] > 0
+    tree_row = row_for(summary, f"spec[{tiny_folders / 'draft'}] tree=static:2,1")
+    assert tree_row["tree"] == "static:2,1" and tree_row["ideal_speedup"] is None
+    assert all(v["k"] > 0 for per in summary["best_k"].values() for v in per.values())
     assert summary["divergences"] == []
     report = (out / "report.md").read_text()
     assert "## Speedup by category" in report and "## Best k per category" in report
@@ -324,3 +327,25 @@ def test_bench_cli_errors_are_one_line(tmp_path, capsys):
     assert main(["bench", "--target", "t", "--methods", "spec", "--draft", "ngram"]) == 2
     assert "include `ar`" in capsys.readouterr().err
     assert main(["bench", "--target", "t", "--temperature", "-1"]) == 2
+
+
+def test_identity_is_not_judged_between_different_conversations():
+    from specdecode.bench.methods import Setting
+    from specdecode.bench.runner import _check_identity
+
+    from conftest import tiny_llama
+
+    ar, same, other = Setting("ar"), Setting("spec", "d", 2), Setting("spec", "d", 4)
+    blank = {"identical_to_ar": None, "first_divergence": None}
+    done = {
+        ar: {"token_ids": [1, 2]},
+        same: {"token_ids": [1, 3], **blank},
+        other: {"token_ids": [1, 3], **blank},
+    }
+    # `other` answered an earlier turn differently, so its prompt here is not ar's
+    target = LoadedModel(model=tiny_llama(0))  # gives the top-2 margin of the divergence
+    _check_identity(target, done, {ar: [5, 6], same: [5, 6], other: [5, 7]})
+    assert done[same]["identical_to_ar"] is False
+    assert done[same]["first_divergence"]["position"] == 1
+    assert done[same]["first_divergence"]["top2_margin"] >= 0
+    assert done[other]["identical_to_ar"] is None and done[other]["first_divergence"] is None

@@ -93,3 +93,20 @@ def test_rollback_refuses_to_grow():
     assert len(cache) == 2
     with pytest.raises(ValueError, match="roll back"):
         cache.rollback(5)
+
+
+def test_a_copied_prefill_decodes_like_a_fresh_one_and_stays_independent(llama_pair):
+    from specdecode.decode import decode
+
+    target, _ = llama_pair
+    prompt = [3, 14, 15, 92, 65, 35]
+    shared = KVCache(target)
+    with torch.inference_mode():
+        shared.forward(torch.tensor(prompt[:-1]), last_only=True)
+    expected = [t for block in decode(target, prompt, 12) for t in block]
+    for _ in range(2):  # the shared cache is never touched: every copy starts from the prompt
+        copied = [t for block in decode(target, prompt, 12, prefilled=shared.copy()) for t in block]
+        assert copied == expected
+        assert len(shared) == len(prompt) - 1
+    with pytest.raises(ValueError, match="must cover the prompt but its last token"):
+        next(decode(target, [*prompt, 7], 4, prefilled=shared.copy()))

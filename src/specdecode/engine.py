@@ -145,13 +145,18 @@ class SpeculativeDecoder:
         )
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _check_length(self, n_prompt: int, max_new_tokens: int) -> None:
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1 (got {max_new_tokens!r})")
+    def context_models(self) -> list[tuple[str, Any]]:
+        """(role, model) for every model whose context bounds a generation: the target and a
+        model drafter (chain or tree)."""
         models = [("target", self.target.model)]
         if isinstance(self.drafter, (ModelDrafter, TreeModelDrafter)):
             models.append(("draft", self.drafter.model))
-        for role, model in models:
+        return models
+
+    def _check_length(self, n_prompt: int, max_new_tokens: int) -> None:
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1 (got {max_new_tokens!r})")
+        for role, model in self.context_models():
             limit = context_length(model)
             if limit is not None and n_prompt + max_new_tokens > limit:
                 raise ValueError(

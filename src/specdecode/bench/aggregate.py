@@ -80,6 +80,7 @@ def aggregate_group(
         "draft": first["draft"],
         "k": first["k"],
         "k_policy": first["k_policy"],
+        "tree": first.get("tree"),
         "prompts": len(records),
         "new_tokens": _sum(records, "new_tokens"),
         "tokens_per_s": _mean(r["tokens_per_s"] for r in records),
@@ -113,7 +114,8 @@ def aggregate_group(
     row["c"] = metrics.ratio(draft_call or 0.0, one_token) if one_token else None
     row["v"] = metrics.ratio(verify_call, one_token) if one_token and verify_call else None
     ideal = None
-    if first["k_policy"] == "fixed" and None not in (row["acceptance_rate"], row["c"], row["v"]):
+    chain = first["k_policy"] == "fixed" and not first.get("tree")  # the theory is for chains
+    if chain and None not in (row["acceptance_rate"], row["c"], row["v"]):
         ideal = metrics.ideal_speedup(row["acceptance_rate"], first["k"], row["c"], row["v"])
     row["ideal_speedup"] = ideal
     row["efficiency"] = (
@@ -172,8 +174,8 @@ def summarize(records: list[Record]) -> dict[str, Any]:
 
     best_k: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
     for row in rows:
-        if row["method"] != "spec" or row["speedup"] is None:
-            continue
+        if row["method"] != "spec" or row["speedup"] is None or row["tree"]:
+            continue  # best k is a chain question; trees are compared in the tables
         label = f"{row['draft']} ({row['k_policy']})"
         held = best_k[row["category"]].get(label)
         if held is None or row["speedup"] > held["speedup"]:

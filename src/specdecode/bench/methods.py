@@ -219,16 +219,25 @@ class MethodRunner:
         timer = _FirstTokens(self.clock)
         if not greedy:
             torch.manual_seed(self.seed)
-        timer.start = self.clock()
-        with torch.inference_mode():
-            out = model.generate(
-                inputs,
-                attention_mask=torch.ones_like(inputs),
-                generation_config=config,
-                streamer=timer,
-                **extra,
-            )
-        wall = self.clock() - timer.start
+        # generate() fills every field `config` leaves unset from the model's own generation
+        # config (a hub model's repetition penalty, top-p, ...): run against a neutral one
+        saved = model.generation_config
+        model.generation_config = GenerationConfig(
+            eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+        )
+        try:
+            timer.start = self.clock()
+            with torch.inference_mode():
+                out = model.generate(
+                    inputs,
+                    attention_mask=torch.ones_like(inputs),
+                    generation_config=config,
+                    streamer=timer,
+                    **extra,
+                )
+            wall = self.clock() - timer.start
+        finally:
+            model.generation_config = saved
         tokens = out[0, len(ids) :].tolist()
         ttft = timer.ttft if timer.ttft is not None else wall
         return RunOutput(tokens, wall, ttft, timer.first_chunk or len(tokens))

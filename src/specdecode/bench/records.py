@@ -44,6 +44,7 @@ def make_record(
         "draft": setting.draft,
         "k": setting.k,
         "k_policy": setting.policy,
+        "tree": setting.tree,
         "dtype": dtype,
         "temperature": temperature,
         "prompt_tokens": len(prompt_ids),

@@ -204,6 +204,7 @@ def write_plots(out_dir: Path, summary: dict[str, Any]) -> None:
     import matplotlib.pyplot as plt
 
     spec_rows = [r for r in summary["rows"] if r["method"] == "spec"]
+    chain_rows = [r for r in spec_rows if not r.get("tree")]  # k plots are about chains
     categories = summary["categories"]
     overall = [r for r in spec_rows if r["category"] == OVERALL]
 
@@ -220,14 +221,16 @@ def write_plots(out_dir: Path, summary: dict[str, Any]) -> None:
     _save(fig, out_dir / "acceptance_by_category.png")
 
     # speedup vs k per category, one panel per draft (fixed k)
-    drafts = list(dict.fromkeys(r["draft"] for r in overall if r["k_policy"] == "fixed"))
+    drafts = list(
+        dict.fromkeys(r["draft"] for r in overall if r["k_policy"] == "fixed" and not r.get("tree"))
+    )
     fig, axes = plt.subplots(1, max(len(drafts), 1), figsize=(5 * max(len(drafts), 1), 4))
     axes = axes if hasattr(axes, "__len__") else [axes]
     for ax, draft in zip(axes, drafts, strict=False):
         for category in [*categories, OVERALL]:
             points = sorted(
                 (r["k"], r["speedup"])
-                for r in spec_rows
+                for r in chain_rows
                 if r["draft"] == draft
                 and r["category"] == category
                 and r["k_policy"] == "fixed"

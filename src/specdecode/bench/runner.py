@@ -274,10 +274,10 @@ def _check_identity(
         return margins[position]
 
     for setting, record in done.items():
-        if setting is not ar_setting:
-            # a different prompt (another setting's history in a conversation) is not comparable
-            same_prompt = ids_of[setting] == ids_of[ar_setting]
-            mark_identity(ar_record, record, margin if same_prompt else None)
+        # a different prompt (another setting's history in a conversation diverged earlier)
+        # is not comparable: that divergence was recorded at its own turn
+        if setting is not ar_setting and ids_of[setting] == ids_of[ar_setting]:
+            mark_identity(ar_record, record, margin)
 
 
 def _reset_peak(target: LoadedModel) -> str:

@@ -193,7 +193,12 @@ def run_tune(config: BenchConfig, k_max: int, validate: bool = True, progress: b
         )
         per_category = {}
         for category in [*summary["categories"], OVERALL]:
-            measured = row_for(summary, chosen.label, category)["speedup"]
+            if category == OVERALL:  # averaged like the prediction: over categories
+                measured = metrics.geometric_mean(
+                    [row["measured"] for row in per_category.values() if row["measured"]]
+                )
+            else:
+                measured = row_for(summary, chosen.label, category)["speedup"]
             predicted = next(
                 r["predicted"]
                 for r in rows

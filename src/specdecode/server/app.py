@@ -147,7 +147,7 @@ class _Client:
                 raise _DeadlineInQueue
             wait = min(self.next_check, math.inf if deadline is None else deadline) - now
             if wait > 0:
-                with contextlib.suppress(TimeoutError):
+                with contextlib.suppress(asyncio.TimeoutError):  # not builtin TimeoutError on 3.10
                     return await asyncio.wait_for(self.events.get(), wait)
             if time.monotonic() < self.next_check:
                 continue  # woken by the deadline

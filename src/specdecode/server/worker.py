@@ -18,7 +18,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specdecode.drafters.model import ModelDrafter
 from specdecode.engine import SpeculativeDecoder
 from specdecode.models.compat import context_length
 from specdecode.server.errors import APIError
@@ -91,10 +90,7 @@ class Job:
 
 def context_limit(engine: SpeculativeDecoder) -> int | None:
     """The smallest context of the target and a model drafter, when their configs say."""
-    models = [engine.target.model]
-    if isinstance(engine.drafter, ModelDrafter):
-        models.append(engine.drafter.model)
-    limits = [n for n in (context_length(m) for m in models) if n is not None]
+    limits = [n for n in (context_length(m) for _, m in engine.context_models()) if n is not None]
     return min(limits) if limits else None
 
 
@@ -208,9 +204,11 @@ class GenerationWorker:
 
     def _plan(self, params: GenerationParams) -> tuple[list[int], int]:
         """Prompt ids and max_new_tokens, or APIError 400 for a prompt that does not fit."""
+        from jinja2 import TemplateError
+
         try:
             ids = self.engine.encode_prompt(params.prompt, chat=params.chat)
-        except ValueError as err:
+        except (ValueError, TemplateError) as err:  # a chat template may refuse the messages
             raise APIError(400, str(err), param=params.prompt_param) from None
         n, where = len(ids), params.prompt_param
         if self.max_prompt_tokens is not None and n > self.max_prompt_tokens:
