@@ -11,7 +11,40 @@ from specdecode.sampling import SamplingParams, logits_to_probs, sample
 from specdecode.types import Draft, ForwardMeter
 
 
-class ModelDrafter:
+class DraftModelState:
+    """What every drafter built on a draft model shares: the model, its own cache over the
+    committed tokens (prefilled over prompt_ids[:-1] by `begin`), and the id mapping."""
+
+    def __init__(self, model: Any, vocab_size: int | None = None) -> None:
+        self.model = model
+        # tokens at or above vocab_size are never drafted (the target's and draft's common vocab)
+        self.vocab_size = vocab_size
+        self.cache: KVCache | None = None
+        # ids the draft cannot embed (a larger target's padding rows, never real tokens, but a
+        # random or sampled target may emit them) are fed as id 0; verification keeps output exact
+        self.embed_size = model.get_input_embeddings().num_embeddings
+
+    def begin(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        meter: ForwardMeter,
+    ) -> None:
+        self.params, self.generator, self.meter = params, generator, meter
+        self.cache = KVCache(self.model)
+        parameter = next(self.model.parameters())
+        self.device, self.dtype = parameter.device, parameter.dtype
+        if len(prompt_ids) > 1:
+            with meter.forward("draft_prefill", len(prompt_ids) - 1):
+                self.cache.forward(self._ids(prompt_ids[:-1]), last_only=True)
+
+    def _ids(self, ids: list[int]) -> torch.Tensor:
+        tensor = torch.tensor(ids, dtype=torch.long, device=self.device)
+        return tensor.masked_fill(tensor >= self.embed_size, 0)
+
+
+class ModelDrafter(DraftModelState):
     """Drafts k tokens autoregressively with a small causal LM.
 
     Cache bookkeeping per step: `propose` feeds the committed tokens not yet cached (one token, or
@@ -32,35 +65,11 @@ class ModelDrafter:
         name: str = "draft",
         confidence: float | None = None,
     ) -> None:
-        self.model = model
+        super().__init__(model, vocab_size)
         self.name = name
         self.confidence = check_confidence(confidence)
-        # tokens at or above vocab_size are never drafted (the target's and draft's common vocab)
-        self.vocab_size = vocab_size
-        self.cache: KVCache | None = None
-        # ids the draft cannot embed (a larger target's padding rows, never real tokens, but a
-        # random or sampled target may emit them) are fed as id 0; verification keeps output exact
-        self.embed_size = model.get_input_embeddings().num_embeddings
         self._context_len = 0
         self._cached_drafts = 0  # drafted tokens the cache holds after propose()
-
-    def begin(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        generator: torch.Generator | None,
-        meter: ForwardMeter,
-    ) -> None:
-        self.params, self.generator, self.meter = params, generator, meter
-        self.cache = KVCache(self.model)
-        self.device = next(self.model.parameters()).device
-        if len(prompt_ids) > 1:
-            with meter.forward("draft_prefill", len(prompt_ids) - 1):
-                self.cache.forward(self._ids(prompt_ids[:-1]), last_only=True)
-
-    def _ids(self, ids: list[int]) -> torch.Tensor:
-        tensor = torch.tensor(ids, device=self.device)
-        return tensor.masked_fill(tensor >= self.embed_size, 0)
 
     @torch.inference_mode()
     def propose(self, context: list[int], k: int) -> Draft:

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from specdecode.cache import KVCache
+from specdecode.drafters.model import DraftModelState, ModelDrafter
 from specdecode.drafters.tree_shape import TreeShape, parse_tree_spec
-from specdecode.sampling import SamplingParams, logits_to_probs
+from specdecode.sampling import logits_to_probs
 from specdecode.tree import (
     TokenTree,
     additive_mask,
@@ -29,7 +29,6 @@ from specdecode.tree import (
     check_tree_attention,
     tree_mask,
 )
-from specdecode.types import ForwardMeter
 
 
 class _Pool:
@@ -122,41 +121,19 @@ class _Pool:
         )
 
 
-class TreeModelDrafter:
+class TreeModelDrafter(DraftModelState):
     """Drafts a token tree with a small causal LM (see the module docstring)."""
 
     def __init__(
         self, model: Any, shape: TreeShape, vocab_size: int | None = None, name: str = "draft"
     ) -> None:
         check_tree_attention(model, "draft")
-        self.model = model
+        super().__init__(model, vocab_size)
         self.shape = shape
         self.name = f"{name} tree {shape}"
-        self.vocab_size = vocab_size  # tokens at or above it are never drafted
-        self.embed_size = model.get_input_embeddings().num_embeddings
-        self.cache: KVCache | None = None
         self._pool = _Pool()
         self._kept: list[int] = []  # pool id of each node of the last tree
         self._context_len = 0
-
-    def begin(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        generator: torch.Generator | None,
-        meter: ForwardMeter,
-    ) -> None:
-        self.params, self.generator, self.meter = params, generator, meter
-        self.cache = KVCache(self.model)
-        self.device = next(self.model.parameters()).device
-        self.dtype = next(self.model.parameters()).dtype
-        if len(prompt_ids) > 1:
-            with meter.forward("draft_prefill", len(prompt_ids) - 1):
-                self.cache.forward(self._ids(prompt_ids[:-1]), last_only=True)
-
-    def _ids(self, ids: list[int]) -> torch.Tensor:
-        tensor = torch.tensor(ids, dtype=torch.long, device=self.device)
-        return tensor.masked_fill(tensor >= self.embed_size, 0)  # as ModelDrafter
 
     def _q(self, logits: torch.Tensor) -> torch.Tensor | None:
         return None if self.params.greedy else logits_to_probs(logits, self.params)
@@ -250,7 +227,6 @@ def make_tree_drafter(spec: str, target: Any, draft: Any) -> TreeModelDrafter:
 
     target: the LoadedModel; its attention must take a custom 4D mask too.
     """
-    from specdecode.drafters.model import ModelDrafter
     from specdecode.models.compat import common_vocab_size
     from specdecode.models.loading import wrap_model
 
