@@ -21,7 +21,11 @@ def test_save_and_load_roundtrip(tmp_path):
         confidence=0.4,
         dtype="float32",
         device="cpu",
-        per_category={"code": {"k": 8}, "chat": {"draft": "ngram:1-3", "k_policy": "heuristic"}},
+        per_category={
+            "code": {"k": 8},
+            "chat": {"draft": "ngram:1-3", "k_policy": "heuristic"},
+            "qa": {"tree": "dynamic:8", "confidence": None},
+        },
     )
     save_config(config, tmp_path / "run.json")
     assert load_config(tmp_path / "run.json") == config
@@ -36,8 +40,8 @@ def test_per_category_overrides():
     )
     code = config.for_category("code")
     assert (code.k, code.confidence, code.draft, code.target) == (8, 0.3, "d", "t")
-    assert config.for_category("chat") == config
-    assert config.for_category(None) == config
+    overall = RunConfig(target="t", draft="d", k=4)
+    assert config.for_category("chat") == config.for_category(None) == overall
 
 
 @pytest.mark.parametrize(
@@ -59,6 +63,15 @@ def test_per_category_overrides():
         ('{"per_category": {"code": 4}}', "per_category\\['code'\\] must be an object"),
         ('{"per_category": {"code": {"dtype": "float32"}}}', "unknown key.*dtype"),
         ('{"per_category": {"code": {"k": -1}}}', "per_category\\['code'\\]\\.k must be"),
+        ('{"draft": "d", "tree": "static:0"}', "bad tree"),
+        ('{"draft": "d", "tree": 3}', "tree must be a string"),
+        ('{"tree": "static:2"}', "tree needs a model draft"),
+        ('{"draft": "ngram", "tree": "dynamic:8"}', "tree needs a model draft"),
+        ('{"draft": "d", "tree": "dynamic:8", "confidence": 0.5}', "confidence applies to chains"),
+        (
+            '{"draft": "d", "per_category": {"code": {"draft": "ngram", "tree": "static:2"}}}',
+            "per_category\\['code'\\]\\.tree needs a model draft",
+        ),
     ],
 )
 def test_bad_files_say_what_is_wrong(tmp_path, text, message):
@@ -93,6 +106,8 @@ def test_vllm_speculative_config(tmp_path, monkeypatch):
         to_vllm_speculative_config(RunConfig(draft="early-exit:8"))
     with pytest.raises(ValueError, match="no draft"):
         to_vllm_speculative_config(RunConfig(target="t"))
+    with pytest.raises(ValueError, match="not a token tree"):
+        to_vllm_speculative_config(RunConfig(draft="d", tree="static:2,1"))
     with pytest.raises(ValueError, match="ngram:MIN-MAX"):
         to_vllm_speculative_config(RunConfig(draft="ngram:x"))
     # a preset is exported as the folder it was converted to, once fetched
@@ -152,6 +167,32 @@ def test_generate_with_config_file(saved, tmp_path, capsys):
     assert flags["token_ids"] == ar["token_ids"]
 
 
+def test_generate_with_a_category_of_a_tuned_config(saved, tmp_path, capsys):
+    config = RunConfig(
+        target=str(saved / "target"),
+        draft=str(saved / "draft"),
+        k=3,
+        dtype="float32",
+        per_category={"chat": {"tree": "static:2,1"}, "code": {"draft": "ngram", "k": 5}},
+    )
+    save_config(config, tmp_path / "run.json")
+    ar = _generate(capsys, "--target", str(saved / "target"), "--dtype", "float32")
+    chat = _generate(capsys, "--config", str(tmp_path / "run.json"), "--category", "chat")
+    code = _generate(capsys, "--config", str(tmp_path / "run.json"), "--category", "code")
+    assert chat["token_ids"] == code["token_ids"] == ar["token_ids"]
+    assert chat["stats"]["nodes_verified"] > 0  # drafted a tree
+    assert code["stats"]["k"] == 5 and not code["stats"]["nodes_verified"]
+    chain = _generate(
+        capsys, "--config", str(tmp_path / "run.json"), "--category", "chat", "--tree", "none"
+    )  # a flag drops the file's tree
+    assert chain["token_ids"] == ar["token_ids"] and not chain["stats"]["nodes_verified"]
+    unknown = ["--config", str(tmp_path / "run.json"), "--category", "poetry"]
+    assert main(["generate", "--prompt-ids", "1", *unknown]) == 2
+    assert "known: chat, code" in capsys.readouterr().err
+    assert main(["generate", "--prompt-ids", "1", "--target", "t", "--category", "chat"]) == 2
+    assert "no --config" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -182,4 +223,4 @@ def test_serve_reads_the_same_config_and_fails_early(tmp_path, capsys):
     assert main(["serve"]) == 2  # no target from flags or a file
     assert "a target is needed" in capsys.readouterr().err
     assert main(["serve", "--target", "t", "--draft", "ngram", "--tree", "static:2"]) == 2
-    assert "--tree needs a model draft" in capsys.readouterr().err
+    assert "tree needs a model draft" in capsys.readouterr().err

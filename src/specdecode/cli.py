@@ -86,8 +86,18 @@ def run_config_from_args(args: argparse.Namespace):
     from specdecode.config import RunConfig, load_config
 
     base = load_config(args.config) if args.config else RunConfig()
-    keys = ("target", "draft", "k", "k_policy", "confidence", "dtype", "device")
+    category = getattr(args, "category", None)  # generate only: a tuner's per-category choice
+    if category is not None:
+        if not args.config:
+            raise ValueError("--category picks a --config file's per_category entry: no --config")
+        if category not in base.per_category:
+            known = ", ".join(base.per_category) or "none: the config has no per_category"
+            raise ValueError(f"--category {category!r} is not in the config (known: {known})")
+        base = base.for_category(category)
+    keys = ("target", "draft", "k", "k_policy", "confidence", "tree", "dtype", "device")
     given = {key: getattr(args, key) for key in keys if getattr(args, key) is not None}
+    if given.get("tree") == "none":  # drops a config file's tree: draft a chain
+        given["tree"] = None
     run = dataclasses.replace(base, **given)  # validates
     if run.target is None:
         raise ValueError('a target is needed: --target, or "target" in the --config file')
@@ -104,17 +114,11 @@ def engine_from_args(args: argparse.Namespace):
     model_draft = run.draft is not None and not run.draft.startswith("ngram")
     if run.confidence is not None and not model_draft:
         raise ValueError("--confidence needs a model draft (a model or early-exit:N)")
-    if args.tree is not None:
-        from specdecode.drafters.tree_shape import parse_tree_spec
-
-        parse_tree_spec(args.tree)
-        if not model_draft:
-            raise ValueError("--tree needs a model draft (a model or early-exit:N)")
 
     target = load_model(run.target, dtype=run.dtype, device=run.device)
     draft = resolve_draft(run.draft, target, dtype=run.dtype, device=run.device)
     return SpeculativeDecoder(
-        target, draft, k=run.k, k_policy=run.k_policy, confidence=run.confidence, tree=args.tree
+        target, draft, k=run.k, k_policy=run.k_policy, confidence=run.confidence, tree=run.tree
     )
 
 
@@ -190,7 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--tree",
         default=None,
         metavar="SHAPE",
-        help="draft a token tree with the draft model: static:3,2,2,1,1 or dynamic:NODES",
+        help="draft a token tree with the draft model: static:3,2,2,1,1 or dynamic:NODES "
+        "(none: a chain, whatever --config says)",
+    )
+    gen.add_argument(
+        "--category",
+        default=None,
+        help="apply the --config file's per_category settings for this prompt kind (from tune)",
     )
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text")

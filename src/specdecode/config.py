@@ -6,14 +6,15 @@ One JSON object; every key is optional (a run still needs a target from somewher
     {
       "target": "qwen2.5-coder-1.5b-instruct",
       "draft": "qwen2.5-coder-0.5b-instruct",
-      "k": 4, "k_policy": "cost", "confidence": null,
+      "k": 4, "k_policy": "cost", "confidence": null, "tree": null,
       "dtype": "bfloat16", "device": null,
       "per_category": {"code": {"k": 6}, "chat": {"draft": "ngram:1-3", "k": 2}}
     }
 
 `draft` takes what `--draft` takes: a model, `early-exit:N` or `ngram[:MIN-MAX]`; null (the
 default) is autoregressive. `k` is the fixed k, the heuristic's starting k or the cost
-policy's k_max (policies.py).
+policy's k_max (policies.py). `tree` (`static:3,2,1` / `dynamic:NODES`, drafters/tree_shape.py)
+drafts a token tree instead of a chain; it needs a model draft, and k is then unused.
 
 `per_category` holds a tuner's overrides per prompt category (only the keys in
 `CATEGORY_KEYS`); `RunConfig.for_category(name)` applies them. The server and the bench read
@@ -32,7 +33,8 @@ from typing import Any
 from specdecode.drafters.model import check_confidence
 from specdecode.policies import K_POLICIES
 
-CATEGORY_KEYS = ("draft", "k", "k_policy", "confidence")  # what a tuner may set per category
+# what a tuner may set per category
+CATEGORY_KEYS = ("draft", "k", "k_policy", "confidence", "tree")
 
 
 @dataclass
@@ -44,6 +46,7 @@ class RunConfig:
     k: int = 4  # fixed k / heuristic's starting k / cost's k_max
     k_policy: str = "fixed"  # one of policies.K_POLICIES
     confidence: float | None = None  # stop a model draft below this top probability
+    tree: str | None = None  # a token-tree shape for a model draft; None = a chain
     dtype: str = "bfloat16"
     device: str | None = None  # None: cuda if present
     per_category: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -54,6 +57,7 @@ class RunConfig:
         if not isinstance(self.dtype, str):
             raise ValueError(f"dtype must be a string (got {self.dtype!r})")
         _check_drafting(self.__dict__)
+        _check_tree(self.draft, self.tree, self.confidence)
         if not isinstance(self.per_category, dict):
             raise ValueError("per_category must be an object of {category: {key: value}}")
         for name, overrides in self.per_category.items():
@@ -63,11 +67,16 @@ class RunConfig:
             _check_drafting(overrides, where=f"per_category[{name!r}].")
             if "draft" in overrides:
                 _check_optional_str(f"per_category[{name!r}].draft", overrides["draft"])
+            merged = {**self.__dict__, **overrides}  # what the category runs
+            _check_tree(
+                merged["draft"], merged["tree"], merged["confidence"], f"per_category[{name!r}]."
+            )
 
     def for_category(self, category: str | None) -> RunConfig:
-        """This config with `per_category[category]` applied (unchanged for an unknown one)."""
+        """What one category runs: `per_category[category]` applied (nothing for an unknown one
+        or None), and no per_category left, whose entries were relative to this config."""
         overrides = self.per_category.get(category, {}) if category is not None else {}
-        return dataclasses.replace(self, **overrides)
+        return dataclasses.replace(self, **overrides, per_category={})
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -111,12 +120,16 @@ def to_vllm_speculative_config(config: RunConfig) -> dict[str, Any]:
     `ngram:MIN-MAX` -> {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min":
     MIN, "prompt_lookup_max": MAX}. vLLM drafts a fixed number of tokens, so an adaptive
     policy exports its k (the largest it would try) and `confidence` is not exported. A preset
-    exports the folder it was converted to (fetch it first). ValueError for no draft and for
-    early-exit drafts, which vLLM has no equivalent of.
+    exports the folder it was converted to (fetch it first). ValueError for no draft, for
+    early-exit drafts and for token trees, which vLLM's draft-model method has no equivalent of.
     """
     draft = config.draft
     if draft is None:
         raise ValueError("the config has no draft: nothing to export to vLLM")
+    if config.tree is not None:
+        raise ValueError(
+            f"vLLM's draft-model and n-gram methods draft a chain, not a token tree ({config.tree})"
+        )
     if draft.startswith("early-exit"):
         raise ValueError(f"vLLM has no early-exit (self-speculative) drafting: {draft!r}")
     if draft == "ngram" or draft.startswith("ngram:"):
@@ -167,6 +180,28 @@ def _check_keys(data: dict[str, Any], allowed: Any, where: str) -> None:
 def _check_optional_str(key: str, value: Any) -> None:
     if value is not None and not isinstance(value, str):
         raise ValueError(f"{key} must be a string or null (got {value!r})")
+
+
+def _check_tree(draft: Any, tree: Any, confidence: Any, where: str = "") -> None:
+    """A tree needs a parseable shape and a model draft (a model or early-exit:N); its width,
+    not a confidence cut, bounds what it drafts."""
+    if tree is None:
+        return
+    if not isinstance(tree, str):
+        raise ValueError(f"{where}tree must be a string or null (got {tree!r})")
+    from specdecode.drafters.tree_shape import parse_tree_spec
+
+    try:
+        parse_tree_spec(tree)
+    except ValueError as err:
+        raise ValueError(f"{where}{err}") from None
+    if draft is None or str(draft).startswith("ngram"):
+        raise ValueError(
+            f"{where}tree needs a model draft (a model or early-exit:N), not {draft!r}; "
+            "`--tree none` drafts a chain instead"
+        )
+    if confidence is not None:
+        raise ValueError(f"{where}confidence applies to chains, not to a tree ({tree})")
 
 
 def _check_drafting(values: dict[str, Any], where: str = "") -> None:

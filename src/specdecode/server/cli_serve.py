@@ -37,7 +37,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "--tree",
         default=None,
         metavar="SHAPE",
-        help="draft a token tree with the draft model: static:3,2,2,1,1 or dynamic:NODES",
+        help="draft a token tree with the draft model: static:3,2,2,1,1 or dynamic:NODES "
+        "(none: a chain, whatever --config says)",
     )
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)"
