@@ -19,8 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from specdecode.sampling import SamplingParams
-from specdecode.types import ForwardMeter
+from specdecode.drafters.base import BaseDrafter
 
 # attention implementations that add a custom 4D float mask to the scores as given
 # (transformers passes a 4D mask through `masking_utils` untouched; flash-attention kernels
@@ -151,19 +150,8 @@ def check_tree_attention(model: Any, role: str = "target") -> None:
 
 
 @runtime_checkable
-class TreeDrafter(Protocol):
+class TreeDrafter(BaseDrafter, Protocol):
     """A drafter proposing a token tree instead of one chain."""
-
-    name: str
-
-    def begin(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        generator: object,
-        meter: ForwardMeter,
-    ) -> None:
-        """Start a new sequence (reset state; may prefill over prompt_ids[:-1])."""
 
     def propose_tree(self, context: list[int], max_depth: int) -> TokenTree:
         """Draft a tree of at most `max_depth` levels below the last token of `context`."""

@@ -8,8 +8,9 @@ from specdecode.sampling import SamplingParams
 from specdecode.types import Draft, ForwardMeter
 
 
-@runtime_checkable
-class Drafter(Protocol):
+class BaseDrafter(Protocol):
+    """What every drafter, chain or tree, does: a name and a start per sequence."""
+
     name: str
 
     def begin(
@@ -20,6 +21,11 @@ class Drafter(Protocol):
         meter: ForwardMeter,
     ) -> None:
         """Start a new sequence (reset state; may prefill over prompt_ids[:-1])."""
+
+
+@runtime_checkable
+class Drafter(BaseDrafter, Protocol):
+    """A drafter proposing one chain of tokens."""
 
     def propose(self, context: list[int], k: int) -> Draft:
         """Draft k tokens following the committed tokens `context`."""
