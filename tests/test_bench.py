@@ -322,6 +322,43 @@ def test_bench_end_to_end_on_tiny_models(tiny_folders, tmp_path):
     assert json.loads((out / "summary.json").read_text())["settings"] == settings
 
 
+def test_bench_runs_a_tuned_config_per_category(tiny_folders, tmp_path):
+    from specdecode.config import RunConfig, save_config
+
+    draft = str(tiny_folders / "draft")
+    config = RunConfig(
+        target=str(tiny_folders / "target"),
+        draft=draft,
+        k=2,
+        dtype="float32",
+        per_category={"qa": {"draft": "ngram", "k": 3}, "writing": {"tree": "static:2,1"}},
+    )
+    save_config(config, tmp_path / "tuned.json")
+    out = tmp_path / "run"
+    argv = ["bench", "--config", str(tmp_path / "tuned.json"), "--max-new-tokens", "8"]
+    argv += ["--prompts", str(tiny_folders / "prompts.jsonl"), "--out", str(out)]
+    assert main(argv) == 0  # target and dtype from the config; methods: ar and the config
+
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert {r["setting"] for r in records} == {"ar", "spec[tuned]"}
+    tuned = [r for r in records if r["setting"] == "spec[tuned]"]
+    ran = {r["category"]: (r["draft"], r["k"], r["tree"]) for r in tuned}
+    assert ran == {"qa": ("ngram", 3, None), "writing": (draft, 0, "static:2,1")}  # a tree: no k
+    assert all(r["tuned"] and r["identical_to_ar"] for r in tuned)
+    summary = json.loads((out / "summary.json").read_text())
+    overall = row_for(summary, "spec[tuned]")
+    assert (overall["draft"], overall["k_policy"], overall["ideal_speedup"]) == (
+        "per category",
+        "tuned",
+        None,
+    )
+    assert row_for(summary, "spec[tuned]", "qa")["ran"] == "spec[ngram] k=3"
+    assert "[spec[ngram] k=3]" in (out / "report.md").read_text()
+    run_info = json.loads((out / "run.json").read_text())
+    assert run_info["tuned"]["writing"] == f"spec[{draft}] tree=static:2,1"
+    assert summary["best_k"] == {}  # a tuned config is not a chain at one k
+
+
 def test_bench_cli_errors_are_one_line(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert "results.jsonl does not exist" in capsys.readouterr().err
@@ -329,6 +366,9 @@ def test_bench_cli_errors_are_one_line(tmp_path, capsys):
     assert main(["bench", "--target", "t", "--methods", "spec", "--draft", "ngram"]) == 2
     assert "include `ar`" in capsys.readouterr().err
     assert main(["bench", "--target", "t", "--temperature", "-1"]) == 2
+    (tmp_path / "ar.json").write_text('{"target": "t"}')
+    assert main(["bench", "--config", str(tmp_path / "ar.json")]) == 2
+    assert "needs a draft overall" in capsys.readouterr().err
 
 
 def test_identity_is_not_judged_between_different_conversations():

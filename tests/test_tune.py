@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from specdecode.bench.aggregate import row_for as cal_row
+from specdecode.bench.methods import tuned_setting
 from specdecode.bench.runner import BenchConfig
 from specdecode.bench.suites import BenchPrompt
 from specdecode.bench.tune import predict_speedup, run_tune, split_prompts, step_profile
@@ -64,6 +66,7 @@ def test_tune_end_to_end_on_tiny_models(tiny_folders, tmp_path):
     )
     result = run_tune(config, k_max=3, progress=False)
     assert len(result["predictions"]) == 2 * 3 * 3  # drafters x k x (2 categories + overall)
+    assert {r["how"] for r in result["predictions"]} == {"model"}  # fixed-k chains only
     assert set(result["v"]) == {1, 2, 3, 4} and result["v"][1] == 1.0
     best = result["recommended"]
     assert set(best) == {"writing", "qa", "all"}
@@ -79,6 +82,43 @@ def test_tune_end_to_end_on_tiny_models(tiny_folders, tmp_path):
     assert json.loads((out / "tune.json").read_text())["k_max"] == 3
     assert (out / "calibration" / "results.jsonl").exists()
     assert (out / "validation" / "report.md").exists()
+
+
+def test_tune_tries_k_policies_and_trees(tiny_folders, tmp_path):
+    draft = str(tiny_folders / "draft")
+    config = BenchConfig(
+        target=str(tiny_folders / "target"),
+        drafts=[draft, "ngram"],
+        policies=["cost"],
+        trees=["static:2,1"],
+        max_new_tokens=10,
+        prompts_file=str(tiny_folders / "prompts.jsonl"),
+        limit=1,
+        dtype="float32",
+        out=str(tmp_path / "tune"),
+    )
+    result = run_tune(config, k_max=2, validate=False, progress=False)
+    rows = result["predictions"]
+    # chains: 2 drafters x 2 k; the cost policy for both drafters; the tree for the model draft
+    assert len(rows) == (2 * 2 + 2 + 1) * 3
+    measured = {r["setting"] for r in rows if r["how"] == "calibration"}
+    assert measured == {
+        f"spec[{draft}] k=2 cost",
+        "spec[ngram] k=2 cost",
+        f"spec[{draft}] tree=static:2,1",
+    }
+    cal = json.loads((tmp_path / "tune" / "calibration" / "summary.json").read_text())
+    tree = f"spec[{draft}] tree=static:2,1"
+    for row in rows:  # what a calibrated candidate expects is what it measured there
+        if row["setting"] == tree and row["category"] == "qa":
+            assert row["predicted"] == cal_row(cal, tree, "qa")["speedup"]
+    # the config says everything each category needs, so a category override is complete
+    saved = load_config(tmp_path / "tune" / "config.json")
+    for category, row in result["recommended"].items():
+        chosen = saved.for_category(None if category == "all" else category)
+        assert tuned_setting(chosen).label == row["setting"]
+    text = (tmp_path / "tune" / "tune.md").read_text()
+    assert "Every candidate over all categories" in text and "measured in calibration" in text
 
 
 def test_tune_cli_rejects_bad_input(tmp_path, capsys):

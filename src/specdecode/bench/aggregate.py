@@ -90,6 +90,12 @@ def aggregate_group(
         "e2e_speedup": paired_ratio(records, baselines["ar"], "tokens_per_s"),
         "peak_memory_bytes": max(r["peak_memory_bytes"] or 0 for r in records),
     }
+    if first.get("tuned"):  # a tuned config runs a different setting per category
+        ran = {r["ran"] for r in records}
+        row["ran"] = ran.pop() if len(ran) == 1 else "per category"
+        if row["ran"] == "per category":
+            row.update(draft="per category", k=0, tree=None)
+        row["k_policy"] = "tuned"  # keeps it out of the chain theory, best k and k plots
     ar_memory = max((r["peak_memory_bytes"] or 0 for r in ar), default=0)
     row["memory_overhead"] = metrics.ratio(row["peak_memory_bytes"], ar_memory)
     for name in ("hf-ar", "hf-assisted", "best-hf"):
@@ -114,7 +120,7 @@ def aggregate_group(
     row["c"] = metrics.ratio(draft_call or 0.0, one_token) if one_token else None
     row["v"] = metrics.ratio(verify_call, one_token) if one_token and verify_call else None
     ideal = None
-    chain = first["k_policy"] == "fixed" and not first.get("tree")  # the theory is for chains
+    chain = row["k_policy"] == "fixed" and not row["tree"]  # the theory is for chains
     if chain and None not in (row["acceptance_rate"], row["c"], row["v"]):
         ideal = metrics.ideal_speedup(row["acceptance_rate"], first["k"], row["c"], row["v"])
     row["ideal_speedup"] = ideal
@@ -176,6 +182,8 @@ def summarize(records: list[Record]) -> dict[str, Any]:
     for row in rows:
         if row["method"] != "spec" or row["speedup"] is None or row["tree"]:
             continue  # best k is a chain question; trees are compared in the tables
+        if row["k_policy"] == "tuned":
+            continue
         label = f"{row['draft']} ({row['k_policy']})"
         held = best_k[row["category"]].get(label)
         if held is None or row["speedup"] > held["speedup"]:

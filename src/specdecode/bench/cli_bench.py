@@ -88,6 +88,14 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
         "--dtype", default=None, help="default bfloat16 (quick: float32, exact identity to AR)"
     )
     bench.add_argument("--device", default=None)
+    bench.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="a run config (e.g. from `specdecode tune`): benchmark it as `spec[tuned]`, each "
+        "category with its own settings, against ar (add --methods for more); its target, "
+        "dtype and device are the defaults",
+    )
     bench.add_argument("--out", default=None, help="output folder (default runs/bench-TIME)")
     bench.add_argument(
         "--quick",
@@ -99,11 +107,12 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
 
     tune = subparsers.add_parser(
         "tune",
-        help="recommend a drafter and k per category, predicted and then measured",
+        help="recommend a drafter, k, policy or tree per category, predicted and then measured",
         description="Calibrate every candidate drafter once at k_max, predict the speedup of "
-        "every k per category from measured acceptance and costs, recommend, and check the "
-        "overall recommendation on prompts the calibration did not see. Writes config.json "
-        "(for --config), vllm.json, tune.md and tune.json.",
+        "every k per category from measured acceptance and costs (k policies and trees: "
+        "measured as they run), recommend, and check the overall recommendation on prompts the "
+        "calibration did not see. Writes config.json (for --config), vllm.json, tune.md and "
+        "tune.json.",
     )
     tune.add_argument("--target", required=True, help="target model")
     tune.add_argument(
@@ -113,6 +122,19 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
         help="candidate drafter (repeatable): a model, ngram[:MIN-MAX] or early-exit:N",
     )
     tune.add_argument("--k-max", type=int, default=8, help="largest k considered (default 8)")
+    tune.add_argument(
+        "--k-policy",
+        type=_csv,
+        default=None,
+        help="adaptive k policies to try too, comma-separated (heuristic,cost), at k = k_max",
+    )
+    tune.add_argument(
+        "--tree",
+        action="append",
+        default=None,
+        metavar="SHAPE",
+        help="token tree to try with each model draft (repeatable): static:3,2,1 or dynamic:N",
+    )
     tune.add_argument(
         "--limit", type=int, default=2, help="prompts per category to calibrate (and validate)"
     )
@@ -136,8 +158,18 @@ def handle_bench(args: argparse.Namespace) -> int:
     from specdecode.sampling import SamplingParams
 
     SamplingParams(args.temperature, args.top_k, args.top_p)  # bad values fail before loading
+    run = None
+    if args.config:
+        from specdecode.bench.methods import tuned_setting
+        from specdecode.config import load_config
+
+        run = load_config(args.config)
+        tuned_setting(run)  # a config without a draft fails before loading
+        args.target = args.target or run.target
+        args.dtype = args.dtype or run.dtype
+        args.device = args.device or run.device
     if args.target is None and not args.quick:
-        raise ValueError("--target is required (or --quick)")
+        raise ValueError("--target is required (or --quick, or a --config that names one)")
     config = BenchConfig(
         target=args.target or QUICK_TARGET,
         drafts=args.draft or (QUICK_DRAFTS if args.quick else []),
@@ -160,6 +192,7 @@ def handle_bench(args: argparse.Namespace) -> int:
         share_prefill=args.share_prefill,
         dtype=args.dtype or ("float32" if args.quick else "bfloat16"),
         device=args.device,
+        config_file=args.config,
         out=args.out or time.strftime("runs/bench-%Y%m%d-%H%M%S"),
         command=shlex.join(["specdecode", *args.argv]),
     )
@@ -179,6 +212,8 @@ def handle_tune(args: argparse.Namespace) -> int:
         target=args.target,
         drafts=args.draft,
         ks=[args.k_max],
+        policies=args.k_policy or ["fixed"],
+        trees=args.tree or [],
         max_new_tokens=args.max_new_tokens,
         prompts_file=args.prompts,
         categories=args.categories,

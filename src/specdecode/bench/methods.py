@@ -14,12 +14,14 @@ first generated tokens appear (our step loop, HF's streamer), so prefill is kept
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from specdecode.cache import KVCache
+from specdecode.config import RunConfig
+from specdecode.drafters.model import ModelDrafter
 from specdecode.engine import SpeculativeDecoder, clock_for
 from specdecode.models.loading import LoadedModel
 from specdecode.types import Stats
@@ -40,11 +42,15 @@ class Setting:
     k: int = 0  # look-ahead (0 for ar / hf-ar and for HF's default schedule)
     policy: str = "fixed"  # spec: k policy; hf-assisted: "default" or "constant"
     tree: str | None = None  # spec: a token-tree shape ("static:3,2,1" / "dynamic:16"), k unused
+    # a tuned config (`bench --config`): the setting each prompt category runs instead of this one
+    per_category: tuple[tuple[str, Setting], ...] = ()
 
     @property
     def label(self) -> str:
         if self.method in ("ar", "hf-ar"):
             return self.method
+        if self.per_category:
+            return "spec[tuned]"
         if self.tree is not None:
             return f"{self.method}[{self.draft}] tree={self.tree}"
         if self.method == "hf-prompt-lookup":
@@ -53,6 +59,33 @@ class Setting:
             return f"hf-assisted[{self.draft}] default"
         policy = "" if self.policy in ("fixed", "constant") else f" {self.policy}"
         return f"{self.method}[{self.draft}] k={self.k}{policy}"
+
+    def for_category(self, category: str) -> Setting:
+        """What runs on a prompt of `category`: its tuned override, else this setting's own."""
+        return dict(self.per_category).get(category) or replace(self, per_category=())
+
+
+def tuned_setting(run: RunConfig) -> Setting:
+    """`bench --config`: the config's drafting as one setting, per category where it says so."""
+
+    def setting(values: RunConfig, where: str) -> Setting:
+        if values.draft is None:
+            raise ValueError(f"bench --config needs a draft {where}: the config is autoregressive")
+        if values.tree:  # as plan_settings makes a tree: no k, no k policy
+            return Setting("spec", values.draft, 0, "fixed", values.tree)
+        return Setting("spec", values.draft, values.k, values.k_policy)
+
+    base = setting(run, "overall")
+    overrides = tuple(
+        (name, setting(run.for_category(name), f"for {name!r}")) for name in run.per_category
+    )
+    return replace(base, per_category=overrides)
+
+
+def config_drafts(run: RunConfig, categories: list[str]) -> list[str]:
+    """The drafts a run config uses on prompts of `categories`."""
+    drafts = [run.for_category(name).draft for name in categories]
+    return [d for d in dict.fromkeys(drafts) if d is not None]
 
 
 @dataclass
@@ -77,8 +110,9 @@ def plan_settings(
 ) -> list[Setting]:
     """Every setting the requested methods imply; methods that do not apply are left out.
 
-    `drafts` maps a draft label to what `resolve_draft` made of it: hf-assisted and token trees
-    apply only to draft models (a `LoadedModel`), hf-prompt-lookup needs none. HF's constant-k
+    `drafts` maps a draft label to what `resolve_draft` made of it: hf-assisted applies only to
+    draft models (a `LoadedModel`), token trees to those and early exit, hf-prompt-lookup needs
+    none. HF's constant-k
     settings use `hf_ks` (default: the same ks as ours).
     """
     hf_ks = ks if hf_ks is None else hf_ks
@@ -99,7 +133,7 @@ def plan_settings(
             settings += [
                 Setting("spec", label, 0, "fixed", tree)
                 for label, draft in drafts.items()
-                if isinstance(draft, LoadedModel)
+                if isinstance(draft, (LoadedModel, ModelDrafter))  # a model or early exit
                 for tree in trees
             ]
         elif method == "hf-assisted":

@@ -92,6 +92,8 @@ def category_table(summary: dict[str, Any]) -> str:
             cell = _f(r["speedup"], suffix="x")
             if r.get("acceptance_rate") is not None:
                 cell += f" (α {r['acceptance_rate']:.2f})"
+            if r.get("ran") and category != OVERALL:  # what a tuned config ran there
+                cell += f" [{r['ran']}]"
             cells.append(cell)
         rows.append(cells)
     return _table(header, rows)

@@ -12,7 +12,7 @@ import json
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +24,14 @@ from specdecode.bench.methods import (
     ALL_METHODS,
     MethodRunner,
     Setting,
+    config_drafts,
     plan_settings,
     takes_prefill,
+    tuned_setting,
 )
 from specdecode.bench.records import make_record, mark_identity, top2_margin
 from specdecode.bench.suites import BenchPrompt, interleave_by_category, load_suite
+from specdecode.config import load_config
 from specdecode.models.loading import LoadedModel
 
 QUICK_TARGET = "smollm2-135m-instruct"
@@ -61,6 +64,9 @@ class BenchConfig:
     share_prefill: bool = False
     dtype: str = "bfloat16"
     device: str | None = None
+    # a run config (`specdecode tune` writes one): benchmarked as the setting `spec[tuned]`,
+    # each prompt category with its own drafter, k, policy or tree
+    config_file: str | None = None
     out: str = "runs/bench"
     command: str = ""  # the command line, written with the results
 
@@ -146,12 +152,18 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
     prompts = interleave_by_category(
         load_suite(config.prompts_file, categories=config.categories, limit=config.limit)
     )
-    target, drafts = load_bench_models(config)
-    methods = config.methods or default_methods(drafts)
+    run = load_config(config.config_file) if config.config_file else None
+    categories = list(dict.fromkeys(p.category for p in prompts))
+    tuned = [tuned_setting(run)] if run else []
+    named = list(dict.fromkeys([*config.drafts, *(config_drafts(run, categories) if run else [])]))
+    target, drafts = load_bench_models(replace(config, drafts=named))
+    planned = {label: drafts[label] for label in config.drafts}  # the config's run only tuned
+    only_tuned = run is not None and not planned
+    methods = config.methods or (["ar"] if only_tuned else default_methods(planned))
     settings = plan_settings(
-        methods, drafts, config.ks, config.policies, config.trees, config.hf_ks
+        methods, planned, config.ks, config.policies, config.trees, config.hf_ks
     )
-    _, summary = run_settings(config, target, drafts, settings, prompts, progress)
+    _, summary = run_settings(config, target, drafts, settings + tuned, prompts, progress)
     return summary
 
 
@@ -186,7 +198,8 @@ def run_settings(
 
     # warm-up: every setting once, on a short generation, before anything is timed
     warm = prompt_ids(_Conversation(prompts[0]).next_input(0, config.chat))
-    for setting in tqdm(settings, desc="warm-up", disable=not progress, leave=False):
+    running = dict.fromkeys(s.for_category(p.category) for s in settings for p in prompts)
+    for setting in tqdm(running, desc="warm-up", disable=not progress, leave=False):
         runner.run(setting, warm, min(8, config.max_new_tokens))
 
     n_turns = sum(len(p.turns) if config.turns == "all" else 1 for p in prompts)
@@ -206,23 +219,24 @@ def run_settings(
                     shared: dict[tuple[int, ...], tuple[Any, float]] = {}  # ids -> cache, s
                     for setting in order:
                         bar.set_postfix_str(f"{prompt.id} {setting.label}", refresh=False)
+                        runs = setting.for_category(prompt.category)  # itself unless tuned
                         ids = prompt_ids(conversations[setting].next_input(turn, config.chat))
                         prefilled, prefill_s = None, None
-                        if config.share_prefill and takes_prefill(setting):
+                        if config.share_prefill and takes_prefill(runs):
                             if tuple(ids) not in shared:
                                 shared[tuple(ids)] = runner.prefill(ids)
                             prefilled, prefill_s = shared[tuple(ids)]
                         memory_source = _reset_peak(target)
-                        out = runner.run(setting, ids, config.max_new_tokens, prefilled)
+                        out = runner.run(runs, ids, config.max_new_tokens, prefilled)
                         memory = _peak_or_estimate(
-                            target, runner, setting, len(ids) + len(out.token_ids)
+                            target, runner, runs, len(ids) + len(out.token_ids)
                         )
                         conversations[setting].answer(_decode(engine, out.token_ids))
                         done[setting] = make_record(
                             prompt,
                             turn,
                             repeat,
-                            setting,
+                            runs,
                             ids,
                             out,
                             dtype=config.dtype,
@@ -231,6 +245,8 @@ def run_settings(
                             memory_source=memory_source,
                             shared_prefill_s=prefill_s,
                         )
+                        if setting.per_category:  # one column for the tuned config
+                            done[setting].update(setting=setting.label, tuned=True, ran=runs.label)
                         ids_of[setting] = ids
                         bar.update()
                     if greedy:
@@ -312,6 +328,8 @@ def _write_run_info(
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "config": asdict(config),
         "settings": [s.label for s in settings],
+        "tuned": {c: v.label for s in settings for c, v in s.per_category},  # bench --config
+        "run_config": load_config(config.config_file).to_dict() if config.config_file else None,
         "target_dtype": str(target.dtype),
         "device": str(target.device),
         "machine": f"{platform.processor() or platform.machine()}, "

@@ -10,10 +10,12 @@
        step time  = E[D_k]·t_draft + E[v(D_k + 1)]·t_1 + o_step     (t_draft = 0 model-free)
        tokens     = 1 + sum_{i=1..k} P(L >= i)
        speedup    = tokens / step time · (t_1 + o_ar)
-   The recommendation per category is the best prediction; overall, the setting with the best
-   geometric mean of predictions over categories.
+   Candidates that adapt as they run (`--k-policy heuristic,cost`) or draft token trees
+   (`--tree`) are calibrated as they are, and their expected speedup is the one they measured on
+   the calibration prompts. The recommendation per category is the best expectation; overall,
+   the candidate with the best geometric mean over categories.
 4. Validation: `ar` and the overall recommendation on the next `limit` prompts of each category
-   (prompts the calibration did not see); measured vs predicted speedup, per category and overall.
+   (prompts the calibration did not see); measured vs expected speedup, per category and overall.
 Writes DIR/tune.json, DIR/tune.md, DIR/config.json (`--config` for generate/bench/serve) and
 DIR/vllm.json (vLLM's speculative_config, when the recommendation has one).
 """
@@ -29,7 +31,7 @@ from typing import Any
 from specdecode import metrics
 from specdecode.bench.aggregate import OVERALL, row_for
 from specdecode.bench.costs import verify_costs
-from specdecode.bench.methods import Setting
+from specdecode.bench.methods import Setting, plan_settings
 from specdecode.bench.runner import BenchConfig, load_bench_models, run_settings
 from specdecode.bench.suites import BenchPrompt, interleave_by_category, load_suite
 from specdecode.config import RunConfig, save_config, to_vllm_speculative_config
@@ -112,36 +114,96 @@ def measured_costs(ar: list[Record], spec: list[Record]) -> dict[str, float]:
     return {"t_1": t_1, "o_ar": max(o_ar, 0.0), "o_step": max(o_step, 0.0), "t_draft": t_draft}
 
 
+def _candidate(setting: Setting, category: str, predicted: float, how: str) -> dict[str, Any]:
+    return {
+        "setting": setting.label,
+        "draft": setting.draft,
+        "k": setting.k,
+        "policy": setting.policy,
+        "tree": setting.tree,
+        "category": category,
+        "predicted": predicted,
+        "how": how,  # "model": the chain prediction of step 3; "calibration": measured there
+    }
+
+
+def setting_of(row: dict[str, Any]) -> Setting:
+    """The bench setting a prediction row stands for."""
+    return Setting("spec", row["draft"], row["k"], row["policy"], row["tree"])
+
+
+def _with_overall(rows: list[dict[str, Any]], n_categories: int) -> list[dict[str, Any]]:
+    """`rows` (one candidate, per category) plus its geometric mean over categories; a candidate
+    without a figure in some category (`rows` shorter) gets no overall one."""
+    if len(rows) < n_categories or not rows:
+        return rows
+    overall = metrics.geometric_mean([r["predicted"] for r in rows])
+    return [*rows, {**rows[0], "category": OVERALL, "predicted": overall}]
+
+
 def predictions(
     records: list[Record], drafts: list[str], k_max: int, v: dict[int, float]
 ) -> list[dict[str, Any]]:
-    """Predicted speedup for every drafter x k x category (and overall), from calibration."""
+    """Predicted speedup for every fixed-k chain: drafter x k <= k_max x category (+ overall),
+    from the calibration run of each drafter at k_max (step 3)."""
     ar = [r for r in records if r["method"] == "ar"]
     categories = list(dict.fromkeys(r["category"] for r in records))
     rows = []
     for draft in drafts:
-        spec = [r for r in records if r["method"] == "spec" and r["draft"] == draft]
+        spec = [
+            r
+            for r in records
+            if r["method"] == "spec"
+            and r["draft"] == draft
+            and r["k"] == k_max
+            and r["k_policy"] == "fixed"
+            and r.get("tree") is None
+        ]
         costs = measured_costs(ar, spec)
-        for category in categories:
-            profile = step_profile([r for r in spec if r["category"] == category], k_max)
-            for k in range(1, k_max + 1):
-                speedup = predict_speedup(profile, k, v, **costs)
-                rows.append({"draft": draft, "k": k, "category": category, "predicted": speedup})
         for k in range(1, k_max + 1):
-            per_category = [r["predicted"] for r in rows if r["draft"] == draft and r["k"] == k]
-            overall = metrics.geometric_mean(per_category)
-            rows.append({"draft": draft, "k": k, "category": OVERALL, "predicted": overall})
+            per_category = []
+            for category in categories:
+                profile = step_profile([r for r in spec if r["category"] == category], k_max)
+                speedup = predict_speedup(profile, k, v, **costs)
+                per_category.append(
+                    _candidate(Setting("spec", draft, k), category, speedup, "model")
+                )
+            rows += _with_overall(per_category, len(categories))
+    return rows
+
+
+def calibrated(summary: dict[str, Any], settings: list[Setting]) -> list[dict[str, Any]]:
+    """Candidates that adapt as they run (k policies) or draft trees cannot be extrapolated from
+    a chain at k_max: their prediction is the speedup they measured on the calibration prompts,
+    per category (paired geometric mean over its prompts) and over categories. A category where
+    it has no decode rate (every answer came in its first block) gives it no figure there."""
+    rows = []
+    for setting in settings:
+        measured = {c: row_for(summary, setting.label, c)["speedup"] for c in summary["categories"]}
+        per_category = [
+            _candidate(setting, c, speedup, "calibration")
+            for c, speedup in measured.items()
+            if speedup is not None
+        ]
+        rows += _with_overall(per_category, len(measured))
     return rows
 
 
 def recommend(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The best predicted drafter and k per category and overall."""
+    """The best predicted candidate per category and overall."""
     best: dict[str, dict[str, Any]] = {}
     for row in rows:
         held = best.get(row["category"])
         if held is None or row["predicted"] > held["predicted"]:
             best[row["category"]] = row
     return best
+
+
+def _drafting(row: dict[str, Any]) -> dict[str, Any]:
+    """A recommendation as RunConfig keys (all of them, so a category override is complete);
+    a tree has no k (bench's 0), the config's k >= 1 is then unused."""
+    k = max(row["k"], 1)
+    return {"draft": row["draft"], "k": k, "k_policy": row["policy"], "tree": row["tree"]}
 
 
 def run_tune(config: BenchConfig, k_max: int, validate: bool = True, progress: bool = True):
@@ -151,6 +213,10 @@ def run_tune(config: BenchConfig, k_max: int, validate: bool = True, progress: b
         raise ValueError("tune needs at least one candidate --draft")
     if config.temperature:
         raise ValueError("tune calibrates greedy decoding: leave --temperature at 0")
+    if config.trees and all(d.split(":")[0] == "ngram" for d in config.drafts):
+        raise ValueError(
+            "--tree needs a model draft among the candidates (a model or early-exit:N)"
+        )
     limit = config.limit or 2
     prompts = load_suite(config.prompts_file, categories=config.categories, limit=2 * limit)
     calibration, validation = split_prompts(prompts, limit)
@@ -159,16 +225,27 @@ def run_tune(config: BenchConfig, k_max: int, validate: bool = True, progress: b
             f"no prompts left to validate on: each category needs more than {limit} prompts "
             "(lower --limit or pass --no-validate)"
         )
+    # the tuner predicts decode speedups, which exclude the prefill: one target prefill per
+    # prompt, shared by every candidate, saves that time and changes no figure it uses
+    config = replace(config, share_prefill=True)
     out = Path(config.out)
     target, drafts = load_bench_models(config)
 
-    settings = [Setting("ar")] + [Setting("spec", d, k_max) for d in config.drafts]
+    # fixed-k chains at k_max (extrapolated to every k), then the adaptive policies and trees
+    policies = ["fixed", *(p for p in config.policies if p != "fixed")]
+    candidates = plan_settings(["spec"], drafts, [k_max], policies, config.trees)
+    direct = [s for s in candidates if s.policy != "fixed" or s.tree is not None]
     cal_config = replace(config, out=str(out / "calibration"))
-    records, _ = run_settings(
-        cal_config, target, drafts, settings, interleave_by_category(calibration), progress
+    records, cal_summary = run_settings(
+        cal_config,
+        target,
+        drafts,
+        [Setting("ar"), *candidates],
+        interleave_by_category(calibration),
+        progress,
     )
     v = verify_costs(target.model, k_max + 1)
-    rows = predictions(records, config.drafts, k_max, v)
+    rows = predictions(records, config.drafts, k_max, v) + calibrated(cal_summary, direct)
     best = recommend(rows)
     overall = best[OVERALL]
     result: dict[str, Any] = {
@@ -181,7 +258,7 @@ def run_tune(config: BenchConfig, k_max: int, validate: bool = True, progress: b
     }
 
     if validate:
-        chosen = Setting("spec", overall["draft"], overall["k"])
+        chosen = setting_of(overall)
         val_config = replace(config, out=str(out / "validation"))
         _, summary = run_settings(
             val_config,
@@ -202,7 +279,7 @@ def run_tune(config: BenchConfig, k_max: int, validate: bool = True, progress: b
             predicted = next(
                 r["predicted"]
                 for r in rows
-                if r["draft"] == chosen.draft and r["k"] == chosen.k and r["category"] == category
+                if r["setting"] == chosen.label and r["category"] == category
             )
             per_category[category] = {
                 "predicted": predicted,
@@ -213,23 +290,24 @@ def run_tune(config: BenchConfig, k_max: int, validate: bool = True, progress: b
 
     run_config = RunConfig(
         target=config.target,
-        draft=overall["draft"],
-        k=overall["k"],
+        **_drafting(overall),
         dtype=config.dtype,
         device=config.device,
-        per_category={
-            c: {"draft": r["draft"], "k": r["k"]} for c, r in best.items() if c != OVERALL
-        },
+        per_category={c: _drafting(r) for c, r in best.items() if c != OVERALL},
     )
     out.mkdir(parents=True, exist_ok=True)
     save_config(run_config, out / "config.json")
     try:
         (out / "vllm.json").write_text(json.dumps(to_vllm_speculative_config(run_config), indent=2))
-    except ValueError as err:  # early exit has no vLLM counterpart: say so, keep the rest
+    except ValueError as err:  # early exit and trees have no vLLM counterpart: say so
         result["vllm"] = str(err)
     (out / "tune.json").write_text(json.dumps(result, indent=1))
     (out / "tune.md").write_text(render_tune(result))
     return result
+
+
+def _how(row: dict[str, Any]) -> str:
+    return "predicted" if row["how"] == "model" else "measured in calibration"
 
 
 def render_tune(result: dict[str, Any]) -> str:
@@ -239,14 +317,23 @@ def render_tune(result: dict[str, Any]) -> str:
         "",
         f"Command: `{result['command']}`",
         "",
-        "Predicted decode speedup over the target alone (from one calibration run per drafter at "
-        f"k = {result['k_max']}, measured v(n) and forward times).",
+        "Expected decode speedup over the target alone. Fixed-k chains are predicted for every k "
+        f"from one calibration run per drafter at k = {result['k_max']}, the measured v(n) and "
+        "forward times; k policies and token trees adapt as they run, so their figure is the "
+        "speedup they measured on the calibration prompts.",
         "",
-        "| category | drafter | k | predicted |",
+        "| category | recommended | expected | from |",
         "|---|---|---|---|",
     ]
     for category, row in best.items():
-        lines.append(f"| {category} | {row['draft']} | {row['k']} | {row['predicted']:.2f}x |")
+        lines.append(f"| {category} | {row['setting']} | {row['predicted']:.2f}x | {_how(row)} |")
+    overall = sorted(
+        (r for r in result["predictions"] if r["category"] == OVERALL),
+        key=lambda r: -r["predicted"],
+    )
+    lines += ["", "Every candidate over all categories:", "", "| candidate | expected | from |"]
+    lines.append("|---|---|---|")
+    lines += [f"| {r['setting']} | {r['predicted']:.2f}x | {_how(r)} |" for r in overall]
     v = ", ".join(f"v({n}) = {x:.2f}" for n, x in result["v"].items())
     lines += ["", f"Verification cost: {v}.", ""]
     validation = result.get("validation")
@@ -254,7 +341,7 @@ def render_tune(result: dict[str, Any]) -> str:
         lines += [
             f"## Validation of `{validation['setting']}` on prompts the calibration did not see",
             "",
-            "| category | predicted | measured | error |",
+            "| category | expected | measured | error |",
             "|---|---|---|---|",
         ]
         for category, row in validation["per_category"].items():
