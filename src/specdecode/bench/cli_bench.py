@@ -93,7 +93,7 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="FILE",
         help="a run config (e.g. from `specdecode tune`): benchmark it as `spec[tuned]`, each "
-        "category with its own settings, against ar (add --methods for more); its target, "
+        "category with its own settings, against ar (--methods or --draft add more); its target, "
         "dtype and device are the defaults",
     )
     bench.add_argument("--out", default=None, help="output folder (default runs/bench-TIME)")
