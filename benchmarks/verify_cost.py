@@ -3,17 +3,22 @@
     python benchmarks/verify_cost.py --model qwen2.5-coder-1.5b-instruct --dtype bfloat16
 
 Speculative decoding pays only when verifying k+1 tokens costs about as much as one token; this
-prints the ratio on the machine at hand (median of several repeats, after a warm-up).
+prints the ratio on the machine at hand (median of several repeats, after a warm-up), for plain
+PyTorch linear layers (`off`) and for specdecode's bfloat16 CPU kernel (`on`), measured in
+alternating rounds in one process. "/ eager 1" divides by plain PyTorch's one-token forward: the
+cost that matters against decoding without the kernel.
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
+import statistics
 
 import torch
 
 from specdecode.bench.costs import forward_seconds
+from specdecode.kernels.cpu_linear import apply_kernel
 from specdecode.models.loading import load_model
 
 
@@ -24,19 +29,34 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,2,3,5,9")
     parser.add_argument("--prefix", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per kernel")
+    parser.add_argument("--kernels", default="off,on", help="kernel modes to compare: off,on")
     args = parser.parse_args()
 
-    model = load_model(args.model, dtype=args.dtype, device="cpu").model
+    model = load_model(args.model, dtype=args.dtype, device="cpu", kernel="off").model
     sizes = sorted({1, *(int(n) for n in args.tokens.split(","))})
-    seconds = forward_seconds(model, sizes, prefix=args.prefix, repeats=args.repeats)
+    modes = [m.strip() for m in args.kernels.split(",") if m.strip()]
+    runs: dict[str, list[dict[int, float]]] = {m: [] for m in modes}
+    names: dict[str, str] = {}
+    for _ in range(args.rounds):
+        for mode in modes:
+            names[mode] = apply_kernel(model, mode)
+            runs[mode].append(forward_seconds(model, sizes, args.prefix, args.repeats))
+    seconds = {m: {n: statistics.median(r[n] for r in runs[m]) for n in sizes} for m in modes}
+    eager_one = seconds.get("off", seconds[modes[0]])[1]
     print(
         f"{args.model}, {args.dtype}, {platform.processor() or platform.machine()}, "
         f"{torch.get_num_threads()} threads, torch {torch.__version__}"
     )
-    print("| new tokens | forward ms | v = ms / one-token ms |")
-    print("|---|---|---|")
-    for n in sizes:
-        print(f"| {n} | {seconds[n] * 1000:.0f} | {seconds[n] / seconds[1]:.2f} |")
+    print("| linears | new tokens | forward ms | v = ms / one-token ms | ms / eager one-token ms |")
+    print("|---|---|---|---|---|")
+    for mode in modes:
+        for n in sizes:
+            ms = seconds[mode][n]
+            print(
+                f"| {names[mode]} | {n} | {ms * 1000:.0f} | {ms / seconds[mode][1]:.2f} "
+                f"| {ms / eager_one:.2f} |"
+            )
 
 
 if __name__ == "__main__":

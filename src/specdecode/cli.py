@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -39,6 +40,17 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, help="bfloat16 (default), float32, float16")
     parser.add_argument(
         "--device", default=None, help="cpu, cuda, cuda:N (default: cuda if present)"
+    )
+    add_kernel_arg(parser)
+
+
+def add_kernel_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kernel",
+        choices=("auto", "on", "off"),
+        default=None,
+        help="bfloat16 linear layers on specdecode's AVX2 CPU kernel: auto (default: when it "
+        "builds), on (fail if it cannot), off (plain PyTorch); also $SPECDECODE_KERNEL",
     )
 
 
@@ -224,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     dem.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     dem.add_argument("--dtype", default="bfloat16")
     dem.add_argument("--device", default=None)
+    add_kernel_arg(dem)
     dem.set_defaults(func=_cmd_demo)
 
     try:
@@ -245,6 +258,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded with benchmark results
+    if getattr(args, "kernel", None):
+        # every load_model of this command (target, draft, bench, tune, serve) reads it
+        os.environ["SPECDECODE_KERNEL"] = args.kernel
     try:
         return int(args.func(args) or 0)
     except ValueError as err:

@@ -23,6 +23,8 @@ def _int_csv(text: str) -> list[int]:
 
 
 def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
+    from specdecode.cli import add_kernel_arg
+
     bench = subparsers.add_parser(
         "bench",
         help="measure methods side by side on prompt suites (acceptance, speed, memory)",
@@ -88,6 +90,7 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
         "--dtype", default=None, help="default bfloat16 (quick: float32, exact identity to AR)"
     )
     bench.add_argument("--device", default=None)
+    add_kernel_arg(bench)
     bench.add_argument(
         "--config",
         default=None,
@@ -144,6 +147,7 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
     tune.add_argument("--no-chat", dest="chat", action="store_false")
     tune.add_argument("--dtype", default="bfloat16")
     tune.add_argument("--device", default=None)
+    add_kernel_arg(tune)
     tune.add_argument("--no-validate", dest="validate", action="store_false")
     tune.add_argument("--out", default=None, help="output folder (default runs/tune-TIME)")
     tune.set_defaults(func=handle_tune, chat=True)

@@ -331,6 +331,7 @@ def _write_run_info(
         "tuned": {c: v.label for s in settings for c, v in s.per_category},  # bench --config
         "run_config": load_config(config.config_file).to_dict() if config.config_file else None,
         "target_dtype": str(target.dtype),
+        "kernel": target.kernel,
         "device": str(target.device),
         "machine": f"{platform.processor() or platform.machine()}, "
         f"{torch.get_num_threads()} threads",

@@ -30,6 +30,7 @@ class LoadedModel:
     tokenizer: Any | None = None  # transformers tokenizer, or None for models saved without one
     name: str = "model"
     extra: dict[str, Any] = field(default_factory=dict)
+    kernel: str = "eager"  # what its linear layers run on: "eager" (PyTorch) or "bf16-avx2"
 
     @property
     def device(self) -> torch.device:
@@ -94,12 +95,25 @@ def load_model(
     spec: str | Path,
     dtype: str | torch.dtype = "bfloat16",
     device: str | torch.device | None = None,
+    kernel: str | None = None,
 ) -> LoadedModel:
     """Load a causal LM from a preset name, a `.gguf` file, a local folder or a hub id.
 
     Default dtype is bfloat16 (about 2x faster than float32 on CPU for these models); exact-identity
-    tests use float32.
+    tests use float32. `kernel` ("auto", "on", "off"; None: $SPECDECODE_KERNEL, else "auto") puts
+    a bfloat16 model's linear layers on the AVX2 CPU kernel (`specdecode.kernels`).
     """
+    from specdecode.kernels.cpu_linear import apply_kernel, resolve_mode
+
+    mode = resolve_mode(kernel)  # a bad mode fails before anything is loaded
+    loaded = _load(spec, dtype, device)
+    loaded.kernel = apply_kernel(loaded.model, mode)
+    return loaded
+
+
+def _load(
+    spec: str | Path, dtype: str | torch.dtype, device: str | torch.device | None
+) -> LoadedModel:
     torch_dtype = resolve_dtype(dtype)
     dev = resolve_device(device)
     spec_str = str(spec)

@@ -1,0 +1,19 @@
+"""Compute kernels that make decoding on CPU memory-bound (see linear_bf16.cpp for why)."""
+
+from specdecode.kernels.cpu_linear import (
+    KERNEL_MODES,
+    KernelUnavailable,
+    apply_kernel,
+    restore_linears,
+    swap_linears,
+    unavailable_reason,
+)
+
+__all__ = [
+    "KERNEL_MODES",
+    "KernelUnavailable",
+    "apply_kernel",
+    "restore_linears",
+    "swap_linears",
+    "unavailable_reason",
+]

@@ -1,0 +1,169 @@
+"""Swap a model's bfloat16 `nn.Linear` layers onto the AVX2 kernel in `linear_bf16.cpp`.
+
+Only the layers' compute changes: weights, state dict, module tree and the model's own forward
+stay as Hugging Face built them. The kernel is compiled on first use with PyTorch's C++ extension
+builder (a C++ compiler and ninja; about a minute, once per machine, cached by PyTorch).
+
+Modes (`load_model(kernel=...)`, `--kernel`, or the `SPECDECODE_KERNEL` environment variable):
+  auto  use it for bfloat16 models on an AVX2 CPU when it builds; otherwise plain PyTorch (default)
+  on    use it, and fail with the reason when it cannot be used
+  off   plain PyTorch
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+KERNEL_MODES = ("auto", "on", "off")
+ENV = "SPECDECODE_KERNEL"
+NAME = "bf16-avx2"  # what LoadedModel.kernel reports when the kernel is in use
+_SOURCE = Path(__file__).with_name("linear_bf16.cpp")
+_FLAG = "_specdecode_kernel"  # set on swapped modules
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernel cannot run here; the message says why."""
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel cannot be built or run on this machine, or None when it can."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if "AVX2" not in capability and "AVX512" not in capability:
+        return f"the CPU has no AVX2 (PyTorch reports {capability})"
+    from torch.utils import cpp_extension
+
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return "no C++ compiler (c++) to build it with"
+    if not cpp_extension.is_ninja_available():
+        return "ninja is not installed (pip install ninja)"
+    return None
+
+
+@functools.cache
+def _extension() -> Any:
+    """The compiled kernel module (built once per machine; PyTorch caches the build)."""
+    reason = unavailable_reason()
+    if reason is not None:
+        raise KernelUnavailable(reason)
+    from torch.utils import cpp_extension
+
+    name = "specdecode_linear_bf16"
+    built = Path(cpp_extension._get_build_directory(name, verbose=False))
+    if not any(built.glob(f"{name}*.so")):
+        print(
+            "specdecode: building the bfloat16 CPU kernel (once per machine, about a minute)...",
+            file=sys.stderr,
+        )
+    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+    try:
+        return cpp_extension.load(
+            name=name,
+            sources=[str(_SOURCE)],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as err:  # a compiler or linker failure: report it, keep the model usable
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise KernelUnavailable(f"building it failed: {first}") from err
+
+
+def _kernel_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if (
+        x.dtype != torch.bfloat16
+        or x.device.type != "cpu"
+        or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
+    ):
+        return F.linear(x, self.weight, self.bias)  # training, or inputs the kernel does not take
+    flat = x.reshape(-1, x.shape[-1])  # [..., K] -> [M, K]
+    out = _extension().linear(flat, self.weight, self.bias)  # [M, N]
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _eligible(module: torch.nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return (
+        isinstance(module, torch.nn.Linear)
+        and weight is not None
+        and weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and weight.is_contiguous()
+    )
+
+
+def swap_linears(model: torch.nn.Module) -> int:
+    """Run every eligible bfloat16 CPU `nn.Linear` of `model` on the kernel; returns how many.
+
+    Builds the kernel first (KernelUnavailable when it cannot). Idempotent.
+    """
+    _extension()
+    count = 0
+    for module in model.modules():
+        if _eligible(module):
+            if not getattr(module, _FLAG, False):
+                module.forward = types.MethodType(_kernel_forward, module)
+                setattr(module, _FLAG, True)
+            count += 1
+    return count
+
+
+def restore_linears(model: torch.nn.Module) -> int:
+    """Undo `swap_linears`: plain PyTorch linears again; returns how many were restored."""
+    count = 0
+    for module in model.modules():
+        if getattr(module, _FLAG, False):
+            del module.forward  # the instance attribute; the class's forward shows again
+            delattr(module, _FLAG)
+            count += 1
+    return count
+
+
+def resolve_mode(mode: str | None) -> str:
+    mode = (mode or os.environ.get(ENV) or "auto").lower()
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"unknown kernel mode {mode!r}: choose one of {', '.join(KERNEL_MODES)}")
+    return mode
+
+
+_warned: set[str] = set()
+
+
+def apply_kernel(model: torch.nn.Module, mode: str | None = None) -> str:
+    """Apply the kernel policy `mode` (None: $SPECDECODE_KERNEL, else auto) to a loaded model.
+
+    Returns the kernel its linears now run on: "bf16-avx2" or "eager".
+    """
+    mode = resolve_mode(mode)
+    if mode == "off":
+        restore_linears(model)
+        return "eager"
+    weights = [p for p in model.parameters()]
+    wanted = (
+        bool(weights) and weights[0].dtype == torch.bfloat16 and weights[0].device.type == "cpu"
+    )
+    if not wanted:
+        if mode == "on":
+            raise ValueError("--kernel on needs a bfloat16 model on the CPU")
+        return "eager"
+    try:
+        return NAME if swap_linears(model) else "eager"
+    except KernelUnavailable as err:
+        if mode == "on":
+            raise ValueError(f"the bfloat16 CPU kernel cannot be used: {err}") from err
+        if str(err) not in _warned:  # auto: say once why decoding stays on plain PyTorch
+            _warned.add(str(err))
+            print(
+                f"specdecode: note: plain PyTorch linears ({err}); bfloat16 decoding on this CPU "
+                "would be faster with the kernel",
+                file=sys.stderr,
+            )
+        return "eager"

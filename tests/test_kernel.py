@@ -1,0 +1,125 @@
+"""The bfloat16 CPU kernel: same results as PyTorch's linear up to rounding, batch invariant,
+swapped in and out of a model without touching its weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdecode import SpeculativeDecoder
+from specdecode.kernels import apply_kernel, restore_linears, swap_linears, unavailable_reason
+from specdecode.kernels.cpu_linear import NAME, _extension
+
+from conftest import noisy_copy, tiny_llama, tiny_qwen2
+
+pytestmark = pytest.mark.skipif(
+    unavailable_reason() is not None, reason=f"kernel unavailable: {unavailable_reason()}"
+)
+
+
+def _case(m: int, k: int, n: int, seed: int, bias: bool):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    w = (torch.randn(n, k, generator=gen) / k**0.5).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    return x, w, b
+
+
+# K: below one 16-wide chunk, with a tail, exact chunks; N: below and around the 8-row group
+@pytest.mark.parametrize("k", [5, 16, 37, 100, 256])
+@pytest.mark.parametrize("n", [1, 8, 13, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_pytorch_up_to_bfloat16_rounding(k, n, bias):
+    for m in (1, 2, 3, 4, 5, 7, 9, 17):
+        x, w, b = _case(m, k, n, seed=k * 100 + n + m, bias=bias)
+        out = _extension().linear(x, w, b)
+        reference = F.linear(x.float(), w.float(), None if b is None else b.float())
+        assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+        # one bfloat16 rounding of the float32 result: relative error at most 2^-8
+        torch.testing.assert_close(out.float(), reference, rtol=2**-8, atol=1e-5)
+
+
+@pytest.mark.parametrize("m", [2, 3, 4, 5, 6, 8, 9, 13, 16])
+def test_batch_invariant_bit_for_bit(m):
+    # a token's output is the same float whether it is computed alone or among m tokens
+    x, w, b = _case(m, 1536, 72, seed=m, bias=True)
+    together = _extension().linear(x, w, b)
+    for i in range(m):
+        alone = _extension().linear(x[i : i + 1], w, b)
+        assert torch.equal(together[i], alone[0]), i
+
+
+def test_swap_keeps_weights_and_restores():
+    model = tiny_qwen2(seed=3).to(torch.bfloat16)  # q/k/v projections carry biases
+    state = {name: t.clone() for name, t in model.state_dict().items()}
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        plain = model(ids).logits
+        linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+        assert swap_linears(model) == linears
+        assert swap_linears(model) == linears  # idempotent
+        fast = model(ids).logits
+        assert restore_linears(model) == linears
+        again = model(ids).logits
+    assert all(torch.equal(state[name], t) for name, t in model.state_dict().items())
+    torch.testing.assert_close(fast.float(), plain.float(), rtol=0.05, atol=0.05)
+    assert torch.equal(again, plain)
+
+
+def test_training_falls_back_to_pytorch():
+    layer = torch.nn.Linear(32, 16).to(torch.bfloat16)
+    swap_linears(layer)
+    x = torch.randn(3, 32).bfloat16().requires_grad_()
+    layer(x).float().sum().backward()  # the kernel has no backward: plain linear runs
+    assert x.grad is not None and layer.weight.grad is not None
+
+
+def test_modes():
+    model = tiny_llama(seed=1).to(torch.bfloat16)
+    assert apply_kernel(model, "on") == NAME
+    assert apply_kernel(model, "off") == "eager"
+    assert not any(hasattr(m, "_specdecode_kernel") for m in model.modules())
+    float32 = tiny_llama(seed=1)
+    assert apply_kernel(float32, "auto") == "eager"  # the kernel is for bfloat16 only
+    with pytest.raises(ValueError, match="bfloat16 model on the CPU"):
+        apply_kernel(float32, "on")
+    with pytest.raises(ValueError, match="unknown kernel mode"):
+        apply_kernel(model, "fast")
+
+
+def test_environment_variable_sets_the_default(monkeypatch):
+    model = tiny_llama(seed=1).to(torch.bfloat16)
+    monkeypatch.setenv("SPECDECODE_KERNEL", "off")
+    assert apply_kernel(model) == "eager"
+    monkeypatch.setenv("SPECDECODE_KERNEL", "on")
+    assert apply_kernel(model) == NAME
+
+
+def _top2_margin(model, ids: list[int]) -> float:
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1].float()
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+@pytest.mark.parametrize("factory", [tiny_llama, tiny_qwen2])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_speculative_decoding_on_the_kernel_matches_its_own_greedy(factory, seed):
+    # invariant 1 in bfloat16 with the linears on the kernel: the same tokens as the target's own
+    # greedy decoding, or a first difference only at a near-tie of the target's logits
+    target = factory(seed=seed).to(torch.bfloat16)
+    draft = noisy_copy(target, 0.05, seed=seed).to(torch.bfloat16)
+    apply_kernel(target, "on")
+    apply_kernel(draft, "on")
+    prompt = [1 + seed, 2, 3]
+    expected = SpeculativeDecoder(target).generate(prompt, max_new_tokens=40).token_ids
+    for kwargs in ({"k": 1}, {"k": 4}, {"tree": "static:3,2,1"}, {"tree": "dynamic:6"}):
+        result = SpeculativeDecoder(target, draft, **kwargs).generate(prompt, max_new_tokens=40)
+        assert result.stats.acceptance_rate > 0
+        if result.token_ids != expected:
+            i = next(
+                i for i, (a, b) in enumerate(zip(result.token_ids, expected, strict=True)) if a != b
+            )
+            margin = _top2_margin(target, prompt + expected[:i])
+            assert margin <= 0.0625, (kwargs, i, margin)  # a few bfloat16 steps at |logit| ~ 2-8
