@@ -123,3 +123,25 @@ def test_speculative_decoding_on_the_kernel_matches_its_own_greedy(factory, seed
             )
             margin = _top2_margin(target, prompt + expected[:i])
             assert margin <= 0.0625, (kwargs, i, margin)  # a few bfloat16 steps at |logit| ~ 2-8
+
+
+def test_auto_leaves_avx512_machines_on_pytorch(monkeypatch):
+    # their bfloat16 instructions serve PyTorch's own path; the kernel is measured on AVX2 only
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    model = tiny_llama(seed=1).to(torch.bfloat16)
+    assert apply_kernel(model, "auto") == "eager"
+    assert apply_kernel(model, "on") == NAME
+
+
+def test_kernel_option_on_the_command_line_and_in_load_model():
+    from specdecode.cli import build_parser
+    from specdecode.models import load_model
+
+    args = build_parser().parse_args(
+        ["generate", "--target", "t", "--prompt", "hi", "--kernel", "off"]
+    )
+    assert args.kernel == "off"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--kernel", "fast"])
+    with pytest.raises(ValueError, match="unknown kernel mode"):
+        load_model("no-such-model", kernel="fast")  # refused before anything is loaded

@@ -5,7 +5,9 @@ stay as Hugging Face built them. The kernel is compiled on first use with PyTorc
 builder (a C++ compiler and ninja; about a minute, once per machine, cached by PyTorch).
 
 Modes (`load_model(kernel=...)`, `--kernel`, or the `SPECDECODE_KERNEL` environment variable):
-  auto  use it for bfloat16 models on an AVX2 CPU when it builds; otherwise plain PyTorch (default)
+  auto  use it for bfloat16 models on an AVX2 CPU without AVX-512 when it builds; otherwise plain
+        PyTorch (default). CPUs with AVX-512 often have bfloat16 instructions that PyTorch's own
+        path uses (oneDNN); the kernel was measured only on AVX2, so there `on` must ask for it.
   on    use it, and fail with the reason when it cannot be used
   off   plain PyTorch
 """
@@ -57,8 +59,11 @@ def _extension() -> Any:
     from torch.utils import cpp_extension
 
     name = "specdecode_linear_bf16"
-    built = Path(cpp_extension._get_build_directory(name, verbose=False))
-    if not any(built.glob(f"{name}*.so")):
+    try:  # a private helper of PyTorch's: only to say that a build is coming
+        built = any(Path(cpp_extension._get_build_directory(name, False)).glob(f"{name}*.so"))
+    except Exception:
+        built = False
+    if not built:
         print(
             "specdecode: building the bfloat16 CPU kernel (once per machine, about a minute)...",
             file=sys.stderr,
@@ -154,6 +159,9 @@ def apply_kernel(model: torch.nn.Module, mode: str | None = None) -> str:
         if mode == "on":
             raise ValueError("--kernel on needs a bfloat16 model on the CPU")
         return "eager"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if mode == "auto" and "AVX2" not in capability:
+        return "eager"  # AVX-512 machines keep PyTorch's path; others cannot run the kernel
     try:
         return NAME if swap_linears(model) else "eager"
     except KernelUnavailable as err:
@@ -162,8 +170,8 @@ def apply_kernel(model: torch.nn.Module, mode: str | None = None) -> str:
         if str(err) not in _warned:  # auto: say once why decoding stays on plain PyTorch
             _warned.add(str(err))
             print(
-                f"specdecode: note: plain PyTorch linears ({err}); bfloat16 decoding on this CPU "
-                "would be faster with the kernel",
+                f"specdecode: note: bfloat16 linears stay on plain PyTorch, slower on this CPU, "
+                f"because the AVX2 kernel cannot be used: {err}",
                 file=sys.stderr,
             )
         return "eager"
