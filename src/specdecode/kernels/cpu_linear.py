@@ -151,11 +151,8 @@ def apply_kernel(model: torch.nn.Module, mode: str | None = None) -> str:
     if mode == "off":
         restore_linears(model)
         return "eager"
-    weights = [p for p in model.parameters()]
-    wanted = (
-        bool(weights) and weights[0].dtype == torch.bfloat16 and weights[0].device.type == "cpu"
-    )
-    if not wanted:
+    first = next(model.parameters(), None)  # the model's dtype and device
+    if first is None or first.dtype != torch.bfloat16 or first.device.type != "cpu":
         if mode == "on":
             raise ValueError("--kernel on needs a bfloat16 model on the CPU")
         return "eager"

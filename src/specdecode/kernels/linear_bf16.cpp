@@ -8,14 +8,14 @@
 //
 // Batch invariance: each output is one float32 sum over k in a fixed order (8 lanes, each an FMA
 // chain over its k in order, then the lanes added in a fixed order), whatever the number of tokens
-// in the call or the tile that computes it. A token's output is bit-identical whether it is
-// decoded alone or verified among k others, so greedy speculative decoding reproduces greedy
-// decoding exactly even in bfloat16 (as far as the linear layers go).
+// in the call or the tile that computes it. A linear layer's output for a token is bit-identical
+// whether the token is decoded alone or verified among k others. (Attention and the rest of the
+// model are PyTorch's and can still round differently with the number of tokens, so bfloat16
+// greedy identity keeps its near-tie exception.)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
