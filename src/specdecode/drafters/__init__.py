@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.early_exit import EarlyExitDrafter
 from specdecode.drafters.model import ModelDrafter
@@ -17,10 +19,17 @@ def resolve_draft(spec: str | None, target: Any, dtype: Any = "bfloat16", device
 
     `None` -> None (autoregressive); `early-exit:N` -> an EarlyExitDrafter over `target` (a
     LoadedModel); `ngram` or `ngram:MIN-MAX` -> prompt lookup (default 1-3); anything else is
-    loaded with `load_model`.
+    loaded with `load_model`, and `MODEL:int8` then runs its linears on int8 weights (bfloat16 on
+    a CPU with AVX2 only; `specdecode.kernels.quantize_linears`).
     """
     if spec is None:
         return None
+    base, int8 = (spec[: -len(INT8_SUFFIX)], True) if spec.endswith(INT8_SUFFIX) else (spec, False)
+    if int8 and (base.startswith(("ngram", "early-exit")) or not base):
+        raise ValueError(
+            f"{INT8_SUFFIX} quantizes a draft model (e.g. qwen2.5-coder-0.5b-instruct{INT8_SUFFIX}); "
+            f"n-gram drafts have no weights and early-exit shares the target's (got {spec!r})"
+        )
     if spec == "ngram" or spec.startswith("ngram:"):
         sizes = spec.partition(":")[2] if ":" in spec else "1-3"
         low, _, high = sizes.partition("-")
@@ -36,4 +45,26 @@ def resolve_draft(spec: str | None, target: Any, dtype: Any = "bfloat16", device
         return EarlyExitDrafter(target.model, int(depth))
     from specdecode.models.loading import load_model
 
-    return load_model(spec, dtype=dtype, device=device)
+    if not int8:
+        return load_model(spec, dtype=dtype, device=device)
+    return quantized_draft(load_model(base, dtype=dtype, device=device), spec)
+
+
+INT8_SUFFIX = ":int8"
+
+
+def quantized_draft(draft: Any, spec: str) -> Any:
+    """`draft` (a LoadedModel) with its linears on int8 weights; ValueError where that cannot run."""
+    from specdecode.kernels.cpu_linear import INT8_NAME, KernelUnavailable, quantize_linears
+
+    if draft.dtype != torch.bfloat16 or draft.device.type != "cpu":
+        raise ValueError(
+            f"{spec}: int8 drafts run on the CPU kernel with bfloat16 activations; "
+            f"use --dtype bfloat16 on the CPU (the draft is {draft.dtype} on {draft.device})"
+        )
+    try:
+        quantize_linears(draft.model)
+    except KernelUnavailable as err:
+        raise ValueError(f"{spec}: the int8 CPU kernel cannot be used: {err}") from err
+    draft.kernel, draft.name = INT8_NAME, f"{draft.name}{INT8_SUFFIX}"
+    return draft

@@ -1,9 +1,11 @@
-"""Compute kernels that make decoding on CPU memory-bound (see linear_bf16.cpp for why)."""
+"""Compute kernels that make decoding on CPU memory-bound (see linear_avx2.cpp for why)."""
 
 from specdecode.kernels.cpu_linear import (
     KERNEL_MODES,
     KernelUnavailable,
     apply_kernel,
+    quantize_int8,
+    quantize_linears,
     restore_linears,
     swap_linears,
     unavailable_reason,
@@ -13,6 +15,8 @@ __all__ = [
     "KERNEL_MODES",
     "KernelUnavailable",
     "apply_kernel",
+    "quantize_int8",
+    "quantize_linears",
     "restore_linears",
     "swap_linears",
     "unavailable_reason",

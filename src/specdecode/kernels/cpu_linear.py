@@ -1,4 +1,4 @@
-"""Swap a model's bfloat16 `nn.Linear` layers onto the AVX2 kernel in `linear_bf16.cpp`.
+"""Swap a model's bfloat16 `nn.Linear` layers onto the AVX2 kernels in `linear_avx2.cpp`.
 
 Only the layers' compute changes: weights, state dict, module tree and the model's own forward
 stay as Hugging Face built them. The kernel is compiled on first use with PyTorch's C++ extension
@@ -10,6 +10,11 @@ Modes (`load_model(kernel=...)`, `--kernel`, or the `SPECDECODE_KERNEL` environm
         path uses (oneDNN); the kernel was measured only on AVX2, so there `on` must ask for it.
   on    use it, and fail with the reason when it cannot be used
   off   plain PyTorch
+
+`quantize_linears` is separate and explicit (a draft spec's `:int8` suffix): it runs a draft's
+linears on int8 copies of their weights, one scale per output row. Only a drafter may be
+quantized: the target verifies every drafted token, so the output stays the target's own, and
+the draft reads half the bytes per forward (its acceptance may change a little; measure it).
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ import torch.nn.functional as F
 KERNEL_MODES = ("auto", "on", "off")
 ENV = "SPECDECODE_KERNEL"
 NAME = "bf16-avx2"  # what LoadedModel.kernel reports when the kernel is in use
-_SOURCE = Path(__file__).with_name("linear_bf16.cpp")
+INT8_NAME = "int8-avx2"  # ... and after quantize_linears
+_SOURCE = Path(__file__).with_name("linear_avx2.cpp")
 _FLAG = "_specdecode_kernel"  # set on swapped modules
+_QWEIGHT, _SCALE = "_specdecode_qweight", "_specdecode_scale"  # int8 buffers of quantized ones
 
 
 class KernelUnavailable(RuntimeError):
@@ -58,14 +65,14 @@ def _extension() -> Any:
         raise KernelUnavailable(reason)
     from torch.utils import cpp_extension
 
-    name = "specdecode_linear_bf16"
+    name = "specdecode_linear_avx2"
     try:  # a private helper of PyTorch's: only to say that a build is coming
         built = any(Path(cpp_extension._get_build_directory(name, False)).glob(f"{name}*.so"))
     except Exception:
         built = False
     if not built:
         print(
-            "specdecode: building the bfloat16 CPU kernel (once per machine, about a minute)...",
+            "specdecode: building the CPU kernels (once per machine, about a minute)...",
             file=sys.stderr,
         )
     flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
@@ -122,12 +129,75 @@ def swap_linears(model: torch.nn.Module) -> int:
 
 
 def restore_linears(model: torch.nn.Module) -> int:
-    """Undo `swap_linears`: plain PyTorch linears again; returns how many were restored."""
+    """Undo `swap_linears` and `quantize_linears`: plain PyTorch linears on the model's own
+    weights again (the int8 copies are dropped); returns how many were restored."""
     count = 0
     for module in model.modules():
         if getattr(module, _FLAG, False):
             del module.forward  # the instance attribute; the class's forward shows again
             delattr(module, _FLAG)
+            for name in (_QWEIGHT, _SCALE):
+                if name in module._buffers:
+                    del module._buffers[name]
+            count += 1
+    return count
+
+
+def quantize_int8(weight: torch.Tensor, rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row: weight [N, K] ~= q [N, K] int8 * scale [N, 1] float32.
+
+    scale = max |row| / 127 (1 for an all-zero row); q = round(row / scale). Done `rows` rows at a
+    time so a large embedding-sized weight needs no full float32 copy.
+    """
+    n = weight.shape[0]
+    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scale = torch.empty(n, dtype=torch.float32, device=weight.device)
+    for start in range(0, n, rows):
+        part = weight[start : start + rows].float()  # [r, K]
+        s = part.abs().amax(dim=1) / 127.0  # [r]
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        q[start : start + rows] = torch.round(part / s[:, None]).clamp_(-127, 127).to(torch.int8)
+        scale[start : start + rows] = s
+    return q, scale
+
+
+def _int8_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    q, scale = getattr(self, _QWEIGHT), getattr(self, _SCALE)
+    if (
+        x.dtype != torch.bfloat16
+        or x.device.type != "cpu"
+        or (torch.is_grad_enabled() and x.requires_grad)
+    ):
+        # inputs the kernel does not take: the same quantized weights, through PyTorch
+        weight = (q.float() * scale[:, None]).to(x.dtype)
+        return F.linear(x, weight, self.bias)
+    flat = x.reshape(-1, x.shape[-1])  # [..., K] -> [M, K]
+    out = _extension().linear_int8(flat, q, scale, self.bias)  # [M, N]
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def quantize_linears(model: torch.nn.Module) -> int:
+    """Run every bfloat16 CPU `nn.Linear` of `model` on int8 copies of its weights (one scale
+    per output row, `quantize_int8`) with the AVX2 int8 kernel; returns how many.
+
+    For drafters only (a draft's output is verified; a target's would change). The bfloat16
+    weights stay (embeddings may be tied to the output layer; `restore_linears` undoes it), so
+    the model holds 1.5 bytes per linear weight. Builds the kernel first (KernelUnavailable when
+    it cannot). Idempotent.
+    """
+    _extension()
+    count = 0
+    with torch.no_grad():
+        for module in model.modules():
+            if not _eligible(module):
+                continue
+            if _QWEIGHT not in module._buffers:
+                q, scale = quantize_int8(module.weight)
+                # not persistent: the state dict keeps only the model's own weights
+                module.register_buffer(_QWEIGHT, q, persistent=False)
+                module.register_buffer(_SCALE, scale, persistent=False)
+                module.forward = types.MethodType(_int8_forward, module)
+                setattr(module, _FLAG, True)
             count += 1
     return count
 

@@ -1,0 +1,217 @@
+// Linear layers for CPUs with AVX2 + FMA, made for decoding: few tokens, big weights. Two weight
+// formats: bfloat16 (the model's own weights) and int8 with one scale per output row (a draft's
+// weights quantized by `quantize_linears`: half the bytes to read, so about half the time).
+//
+// Why: on x86 CPUs without bfloat16 matrix units, PyTorch's bfloat16 matmul costs about one extra
+// one-token forward per extra token, so verifying k+1 drafted tokens costs about k+1 forwards and
+// speculation cannot pay. Here every weight row is read from memory once per call and used for all
+// the tokens while it sits in L1, so a forward over a few tokens costs about as much as over one:
+// the memory-bound regime speculative decoding is built on.
+//
+// Batch invariance: each output is one float32 sum over k in a fixed order (8 lanes, each an FMA
+// chain over its k in order, then the lanes added in a fixed order), whatever the number of tokens
+// in the call or the tile that computes it. A linear layer's output for a token is bit-identical
+// whether the token is decoded alone or verified among k others. (Attention and the rest of the
+// model are PyTorch's and can still round differently with the number of tokens, so bfloat16
+// greedy identity keeps its near-tie exception.) Activations are float32 inside, bfloat16 in and out.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kGroup = 8;     // weight rows per parallel work item (24 KB when K = 1536)
+constexpr int64_t kPrefetch = 8;  // prefetch the same place kPrefetch rows ahead (the next group)
+
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, as PyTorch does
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // NaN stays NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+inline float lane_sum(__m256 v) {  // one fixed order for every caller
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+// Weight formats. Each widens 16 consecutive weights of a row to two float32 vectors (`load16`)
+// that multiply the matching two vectors of a token's prepared activations.
+struct Bf16Rows {  // bfloat16; activations as [8 even | 8 odd] per 16-chunk: one shift, one mask
+  using T = uint16_t;
+  static constexpr bool kEvenOdd = true;
+  static inline void load16(const T* p, __m256& a, __m256& b) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    a = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+    b = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(int(0xFFFF0000u))));
+  }
+  static inline float at(const T* p) { return bf16_to_float(*p); }
+};
+
+struct Int8Rows {  // int8 with one float32 scale per row, applied after the sum; activations as is
+  using T = int8_t;
+  static constexpr bool kEvenOdd = false;
+  static inline void load16(const T* p, __m256& a, __m256& b) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+    b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(raw, raw)));
+  }
+  static inline float at(const T* p) { return float(*p); }
+};
+
+// R weight rows x T tokens: res[t * R + r] = dot(w[r], x[t]), x prepared for the format W.
+template <class W, int R, int T>
+inline void tile(const typename W::T* w, int64_t K, const float* x, float* res) {
+  __m256 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
+  const int64_t K16 = K & ~int64_t(15);
+  for (int64_t k = 0; k < K16; k += 16) {
+    __m256 lo[T], hi[T];
+    for (int t = 0; t < T; ++t) {
+      lo[t] = _mm256_loadu_ps(x + t * K + k);
+      hi[t] = _mm256_loadu_ps(x + t * K + k + 8);
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (kPrefetch + r) * K + k), _MM_HINT_T0);
+      __m256 w_lo, w_hi;
+      W::load16(w + r * K + k, w_lo, w_hi);
+      for (int t = 0; t < T; ++t) {
+        acc[r][t] = _mm256_fmadd_ps(w_lo, lo[t], acc[r][t]);
+        acc[r][t] = _mm256_fmadd_ps(w_hi, hi[t], acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) {
+      float s = lane_sum(acc[r][t]);
+      for (int64_t k = K16; k < K; ++k) s += W::at(w + r * K + k) * x[t * K + k];
+      res[t * R + r] = s;
+    }
+}
+
+struct Out {  // where results go: out[m, n] = bf16(sum * scale[n] + bias[n])
+  const float* scale;  // [N] or nullptr (bfloat16 weights)
+  const float* bias;   // [N] or nullptr
+  int64_t N;
+  uint16_t* out;       // [M, N]
+};
+
+// out[m0 .. m0+T, n0 .. n0+R] = x[m0 .. m0+T] @ w[n0 .. n0+R]^T (scaled) + bias, in bfloat16.
+template <class W, int R, int T>
+inline void block(const typename W::T* w, int64_t K, const float* x, int64_t n0, int64_t m0,
+                  const Out& o) {
+  float res[R * T];
+  tile<W, R, T>(w, K, x + m0 * K, res);
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) {
+      const int64_t n = n0 + r;
+      const float s = o.scale ? res[t * R + r] * o.scale[n] : res[t * R + r];
+      o.out[(m0 + t) * o.N + n] = float_to_bf16(s + (o.bias ? o.bias[n] : 0.f));
+    }
+}
+
+// One group of kGroup weight rows against all M tokens: blocks of 4 tokens, then the 1-3 left,
+// each tile shape keeping about 8 independent accumulators busy (FMA latency x 2 pipes).
+template <class W>
+void group(const typename W::T* w, int64_t K, const float* x, int64_t M, int64_t n0,
+           const Out& o) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4)
+    for (int r = 0; r < kGroup; r += 2) block<W, 2, 4>(w + r * K, K, x, n0 + r, m, o);
+  switch (M - m) {
+    case 3:
+      for (int r = 0; r < kGroup; r += 2) block<W, 2, 3>(w + r * K, K, x, n0 + r, m, o);
+      break;
+    case 2:
+      for (int r = 0; r < kGroup; r += 4) block<W, 4, 2>(w + r * K, K, x, n0 + r, m, o);
+      break;
+    case 1:
+      for (int r = 0; r < kGroup; r += 4) block<W, 4, 1>(w + r * K, K, x, n0 + r, m, o);
+      break;
+  }
+}
+
+// x [M, K] bfloat16 -> float32, each 16-wide chunk reordered to [8 even | 8 odd] when W wants it.
+template <class W>
+torch::Tensor prepare(const torch::Tensor& x) {
+  auto xf = x.to(torch::kFloat).contiguous();
+  const int64_t M = x.size(0), K = x.size(1), K16 = K & ~int64_t(15);
+  if (!W::kEvenOdd || K16 == 0) return xf;
+  auto head = xf.narrow(1, 0, K16).reshape({M, K16 / 16, 8, 2}).transpose(2, 3).reshape({M, K16});
+  return torch::cat({head, xf.narrow(1, K16, K - K16)}, 1).contiguous();
+}
+
+template <class W>
+torch::Tensor run(const torch::Tensor& x, const typename W::T* w, int64_t N, const float* scale,
+                  const c10::optional<torch::Tensor>& bias) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const torch::Tensor xf = prepare<W>(x);
+  torch::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "linear: bias [N] expected");
+    bias_f = bias->to(torch::kFloat).contiguous();
+  }
+  auto out = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const Out o{scale, bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, N,
+              reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>())};
+  const float* X = xf.data_ptr<float>();
+  const int64_t groups = N / kGroup;
+  at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) group<W>(w + g * kGroup * K, K, X, M, g * kGroup, o);
+  });
+  for (int64_t n = groups * kGroup; n < N; ++n)  // rows left over: one at a time
+    for (int64_t m = 0; m < M; ++m) block<W, 1, 1>(w + n * K, K, X, n, m, o);
+  return out;
+}
+
+void check_x(const torch::Tensor& x, const torch::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "linear: x [M, K] and weight [N, K] expected");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear: bfloat16 activations expected");
+  TORCH_CHECK(weight.is_contiguous() && x.device().is_cpu() && weight.device().is_cpu(),
+              "linear: contiguous CPU weight expected");
+}
+
+}  // namespace
+
+// x: [M, K] bfloat16, weight: [N, K] bfloat16 contiguous, bias: [N] or None -> [M, N] bfloat16.
+torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+  check_x(x, weight);
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "linear: bfloat16 weight expected");
+  const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  return run<Bf16Rows>(x, w, weight.size(0), nullptr, bias);
+}
+
+// x: [M, K] bfloat16, weight: [N, K] int8 contiguous, scale: [N] float32, bias: [N] or None
+// -> [M, N] bfloat16: x @ (weight * scale[:, None])^T + bias, each sum scaled once at its end.
+torch::Tensor linear_int8(torch::Tensor x, torch::Tensor weight, torch::Tensor scale,
+                          c10::optional<torch::Tensor> bias) {
+  check_x(x, weight);
+  TORCH_CHECK(weight.scalar_type() == at::kChar, "linear_int8: int8 weight expected");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
+                  scale.numel() == weight.size(0),
+              "linear_int8: a contiguous float32 scale [N] expected");
+  return run<Int8Rows>(x, weight.data_ptr<int8_t>(), weight.size(0), scale.data_ptr<float>(),
+                       bias);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear", &linear, "bfloat16 linear for few tokens (AVX2 + FMA), batch invariant");
+  m.def("linear_int8", &linear_int8,
+        "int8-weight linear (one scale per row) for few tokens (AVX2 + FMA), batch invariant");
+}
