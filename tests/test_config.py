@@ -93,6 +93,8 @@ def test_vllm_speculative_config(tmp_path, monkeypatch):
         "model": "Qwen/Qwen3-0.6B",
         "num_speculative_tokens": 5,
     }
+    int8 = RunConfig(target="Qwen/Qwen3-8B", draft="Qwen/Qwen3-0.6B:int8", k=5)
+    assert to_vllm_speculative_config(int8)["model"] == "Qwen/Qwen3-0.6B"  # vLLM quantizes its own
     assert to_vllm_speculative_config(RunConfig(draft="ngram:2-4", k=3)) == {
         "method": "ngram",
         "num_speculative_tokens": 3,

@@ -25,8 +25,8 @@ from specdecode.drafters.base import BaseDrafter
 # (transformers passes a 4D mask through `masking_utils` untouched; flash-attention kernels
 # only know causal/padding masks and would silently ignore the tree structure). flex_attention
 # reads a dense mask as an additive score mask too, but is untested here (no CPU support), so
-# it is refused until a test covers it.
-TREE_ATTENTION = ("eager", "sdpa")
+# it is refused until a test covers it. "specdecode_cpu" is kernels/attention.py's.
+TREE_ATTENTION = ("eager", "sdpa", "specdecode_cpu")
 
 
 @dataclass

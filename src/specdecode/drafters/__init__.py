@@ -11,7 +11,16 @@ from specdecode.drafters.early_exit import EarlyExitDrafter
 from specdecode.drafters.model import ModelDrafter
 from specdecode.drafters.ngram import NgramDrafter
 
-__all__ = ["Drafter", "EarlyExitDrafter", "ModelDrafter", "NgramDrafter", "resolve_draft"]
+INT8_SUFFIX = ":int8"  # MODEL:int8 drafts with int8 weights (specdecode.kernels.quantize_linears)
+
+__all__ = [
+    "INT8_SUFFIX",
+    "Drafter",
+    "EarlyExitDrafter",
+    "ModelDrafter",
+    "NgramDrafter",
+    "resolve_draft",
+]
 
 
 def resolve_draft(spec: str | None, target: Any, dtype: Any = "bfloat16", device: Any = None):
@@ -48,9 +57,6 @@ def resolve_draft(spec: str | None, target: Any, dtype: Any = "bfloat16", device
     if not int8:
         return load_model(spec, dtype=dtype, device=device)
     return quantized_draft(load_model(base, dtype=dtype, device=device), spec)
-
-
-INT8_SUFFIX = ":int8"
 
 
 def quantized_draft(draft: Any, spec: str) -> Any:

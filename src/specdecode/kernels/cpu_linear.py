@@ -11,6 +11,9 @@ Modes (`load_model(kernel=...)`, `--kernel`, or the `SPECDECODE_KERNEL` environm
   on    use it, and fail with the reason when it cannot be used
   off   plain PyTorch
 
+With the kernel, a model on SDPA attention also switches to `kernels/attention.py`'s attention
+for few query tokens (`off` switches it back).
+
 `quantize_linears` is separate and explicit (a draft spec's `:int8` suffix): it runs a draft's
 linears on int8 copies of their weights, one scale per output row. Only a drafter may be
 quantized: the target verifies every drafted token, so the output stays the target's own, and
@@ -29,6 +32,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from specdecode.kernels.attention import restore_attention, use_decode_attention
 
 KERNEL_MODES = ("auto", "on", "off")
 ENV = "SPECDECODE_KERNEL"
@@ -96,7 +101,7 @@ def _kernel_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
     ):
         return F.linear(x, self.weight, self.bias)  # training, or inputs the kernel does not take
-    flat = x.reshape(-1, x.shape[-1])  # [..., K] -> [M, K]
+    flat = x.reshape(-1, x.shape[-1]).contiguous()  # [..., K] -> [M, K]
     out = _extension().linear(flat, self.weight, self.bias)  # [M, N]
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -171,7 +176,7 @@ def _int8_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         # inputs the kernel does not take: the same quantized weights, through PyTorch
         weight = (q.float() * scale[:, None]).to(x.dtype)
         return F.linear(x, weight, self.bias)
-    flat = x.reshape(-1, x.shape[-1])  # [..., K] -> [M, K]
+    flat = x.reshape(-1, x.shape[-1]).contiguous()  # [..., K] -> [M, K]
     out = _extension().linear_int8(flat, q, scale, self.bias)  # [M, N]
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -220,6 +225,7 @@ def apply_kernel(model: torch.nn.Module, mode: str | None = None) -> str:
     mode = resolve_mode(mode)
     if mode == "off":
         restore_linears(model)
+        restore_attention(model)
         return "eager"
     first = next(model.parameters(), None)  # the model's dtype and device
     if first is None or first.dtype != torch.bfloat16 or first.device.type != "cpu":
@@ -230,7 +236,10 @@ def apply_kernel(model: torch.nn.Module, mode: str | None = None) -> str:
     if mode == "auto" and "AVX2" not in capability:
         return "eager"  # AVX-512 machines keep PyTorch's path; others cannot run the kernel
     try:
-        return NAME if swap_linears(model) else "eager"
+        if not swap_linears(model):
+            return "eager"
+        use_decode_attention(model)  # the same switch: decoding's other hot spot on CPU
+        return NAME
     except KernelUnavailable as err:
         if mode == "on":
             raise ValueError(f"the bfloat16 CPU kernel cannot be used: {err}") from err

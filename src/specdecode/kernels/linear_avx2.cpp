@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -145,31 +146,54 @@ void group(const typename W::T* w, int64_t K, const float* x, int64_t M, int64_t
   }
 }
 
-// x [M, K] bfloat16 -> float32, each 16-wide chunk reordered to [8 even | 8 odd] when W wants it.
+// x [M, K] bfloat16 -> float32, each 16-wide chunk reordered to [8 even | 8 odd] when W wants
+// it. A plain loop rather than tensor ops: at decode sizes the dozen small ATen calls it replaces
+// cost more than the conversion itself (about 170 linears per forward).
 template <class W>
-torch::Tensor prepare(const torch::Tensor& x) {
-  auto xf = x.to(torch::kFloat).contiguous();
+std::vector<float> prepare(const torch::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1), K16 = K & ~int64_t(15);
-  if (!W::kEvenOdd || K16 == 0) return xf;
-  auto head = xf.narrow(1, 0, K16).reshape({M, K16 / 16, 8, 2}).transpose(2, 3).reshape({M, K16});
-  return torch::cat({head, xf.narrow(1, K16, K - K16)}, 1).contiguous();
+  const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  std::vector<float> xf(size_t(M * K));
+  for (int64_t m = 0; m < M; ++m) {
+    const uint16_t* row = src + m * K;
+    float* dst = xf.data() + m * K;
+    for (int64_t k = 0; k < K16; k += 16)
+      for (int i = 0; i < 8; ++i) {
+        dst[k + i] = bf16_to_float(row[k + (W::kEvenOdd ? 2 * i : i)]);
+        dst[k + 8 + i] = bf16_to_float(row[k + (W::kEvenOdd ? 2 * i + 1 : 8 + i)]);
+      }
+    for (int64_t k = K16; k < K; ++k) dst[k] = bf16_to_float(row[k]);
+  }
+  return xf;
+}
+
+// bias [N] (bfloat16 or float32) -> float32, or empty without one
+std::vector<float> bias_float(const c10::optional<torch::Tensor>& bias, int64_t N) {
+  if (!bias.has_value() || !bias->defined()) return {};
+  TORCH_CHECK(bias->numel() == N && bias->is_contiguous() && bias->device().is_cpu(),
+              "linear: a contiguous CPU bias [N] expected");
+  std::vector<float> out(static_cast<size_t>(N));
+  if (bias->scalar_type() == at::kFloat) {
+    std::memcpy(out.data(), bias->data_ptr<float>(), size_t(N) * sizeof(float));
+  } else {
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16, "linear: bfloat16 or float32 bias expected");
+    const auto* b = reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>());
+    for (int64_t n = 0; n < N; ++n) out[size_t(n)] = bf16_to_float(b[n]);
+  }
+  return out;
 }
 
 template <class W>
 torch::Tensor run(const torch::Tensor& x, const typename W::T* w, int64_t N, const float* scale,
                   const c10::optional<torch::Tensor>& bias) {
   const int64_t M = x.size(0), K = x.size(1);
-  const torch::Tensor xf = prepare<W>(x);
-  torch::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "linear: bias [N] expected");
-    bias_f = bias->to(torch::kFloat).contiguous();
-  }
+  const std::vector<float> xf = prepare<W>(x);
+  const std::vector<float> bias_f = bias_float(bias, N);
   auto out = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-  const Out o{scale, bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, N,
+  const Out o{scale, bias_f.empty() ? nullptr : bias_f.data(), N,
               reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>())};
-  const float* X = xf.data_ptr<float>();
+  const float* X = xf.data();
   const int64_t groups = N / kGroup;
   at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) group<W>(w + g * kGroup * K, K, X, M, g * kGroup, o);
@@ -183,8 +207,9 @@ void check_x(const torch::Tensor& x, const torch::Tensor& weight) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "linear: x [M, K] and weight [N, K] expected");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear: bfloat16 activations expected");
-  TORCH_CHECK(weight.is_contiguous() && x.device().is_cpu() && weight.device().is_cpu(),
-              "linear: contiguous CPU weight expected");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && x.device().is_cpu() &&
+                  weight.device().is_cpu(),
+              "linear: contiguous CPU x and weight expected");
 }
 
 }  // namespace
