@@ -3,10 +3,15 @@
     python benchmarks/verify_cost.py --model qwen2.5-coder-1.5b-instruct --dtype bfloat16
 
 Speculative decoding pays only when verifying k+1 tokens costs about as much as one token; this
-prints the ratio on the machine at hand (median of several repeats, after a warm-up), for plain
-PyTorch linear layers (`off`) and for specdecode's bfloat16 CPU kernel (`on`), measured in
-alternating rounds in one process. "/ eager 1" divides by plain PyTorch's one-token forward: the
-cost that matters against decoding without the kernel.
+prints the ratio on the machine at hand (median of several repeats, after a warm-up), measured
+in alternating rounds in one process, for each of `--kernels`:
+  off        plain PyTorch linear layers and SDPA attention
+  on         specdecode's bfloat16 CPU kernel and its decode attention (what `--kernel on` gives)
+  on-sdpa    the kernel's linears with SDPA attention (the decode attention's share)
+  int8       int8 weights on the kernel, decode attention (what a `MODEL:int8` draft runs)
+  int8-sdpa  int8 weights with SDPA attention
+"/ eager 1" divides by plain PyTorch's one-token forward: the cost that matters against decoding
+without the kernel.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ import statistics
 import torch
 
 from specdecode.bench.costs import forward_seconds
-from specdecode.kernels.cpu_linear import apply_kernel
+from specdecode.kernels.attention import restore_attention
+from specdecode.kernels.cpu_linear import INT8_NAME, apply_kernel, quantize_linears
 from specdecode.models.loading import load_model
 
 
@@ -30,7 +36,9 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per kernel")
-    parser.add_argument("--kernels", default="off,on", help="kernel modes to compare: off,on")
+    parser.add_argument(
+        "--kernels", default="off,on", help="modes to compare: off,on,on-sdpa,int8,int8-sdpa"
+    )
     args = parser.parse_args()
 
     model = load_model(args.model, dtype=args.dtype, device="cpu", kernel="off").model
@@ -40,7 +48,7 @@ def main() -> None:
     names: dict[str, str] = {}
     for _ in range(args.rounds):
         for mode in modes:
-            names[mode] = apply_kernel(model, mode)
+            names[mode] = setup(model, mode)
             runs[mode].append(forward_seconds(model, sizes, args.prefix, args.repeats))
     seconds = {m: {n: statistics.median(r[n] for r in runs[m]) for n in sizes} for m in modes}
     eager_one = seconds.get("off", seconds[modes[0]])[1]
@@ -57,6 +65,23 @@ def main() -> None:
                 f"| {names[mode]} | {n} | {ms * 1000:.0f} | {ms / seconds[mode][1]:.2f} "
                 f"| {ms / eager_one:.2f} |"
             )
+
+
+def setup(model: torch.nn.Module, mode: str) -> str:
+    """Put `model` in `mode` (see the module's doc); returns a name for the table."""
+    if mode not in ("off", "on", "on-sdpa", "int8", "int8-sdpa"):
+        raise SystemExit(f"unknown mode {mode!r}: off, on, on-sdpa, int8 or int8-sdpa")
+    apply_kernel(model, "off")  # from a clean model every time (int8 copies are dropped)
+    if mode == "off":
+        return "eager"
+    name = apply_kernel(model, "on")
+    if mode.startswith("int8"):
+        quantize_linears(model)
+        name = INT8_NAME
+    if mode.endswith("-sdpa"):
+        restore_attention(model)
+        name += " + sdpa"
+    return name
 
 
 if __name__ == "__main__":

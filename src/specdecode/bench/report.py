@@ -149,7 +149,9 @@ def render_markdown(summary: dict[str, Any], records: list[dict[str, Any]], info
         f"Command: `{info.get('command', '?')}`",
         "",
         f"Target `{config.get('target', '?')}`, {first['dtype']}, linear layers on "
-        f"{info.get('kernel', 'eager')}, temperature "
+        f"{info.get('kernel', 'eager')}"
+        + (f", attention {info['attention']}" if info.get("attention") else "")
+        + ", temperature "
         f"{first['temperature']}, up to {config.get('max_new_tokens', '?')} new tokens, "
         f"{len({r['prompt_id'] for r in records})} prompts in {len(summary['categories'])} "
         f"categories, {config.get('repeats', 1)} repeat(s). Machine: {info.get('machine', '?')}, "

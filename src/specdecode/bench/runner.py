@@ -332,6 +332,7 @@ def _write_run_info(
         "run_config": load_config(config.config_file).to_dict() if config.config_file else None,
         "target_dtype": str(target.dtype),
         "kernel": target.kernel,
+        "attention": getattr(target.model.config, "_attn_implementation", None),
         "device": str(target.device),
         "machine": f"{platform.processor() or platform.machine()}, "
         f"{torch.get_num_threads()} threads",
