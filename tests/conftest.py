@@ -76,6 +76,15 @@ def noisy_copy(model, noise: float, seed: int = 123):
 ARCHS = {"llama": tiny_llama, "gpt2": tiny_gpt2, "qwen2": tiny_qwen2}
 
 
+def linear_case(m: int, k: int, n: int, seed: int, bias: bool):
+    """bfloat16 x [m, k], weight [n, k] (scaled to keep outputs O(1)) and bias [n] or None."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    w = (torch.randn(n, k, generator=gen) / k**0.5).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    return x, w, b
+
+
 def char_tokenizer(extra: str = ""):
     """A character-level fast tokenizer over a small alphabet (ids fit the tiny models' vocab)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

@@ -11,19 +11,11 @@ from specdecode import SpeculativeDecoder
 from specdecode.kernels import apply_kernel, restore_linears, swap_linears, unavailable_reason
 from specdecode.kernels.cpu_linear import NAME, _extension
 
-from conftest import noisy_copy, tiny_llama, tiny_qwen2
+from conftest import linear_case, noisy_copy, tiny_llama, tiny_qwen2
 
 pytestmark = pytest.mark.skipif(
     unavailable_reason() is not None, reason=f"kernel unavailable: {unavailable_reason()}"
 )
-
-
-def _case(m: int, k: int, n: int, seed: int, bias: bool):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=gen).bfloat16()
-    w = (torch.randn(n, k, generator=gen) / k**0.5).bfloat16()
-    b = torch.randn(n, generator=gen).bfloat16() if bias else None
-    return x, w, b
 
 
 # K: below one 16-wide chunk, with a tail, exact chunks; N: below and around the 8-row group
@@ -32,7 +24,7 @@ def _case(m: int, k: int, n: int, seed: int, bias: bool):
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_pytorch_up_to_bfloat16_rounding(k, n, bias):
     for m in (1, 2, 3, 4, 5, 7, 9, 17):
-        x, w, b = _case(m, k, n, seed=k * 100 + n + m, bias=bias)
+        x, w, b = linear_case(m, k, n, seed=k * 100 + n + m, bias=bias)
         out = _extension().linear(x, w, b)
         reference = F.linear(x.float(), w.float(), None if b is None else b.float())
         assert out.dtype == torch.bfloat16 and out.shape == (m, n)
@@ -43,7 +35,7 @@ def test_matches_pytorch_up_to_bfloat16_rounding(k, n, bias):
 @pytest.mark.parametrize("m", [2, 3, 4, 5, 6, 8, 9, 13, 16])
 def test_batch_invariant_bit_for_bit(m):
     # a token's output is the same float whether it is computed alone or among m tokens
-    x, w, b = _case(m, 1536, 72, seed=m, bias=True)
+    x, w, b = linear_case(m, 1536, 72, seed=m, bias=True)
     together = _extension().linear(x, w, b)
     for i in range(m):
         alone = _extension().linear(x[i : i + 1], w, b)

@@ -12,19 +12,11 @@ from specdecode.drafters import resolve_draft
 from specdecode.kernels import quantize_int8, quantize_linears, restore_linears, unavailable_reason
 from specdecode.kernels.cpu_linear import INT8_NAME, _extension
 
-from conftest import noisy_copy, tiny_llama, tiny_qwen2
+from conftest import linear_case, noisy_copy, tiny_llama, tiny_qwen2
 
 pytestmark = pytest.mark.skipif(
     unavailable_reason() is not None, reason=f"kernel unavailable: {unavailable_reason()}"
 )
-
-
-def _case(m: int, k: int, n: int, seed: int, bias: bool):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=gen).bfloat16()
-    w = (torch.randn(n, k, generator=gen) / k**0.5).bfloat16()
-    b = torch.randn(n, generator=gen).bfloat16() if bias else None
-    return x, w, b
 
 
 def _dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -49,7 +41,7 @@ def test_quantize_int8_round_trip():
 @pytest.mark.parametrize("bias", [False, True])
 def test_int8_kernel_matches_the_dequantized_linear(k, n, bias):
     for m in (1, 2, 3, 4, 5, 9):
-        x, w, b = _case(m, k, n, seed=k * 100 + n + m, bias=bias)
+        x, w, b = linear_case(m, k, n, seed=k * 100 + n + m, bias=bias)
         q, scale = quantize_int8(w)
         out = _extension().linear_int8(x, q, scale, b)
         reference = F.linear(x.float(), _dequantized(q, scale), None if b is None else b.float())
@@ -59,7 +51,7 @@ def test_int8_kernel_matches_the_dequantized_linear(k, n, bias):
 
 @pytest.mark.parametrize("m", [2, 3, 4, 5, 8, 13])
 def test_int8_kernel_is_batch_invariant_bit_for_bit(m):
-    x, w, b = _case(m, 896, 72, seed=m, bias=True)
+    x, w, b = linear_case(m, 896, 72, seed=m, bias=True)
     q, scale = quantize_int8(w)
     together = _extension().linear_int8(x, q, scale, b)
     for i in range(m):
@@ -67,7 +59,7 @@ def test_int8_kernel_is_batch_invariant_bit_for_bit(m):
 
 
 def test_int8_kernel_refuses_bad_arguments():
-    x, w, _ = _case(2, 32, 8, seed=0, bias=False)
+    x, w, _ = linear_case(2, 32, 8, seed=0, bias=False)
     q, scale = quantize_int8(w)
     with pytest.raises(RuntimeError, match="int8 weight"):
         _extension().linear_int8(x, w, scale, None)
