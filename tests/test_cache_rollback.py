@@ -110,3 +110,18 @@ def test_a_copied_prefill_decodes_like_a_fresh_one_and_stays_independent(llama_p
         assert len(shared) == len(prompt) - 1
     with pytest.raises(ValueError, match="must cover the prompt but its last token"):
         next(decode(target, [*prompt, 7], 4, prefilled=shared.copy()))
+
+
+def test_the_draft_prefill_builds_no_autograd_graph():
+    # drafter.begin prefills the draft's cache: under inference mode, like every other forward
+    # (with grad on it built a graph and sent the CPU kernel to its slow fallback)
+    from specdecode.decode import decode
+
+    target = ARCHS["llama"](seed=0)
+    draft_model = noisy_copy(target, 0.05)
+    assert any(p.requires_grad for p in draft_model.parameters())
+    drafter = ModelDrafter(draft_model, vocab_size=96)
+    for _ in decode(target, [3, 1, 4, 1, 5, 9, 2, 6], 1, drafter=drafter, k=2):
+        break  # right after the prefill and the first step
+    layer = drafter.cache.hf.layers[0]
+    assert layer.keys.is_inference() and not layer.keys.requires_grad

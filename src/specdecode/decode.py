@@ -126,7 +126,8 @@ def decode(
     stats.prompt_tokens = len(prompt_ids)
     state = prefill(target, prompt_ids, stats, prefilled)
     if drafter is not None:
-        drafter.begin(prompt_ids, params, generator, stats.meter)
+        with torch.inference_mode():  # the draft's prefill: no autograd graph, no slow fallbacks
+            drafter.begin(prompt_ids, params, generator, stats.meter)
         policy.begin()
 
     tree = isinstance(drafter, TreeDrafter)  # a token tree per step (tree_decode.py)
