@@ -5,8 +5,10 @@ query token against a few hundred cached ones on our 2-core machine, most of it 
 with a custom 4D mask (a token tree) Hugging Face first copies every key/value head per query
 head (`repeat_kv`). Here the few queries of each key/value head are stacked into one small
 float32 matmul against that head's keys (grouped-query attention without copies), masked,
-soft-maxed and multiplied with the values: about a fifth of the time at decode sizes. Calls with
-more than MAX_QUERIES query tokens (prefill) and anything unusual go to SDPA unchanged.
+soft-maxed and multiplied with the values: in a profile of a one-token forward, about a fifth of
+SDPA's operator time per layer (the whole forward's wall time moved within the machine's noise;
+docs/benchmarks.md). Calls with more than MAX_QUERIES query tokens (prefill) and anything
+unusual go to SDPA unchanged.
 
 It is registered with transformers' AttentionInterface under NAME, with SDPA's mask builder, so
 the model's own forward runs it (no forked model code) and custom 4D tree masks pass as given.
