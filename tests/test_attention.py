@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from specdecode import SpeculativeDecoder
 from specdecode.kernels.attention import (
+    MAX_KEYS,
     MAX_QUERIES,
     NAME,
     attention_forward,
@@ -84,6 +85,9 @@ def test_prefill_sized_calls_go_to_sdpa(monkeypatch):
     assert calls == [1]
     attention_forward(_Module(1), query[:, :, :4], key, value, None)
     assert calls == [1]
+    long_cache = torch.randn(1, 2, MAX_KEYS + 1, 8)  # long contexts too: no float32 cache copy
+    attention_forward(_Module(1), query[:, :, :1], long_cache, long_cache, None)
+    assert calls == [1, 1]
 
 
 def test_switch_and_restore():

@@ -180,7 +180,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     quick = args.quick
     target = args.target or (demo.QUICK_TARGET if quick else demo.DEFAULT_TARGET)
     draft = args.draft or (demo.QUICK_DRAFT if quick else demo.DEFAULT_DRAFT)
-    k = args.k if args.k is not None else (2 if quick else demo.DEFAULT_K)
+    k = args.k if args.k is not None else demo.DEFAULT_K  # 2, the quick demo's best too
     demo.main_demo(
         target,
         draft,

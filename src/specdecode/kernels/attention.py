@@ -7,8 +7,8 @@ head (`repeat_kv`). Here the few queries of each key/value head are stacked into
 float32 matmul against that head's keys (grouped-query attention without copies), masked,
 soft-maxed and multiplied with the values: in a profile of a one-token forward, about a fifth of
 SDPA's operator time per layer (the whole forward's wall time moved within the machine's noise;
-docs/benchmarks.md). Calls with more than MAX_QUERIES query tokens (prefill) and anything
-unusual go to SDPA unchanged.
+docs/benchmarks.md). Calls with more than MAX_QUERIES query tokens (prefill), caches longer
+than MAX_KEYS and anything unusual go to SDPA unchanged.
 
 It is registered with transformers' AttentionInterface under NAME, with SDPA's mask builder, so
 the model's own forward runs it (no forked model code) and custom 4D tree masks pass as given.
@@ -22,6 +22,9 @@ import torch
 
 NAME = "specdecode_cpu"
 MAX_QUERIES = 32  # more query tokens than this: SDPA (prefill, long verifications)
+# more cached positions than this: SDPA, which reads bfloat16 keys/values in place; here they are
+# widened to float32 per call, a copy that grows with the context
+MAX_KEYS = 1024
 
 
 def attention_forward(
@@ -41,6 +44,7 @@ def attention_forward(
     kv_heads, kv_len = key.shape[1], key.shape[2]
     if (
         q_len > MAX_QUERIES
+        or kv_len > MAX_KEYS
         or batch != 1
         or query.device.type != "cpu"
         or (dropout and module.training)
