@@ -8,6 +8,7 @@ in alternating rounds in one process, for each of `--kernels`:
   off        plain PyTorch linear layers and SDPA attention
   on         specdecode's bfloat16 CPU kernel and its decode attention (what `--kernel on` gives)
   on-sdpa    the kernel's linears with SDPA attention (the decode attention's share)
+  on-rows    the kernel with every weight row-major (its row tiles, no packed panels)
   int8       int8 weights on the kernel, decode attention (what a `MODEL:int8` draft runs)
   int8-sdpa  int8 weights with SDPA attention
 "/ eager 1" divides by plain PyTorch's one-token forward: the cost that matters against decoding
@@ -23,8 +24,14 @@ import statistics
 import torch
 
 from specdecode.bench.costs import forward_seconds
-from specdecode.kernels.attention import restore_attention
-from specdecode.kernels.cpu_linear import INT8_NAME, apply_kernel, quantize_linears
+from specdecode.kernels.attention import restore_attention, use_decode_attention
+from specdecode.kernels.cpu_linear import (
+    INT8_NAME,
+    NAME,
+    apply_kernel,
+    quantize_linears,
+    swap_linears,
+)
 from specdecode.models.loading import load_model
 
 
@@ -37,7 +44,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per kernel")
     parser.add_argument(
-        "--kernels", default="off,on", help="modes to compare: off,on,on-sdpa,int8,int8-sdpa"
+        "--kernels",
+        default="off,on",
+        help="modes to compare: off,on,on-sdpa,on-rows,int8,int8-sdpa",
     )
     args = parser.parse_args()
 
@@ -69,11 +78,15 @@ def main() -> None:
 
 def setup(model: torch.nn.Module, mode: str) -> str:
     """Put `model` in `mode` (see the module's doc); returns a name for the table."""
-    if mode not in ("off", "on", "on-sdpa", "int8", "int8-sdpa"):
-        raise SystemExit(f"unknown mode {mode!r}: off, on, on-sdpa, int8 or int8-sdpa")
+    if mode not in ("off", "on", "on-sdpa", "on-rows", "int8", "int8-sdpa"):
+        raise SystemExit(f"unknown mode {mode!r}: off, on, on-sdpa, on-rows, int8 or int8-sdpa")
     apply_kernel(model, "off")  # from a clean model every time (int8 copies are dropped)
     if mode == "off":
         return "eager"
+    if mode == "on-rows":
+        swap_linears(model, panels=False)
+        use_decode_attention(model)
+        return NAME + " rows"
     name = apply_kernel(model, "on")
     if mode.startswith("int8"):
         quantize_linears(model)

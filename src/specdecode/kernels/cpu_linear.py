@@ -42,6 +42,10 @@ INT8_NAME = "int8-avx2"  # ... and after quantize_linears
 _SOURCE = Path(__file__).with_name("linear_avx2.cpp")
 _FLAG = "_specdecode_kernel"  # set on swapped modules
 _QWEIGHT, _SCALE = "_specdecode_qweight", "_specdecode_scale"  # int8 buffers of quantized ones
+_PANEL = 16  # output rows per packed panel (kPanel in the C++)
+_PACKED = "_specdecode_packed"  # set where the weight's own storage holds its panels
+_PANELS = "_specdecode_panels"  # buffer: the panels of a weight that cannot be packed in place
+_HOOKS = "_specdecode_hooks"  # state-dict hook handles of a packed-in-place weight
 
 
 class KernelUnavailable(RuntimeError):
@@ -94,16 +98,116 @@ def _extension() -> Any:
         raise KernelUnavailable(f"building it failed: {first}") from err
 
 
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] (K even) -> panels [ceil(N / 16), K / 2, 16, 2]: the layout the kernel's
+    `linear_packed` reads (16 output rows side by side, each row's weights at k and k + 1 in
+    one 32-bit lane; rows past N are zeros)."""
+    n, k = weight.shape
+    pad = -n % _PANEL
+    rows = F.pad(weight, (0, 0, 0, pad)) if pad else weight
+    return rows.reshape(-1, _PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_panels(panels: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The inverse of `pack_panels` -> [n, k] (a copy; differentiable)."""
+    return panels.reshape(-1, k // 2, _PANEL, 2).permute(0, 2, 1, 3).reshape(-1, k)[:n]
+
+
+def _panels(module: torch.nn.Linear) -> torch.Tensor | None:
+    """The panels `module` runs on, or None (odd K: the row-major kernel)."""
+    if getattr(module, _PACKED, False):
+        return module.weight
+    return module._buffers.get(_PANELS)
+
+
+def row_major(module: torch.nn.Linear) -> torch.Tensor:
+    """`module`'s weight [N, K] in its usual layout, also while it is packed in place (then a
+    copy, differentiable with respect to the packed parameter)."""
+    weight = module.weight
+    if getattr(module, _PACKED, False):
+        return unpack_panels(weight, *weight.shape)
+    return weight
+
+
 def _kernel_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if (
         x.dtype != torch.bfloat16
         or x.device.type != "cpu"
         or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
     ):
-        return F.linear(x, self.weight, self.bias)  # training, or inputs the kernel does not take
+        # training, or inputs the kernel does not take
+        return F.linear(x, row_major(self), self.bias)
     flat = x.reshape(-1, x.shape[-1]).contiguous()  # [..., K] -> [M, K]
-    out = _extension().linear(flat, self.weight, self.bias)  # [M, N]
+    panels = _panels(self)
+    if panels is None:
+        out = _extension().linear(flat, self.weight, self.bias)  # [M, N]
+    else:
+        out = _extension().linear_packed(flat, panels, self.weight.shape[0], self.bias)
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _shared_storages(model: torch.nn.Module) -> set[int]:
+    """Storages that more than one parameter or buffer name of `model` points at (tied
+    weights: an output layer sharing the input embedding)."""
+    seen: dict[int, int] = {}
+    named = [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]
+    for _, tensor in named:
+        ptr = tensor.untyped_storage().data_ptr()
+        seen[ptr] = seen.get(ptr, 0) + 1
+    return {ptr for ptr, count in seen.items() if count > 1}
+
+
+def _pack(module: torch.nn.Linear, shared: set[int]) -> None:
+    """Give `module` panels: in its weight's own storage (no extra memory) when nothing else
+    uses that storage and N is a multiple of 16, else as a separate buffer (a tied output
+    layer: its embedding still reads the usual layout). Odd K keeps the row-major kernel."""
+    weight = module.weight
+    n, k = weight.shape
+    if k % 2:
+        return
+    with torch.no_grad():
+        if n % _PANEL or weight.untyped_storage().data_ptr() in shared:
+            # not persistent: the state dict keeps only the model's own weights
+            module.register_buffer(_PANELS, pack_panels(weight), persistent=False)
+            return
+        weight.copy_(pack_panels(weight).view(n, k))
+    setattr(module, _PACKED, True)
+    # the state dict shows the usual layout, and loading one packs what it loads
+    setattr(
+        module,
+        _HOOKS,
+        (
+            module._register_state_dict_hook(_state_dict_row_major),
+            module._register_load_state_dict_pre_hook(_load_packed, with_module=True),
+        ),
+    )
+
+
+def _state_dict_row_major(module, state_dict, prefix, local_metadata) -> None:
+    key = prefix + "weight"
+    if key in state_dict:
+        state_dict[key] = row_major(module).detach()
+
+
+def _load_packed(module, state_dict, prefix, *args) -> None:
+    key = prefix + "weight"  # state_dict here is load_state_dict's own copy of the mapping
+    if key in state_dict and state_dict[key].shape == module.weight.shape:
+        state_dict[key] = pack_panels(state_dict[key]).view(module.weight.shape)
+
+
+def _unpack(module: torch.nn.Linear) -> None:
+    """Undo `_pack`: the weight in its usual layout again, the panels buffer dropped."""
+    module._buffers.pop(_PANELS, None)
+    if getattr(module, _PACKED, False):
+        with torch.no_grad():
+            module.weight.copy_(row_major(module))
+        for handle in getattr(module, _HOOKS):
+            handle.remove()
+        delattr(module, _HOOKS)
+        delattr(module, _PACKED)
 
 
 def _eligible(module: torch.nn.Module) -> bool:
@@ -117,16 +221,23 @@ def _eligible(module: torch.nn.Module) -> bool:
     )
 
 
-def swap_linears(model: torch.nn.Module) -> int:
+def swap_linears(model: torch.nn.Module, panels: bool = True) -> int:
     """Run every eligible bfloat16 CPU `nn.Linear` of `model` on the kernel; returns how many.
 
-    Builds the kernel first (KernelUnavailable when it cannot). Idempotent.
+    Weights with an even K are packed into the kernel's 16-row panels (`pack_panels`): in place
+    where nothing else shares the storage (the state dict still shows, and loads, the usual
+    layout; `row_major` gives it), as a separate copy for tied ones; `panels=False` keeps every
+    weight row-major on the kernel's row tiles (for comparisons). Builds the kernel first
+    (KernelUnavailable when it cannot). Idempotent.
     """
     _extension()
     count = 0
+    shared = _shared_storages(model)
     for module in model.modules():
         if _eligible(module):
             if not getattr(module, _FLAG, False):
+                if panels:
+                    _pack(module, shared)
                 module.forward = types.MethodType(_kernel_forward, module)
                 setattr(module, _FLAG, True)
             count += 1
@@ -141,6 +252,7 @@ def restore_linears(model: torch.nn.Module) -> int:
         if getattr(module, _FLAG, False):
             del module.forward  # the instance attribute; the class's forward shows again
             delattr(module, _FLAG)
+            _unpack(module)
             for name in (_QWEIGHT, _SCALE):
                 if name in module._buffers:
                     del module._buffers[name]
@@ -197,7 +309,8 @@ def quantize_linears(model: torch.nn.Module) -> int:
             if not _eligible(module):
                 continue
             if _QWEIGHT not in module._buffers:
-                q, scale = quantize_int8(module.weight)
+                q, scale = quantize_int8(row_major(module))
+                module._buffers.pop(_PANELS, None)  # a tied layer's panels: no longer read
                 # not persistent: the state dict keeps only the model's own weights
                 module.register_buffer(_QWEIGHT, q, persistent=False)
                 module.register_buffer(_SCALE, scale, persistent=False)

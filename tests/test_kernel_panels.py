@@ -1,0 +1,160 @@
+"""The kernel's packed panels: the layout, the outer-product tiles (same results as PyTorch up to
+rounding, batch invariant for every token count's tiling), and weights packed in place that the
+rest of the world still sees in their usual layout (state dict, loading, training, int8)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdecode.kernels import quantize_linears, restore_linears, swap_linears, unavailable_reason
+from specdecode.kernels.cpu_linear import (
+    _extension,
+    pack_panels,
+    quantize_int8,
+    row_major,
+    unpack_panels,
+)
+
+from conftest import linear_case, tiny_llama, tiny_qwen2
+
+pytestmark = pytest.mark.skipif(
+    unavailable_reason() is not None, reason=f"kernel unavailable: {unavailable_reason()}"
+)
+
+
+def packed_linear(x, w, b):
+    return _extension().linear_packed(x, pack_panels(w), w.shape[0], b)
+
+
+def test_layout_round_trips_and_pads_with_zeros():
+    w = torch.arange(20 * 6, dtype=torch.float32).reshape(20, 6)
+    panels = pack_panels(w)
+    assert panels.shape == (2, 3, 16, 2)
+    assert panels[0, 1, 5].tolist() == [w[5, 2].item(), w[5, 3].item()]  # row 5, k = 2 and 3
+    assert panels[1, 2, 3].tolist() == [w[19, 4].item(), w[19, 5].item()]
+    assert not panels[1, :, 4:].any()  # rows 20..31 do not exist: zeros
+    assert torch.equal(unpack_panels(panels, 20, 6), w)
+
+
+# K even: below a pair of 16-wide lines, ragged, long; N: below, at and across panel edges
+@pytest.mark.parametrize("k", [2, 16, 38, 100, 256])
+@pytest.mark.parametrize("n", [1, 8, 16, 40, 72])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_pytorch_up_to_bfloat16_rounding(k, n, bias):
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 17):
+        x, w, b = linear_case(m, k, n, seed=k * 100 + n + m, bias=bias)
+        out = packed_linear(x, w, b)
+        reference = F.linear(x.float(), w.float(), None if b is None else b.float())
+        assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+        torch.testing.assert_close(out.float(), reference, rtol=2**-8, atol=1e-5)
+
+
+@pytest.mark.parametrize("m", [2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 19])
+def test_batch_invariant_bit_for_bit(m):
+    # every token count tiles differently (pairs of panels, blocks of 4-6, a padded row);
+    # a token's output is the same float whichever
+    x, w, b = linear_case(m, 1536, 72, seed=m, bias=True)
+    panels = pack_panels(w)
+    together = _extension().linear_packed(x, panels, 72, b)
+    for i in range(m):
+        alone = _extension().linear_packed(x[i : i + 1], panels, 72, b)
+        assert torch.equal(together[i], alone[0]), i
+
+
+def test_bad_arguments_are_refused():
+    x, w, _ = linear_case(2, 16, 16, seed=0, bias=False)
+    with pytest.raises(RuntimeError, match="K even"):
+        _extension().linear_packed(x[:, :15].contiguous(), pack_panels(w), 16, None)
+    with pytest.raises(RuntimeError, match="ceil"):
+        _extension().linear_packed(x, pack_panels(w), 17, None)
+
+
+def _weights(model):
+    return {name: t.clone() for name, t in model.state_dict().items()}
+
+
+def test_packed_in_place_yet_the_state_dict_shows_the_usual_layout():
+    model = tiny_qwen2(seed=3).to(torch.bfloat16)
+    before = _weights(model)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    usual = q_proj.weight.detach().clone()
+    swap_linears(model)
+    assert getattr(q_proj, "_specdecode_packed", False)
+    assert not torch.equal(q_proj.weight, usual)  # the storage holds the panels now
+    assert torch.equal(row_major(q_proj), usual)
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[name], t) for name, t in before.items())
+
+
+def test_loading_a_state_dict_into_a_packed_model_packs_it():
+    source = tiny_llama(seed=5).to(torch.bfloat16)
+    model = tiny_llama(seed=6).to(torch.bfloat16)
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    swap_linears(source)
+    swap_linears(model)
+    with torch.no_grad():
+        model.load_state_dict(source.state_dict())
+        assert torch.equal(model(ids).logits, source(ids).logits)
+        model.load_state_dict(source.state_dict(), strict=False)  # loading twice: no double pack
+        assert torch.equal(model(ids).logits, source(ids).logits)
+    restore_linears(model)
+    assert all(torch.equal(model.state_dict()[n], t) for n, t in _weights(source).items())
+
+
+def test_tied_output_layer_gets_its_own_panels_and_the_embedding_stays():
+    model = tiny_llama(seed=2, tie_word_embeddings=True).to(torch.bfloat16)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    assert head.weight is embed.weight
+    table = embed.weight.detach().clone()
+    ids = torch.tensor([[5, 9, 2, 7]])
+    with torch.no_grad():
+        plain = model(ids).logits
+        swap_linears(model)
+        fast = model(ids).logits
+    assert torch.equal(embed.weight, table)
+    assert not getattr(head, "_specdecode_packed", False)
+    assert head._buffers["_specdecode_panels"].shape == (96 // 16, 16, 16, 2)
+    assert "lm_head._specdecode_panels" not in model.state_dict()
+    torch.testing.assert_close(fast.float(), plain.float(), rtol=0.05, atol=0.05)
+    restore_linears(model)
+    assert "_specdecode_panels" not in head._buffers
+
+
+def test_training_gradients_reach_the_packed_weight():
+    layer = torch.nn.Linear(32, 16).to(torch.bfloat16)
+    reference = torch.nn.Linear(32, 16).to(torch.bfloat16)
+    reference.load_state_dict(layer.state_dict())
+    swap_linears(layer)
+    x = torch.randn(3, 32).bfloat16()
+    layer(x).float().sum().backward()
+    reference(x).float().sum().backward()
+    # the gradient lives in the parameter's (packed) layout: unpacked, it is PyTorch's own
+    assert torch.equal(unpack_panels(layer.weight.grad, 16, 32), reference.weight.grad)
+
+
+def test_int8_quantizes_the_usual_layout():
+    model = tiny_llama(seed=4).to(torch.bfloat16)
+    o_proj = model.model.layers[1].self_attn.o_proj
+    expected, _ = quantize_int8(o_proj.weight.detach())
+    swap_linears(model)
+    quantize_linears(model)
+    assert torch.equal(o_proj._specdecode_qweight, expected)
+
+
+def test_odd_k_stays_on_the_row_kernel():
+    layer = torch.nn.Linear(33, 16).to(torch.bfloat16)
+    weight = layer.weight.detach().clone()
+    swap_linears(layer)
+    assert not getattr(layer, "_specdecode_packed", False)
+    assert torch.equal(layer.weight, weight)
+    x = torch.randn(4, 33).bfloat16()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            layer(x).float(),
+            F.linear(x.float(), weight.float(), layer.bias.float()),
+            rtol=2**-8,
+            atol=1e-5,
+        )
