@@ -4,20 +4,26 @@ from specdecode.kernels.cpu_linear import (
     KERNEL_MODES,
     KernelUnavailable,
     apply_kernel,
+    pack_panels,
     quantize_int8,
     quantize_linears,
     restore_linears,
+    row_major,
     swap_linears,
     unavailable_reason,
+    unpack_panels,
 )
 
 __all__ = [
     "KERNEL_MODES",
     "KernelUnavailable",
     "apply_kernel",
+    "pack_panels",
     "quantize_int8",
     "quantize_linears",
     "restore_linears",
+    "row_major",
     "swap_linears",
     "unavailable_reason",
+    "unpack_panels",
 ]

@@ -1,8 +1,10 @@
 """Swap a model's bfloat16 `nn.Linear` layers onto the AVX2 kernels in `linear_avx2.cpp`.
 
-Only the layers' compute changes: weights, state dict, module tree and the model's own forward
-stay as Hugging Face built them. The kernel is compiled on first use with PyTorch's C++ extension
-builder (a C++ compiler and ninja; about a minute, once per machine, cached by PyTorch).
+Only the layers' compute changes: module tree and the model's own forward stay as Hugging Face
+built them. Weights are permuted in their own storage into the kernel's 16-row panels (no extra
+memory); the state dict shows and loads the usual layout, and `restore_linears` undoes it. The
+kernel is compiled on first use with PyTorch's C++ extension builder (a C++ compiler and ninja;
+about a minute, once per machine, cached by PyTorch).
 
 Modes (`load_model(kernel=...)`, `--kernel`, or the `SPECDECODE_KERNEL` environment variable):
   auto  use it for bfloat16 models on an AVX2 CPU without AVX-512 when it builds; otherwise plain
