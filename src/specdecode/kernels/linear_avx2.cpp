@@ -1,6 +1,8 @@
-// Linear layers for CPUs with AVX2 + FMA, made for decoding: few tokens, big weights. Two weight
-// formats: bfloat16 (the model's own weights) and int8 with one scale per output row (a draft's
-// weights quantized by `quantize_linears`: half the bytes to read, so about half the time).
+// Linear layers for CPUs with AVX2 + FMA, made for decoding: few tokens, big weights. Weights
+// come as bfloat16 (the model's own) in one of two layouts -- packed 16-row panels
+// (`linear_packed`, what `swap_linears` sets up; see "Packed panels" below) or plain rows
+// (`linear`) -- or as int8 rows with one scale per output row (a draft's weights quantized by
+// `quantize_linears`: half the bytes to read, so about half the time).
 //
 // Why: on x86 CPUs without bfloat16 matrix units, PyTorch's bfloat16 matmul costs about one extra
 // one-token forward per extra token, so verifying k+1 drafted tokens costs about k+1 forwards and
@@ -8,12 +10,13 @@
 // the tokens while it sits in L1, so a forward over a few tokens costs about as much as over one:
 // the memory-bound regime speculative decoding is built on.
 //
-// Batch invariance: each output is one float32 sum over k in a fixed order (8 lanes, each an FMA
-// chain over its k in order, then the lanes added in a fixed order), whatever the number of tokens
-// in the call or the tile that computes it. A linear layer's output for a token is bit-identical
-// whether the token is decoded alone or verified among k others. (Attention and the rest of the
-// model are PyTorch's and can still round differently with the number of tokens, so bfloat16
-// greedy identity keeps its near-tie exception.) Activations are float32 inside, bfloat16 in and out.
+// Batch invariance: each output is one float32 sum over k in a fixed order (rows: 8 lanes, each
+// an FMA chain over its k in order, then the lanes added in a fixed order; panels: one FMA chain
+// over all k), whatever the number of tokens in the call or the tile that computes it. A linear
+// layer's output for a token is bit-identical whether the token is decoded alone or verified
+// among k others. (Attention and the rest of the model can still round differently with the
+// number of tokens, so bfloat16 greedy identity keeps its near-tie exception.) Activations are
+// float32 inside, bfloat16 in and out.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -214,12 +217,12 @@ torch::Tensor run(const torch::Tensor& x, const typename W::T* w, int64_t N, con
 // ---- Packed panels (bfloat16 weights, K even) --------------------------------------------
 // The row tiles above need one activation load per FMA and a horizontal sum per output; from
 // about 4 tokens on they are compute-bound at about 60% of the FMA peak, so verifying 5-12
-// tokens cost up to twice a one-token forward. Panels put 16 output rows side by side: panel p
+// tokens cost 1.4-2.5 one-token forwards. Panels put 16 output rows side by side: panel p
 // holds rows 16p .. 16p+15 as [K/2][16][2] bfloat16 (for each pair of k, a row's two weights in
 // one 32-bit lane, k even in the low half), so one 256-bit load gives 8 rows' weights at k (a
 // shift) and at k+1 (a mask), and a tile of MR tokens x 8V rows does MR x V FMAs per broadcast
-// activation, with no horizontal sum. Measured alone on a 2-core AVX2 EPYC, 1536 x 8960
-// weights from memory: as fast as the row tiles for 1-3 tokens, 1.1-1.6x faster for 4-12.
+// activation, with no horizontal sum. On a 2-core AVX2 EPYC a forward of a 1.5B model over
+// 4-6 tokens went from 1.37-1.57 one-token forwards to 1.02-1.19 (docs/benchmarks.md).
 // Each output is one float32 FMA chain over k in order whatever the tile: batch invariant.
 struct Panels {  // activations as is (for prepare)
   static constexpr bool kEvenOdd = false;
