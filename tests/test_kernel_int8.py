@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from specdecode import SpeculativeDecoder
 from specdecode.drafters import resolve_draft
 from specdecode.kernels import quantize_int8, quantize_linears, restore_linears, unavailable_reason
-from specdecode.kernels.cpu_linear import INT8_NAME, _extension
+from specdecode.kernels.cpu_linear import INT8_NAME, _extension, int8_weights
 
 from conftest import linear_case, noisy_copy, tiny_llama, tiny_qwen2
 
@@ -95,7 +95,7 @@ def test_quantize_linears_keeps_the_state_dict_and_restores():
 def test_int8_layer_falls_back_for_float32_and_autograd():
     layer = torch.nn.Linear(32, 16).to(torch.bfloat16)
     quantize_linears(layer)
-    q, scale = layer._specdecode_qweight, layer._specdecode_scale
+    q, scale = int8_weights(layer)
     x = torch.randn(3, 32)
     with torch.no_grad():
         kernel = layer(x.bfloat16()).float()

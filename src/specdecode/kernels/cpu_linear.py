@@ -115,6 +115,21 @@ def unpack_panels(panels: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return panels.reshape(-1, k // 2, _PANEL, 2).permute(0, 2, 1, 3).reshape(-1, k)[:n]
 
 
+def pack_int8_panels(q: torch.Tensor) -> torch.Tensor:
+    """int8 q [N, K] -> panels [ceil(N / 16), K, 16] (`linear_int8_packed`; rows past N zero)."""
+    n, k = q.shape
+    pad = -n % _PANEL
+    rows = F.pad(q, (0, 0, 0, pad)) if pad else q
+    return rows.reshape(-1, _PANEL, k).permute(0, 2, 1).contiguous()
+
+
+def int8_weights(module: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """A `quantize_linears` layer's int8 weight [N, K] (usual layout, a copy) and scale [N]."""
+    panels, scale = getattr(module, _QWEIGHT), getattr(module, _SCALE)
+    n, k = module.weight.shape
+    return panels.permute(0, 2, 1).reshape(-1, k)[:n], scale
+
+
 def _panels(module: torch.nn.Linear) -> torch.Tensor | None:
     """The panels `module` runs on, or None (odd K: the row-major kernel)."""
     if getattr(module, _PACKED, False):
@@ -281,23 +296,25 @@ def quantize_int8(weight: torch.Tensor, rows: int = 4096) -> tuple[torch.Tensor,
 
 
 def _int8_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    q, scale = getattr(self, _QWEIGHT), getattr(self, _SCALE)
     if (
         x.dtype != torch.bfloat16
         or x.device.type != "cpu"
         or (torch.is_grad_enabled() and x.requires_grad)
     ):
         # inputs the kernel does not take: the same quantized weights, through PyTorch
+        q, scale = int8_weights(self)
         weight = (q.float() * scale[:, None]).to(x.dtype)
         return F.linear(x, weight, self.bias)
     flat = x.reshape(-1, x.shape[-1]).contiguous()  # [..., K] -> [M, K]
-    out = _extension().linear_int8(flat, q, scale, self.bias)  # [M, N]
+    panels, scale = getattr(self, _QWEIGHT), getattr(self, _SCALE)
+    out = _extension().linear_int8_packed(flat, panels, scale.shape[0], scale, self.bias)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def quantize_linears(model: torch.nn.Module) -> int:
     """Run every bfloat16 CPU `nn.Linear` of `model` on int8 copies of its weights (one scale
-    per output row, `quantize_int8`) with the AVX2 int8 kernel; returns how many.
+    per output row, `quantize_int8`), packed into 16-row panels (`pack_int8_panels`;
+    `int8_weights` gives them back) for the AVX2 int8 kernel; returns how many.
 
     For drafters only (a draft's output is verified; a target's would change). The bfloat16
     weights stay (embeddings may be tied to the output layer; `restore_linears` undoes it), so
@@ -314,7 +331,7 @@ def quantize_linears(model: torch.nn.Module) -> int:
                 q, scale = quantize_int8(row_major(module))
                 module._buffers.pop(_PANELS, None)  # a tied layer's panels: no longer read
                 # not persistent: the state dict keeps only the model's own weights
-                module.register_buffer(_QWEIGHT, q, persistent=False)
+                module.register_buffer(_QWEIGHT, pack_int8_panels(q), persistent=False)
                 module.register_buffer(_SCALE, scale, persistent=False)
                 module.forward = types.MethodType(_int8_forward, module)
                 setattr(module, _FLAG, True)

@@ -224,88 +224,133 @@ torch::Tensor run(const torch::Tensor& x, const typename W::T* w, int64_t N, con
 // activation, with no horizontal sum. On a 2-core AVX2 EPYC a forward of a 1.5B model over
 // 4-6 tokens went from 1.37-1.57 one-token forwards to 1.02-1.19 (docs/benchmarks.md).
 // Each output is one float32 FMA chain over k in order whatever the tile: batch invariant.
-struct Panels {  // activations as is (for prepare)
-  static constexpr bool kEvenOdd = false;
+// int8 panels (a draft's quantized weights): [K][16] int8 per panel, one float32 scale per row
+// applied after the sum, like the int8 rows. No pairs of k: 8 weights widen with one sign
+// extension and one conversion.
+
+// Panel formats: `tile<MR, V>` computes res[t * 8V + i] = dot(row i of the tile, x[t]) where
+// vector v of the tile (8 rows) is panel v / 2, half v % 2.
+struct Bf16Panels {
+  using T = uint16_t;
+  static constexpr bool kEvenOdd = false;  // activations as is (for prepare)
+  // half v % 2 sits 16 elements into each 32-element pair-of-k line of its panel
+  template <int MR, int V>
+  static inline void tile(const T* p, int64_t K, int64_t pstride, const float* x, float* res) {
+    __m256 acc[MR][V];
+    SD_UNROLL for (int t = 0; t < MR; ++t)
+      SD_UNROLL for (int v = 0; v < V; ++v) acc[t][v] = _mm256_setzero_ps();
+    const __m256i high = _mm256_set1_epi32(int(0xFFFF0000u));
+    for (int64_t j = 0; j < K / 2; ++j) {
+      __m256 wv[V];
+      SD_UNROLL for (int v = 0; v < V; ++v) {  // weights at k = 2j: the low halves, shifted up
+        const T* q = p + (v / 2) * pstride + (v % 2) * 16 + j * 32;
+        if (v % 2 == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(q + kPanelPrefetch), _MM_HINT_T0);
+        wv[v] = _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)), 16));
+      }
+      SD_UNROLL for (int t = 0; t < MR; ++t) {
+        const __m256 xe = _mm256_broadcast_ss(x + t * K + 2 * j);
+        SD_UNROLL for (int v = 0; v < V; ++v) acc[t][v] = _mm256_fmadd_ps(wv[v], xe, acc[t][v]);
+      }
+      SD_UNROLL for (int v = 0; v < V; ++v) {  // weights at k = 2j + 1: the high halves
+        const T* q = p + (v / 2) * pstride + (v % 2) * 16 + j * 32;
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+        // 12 accumulators leave no register for the mask: two shifts instead
+        wv[v] = _mm256_castsi256_ps(MR * V >= 12
+                                        ? _mm256_slli_epi32(_mm256_srli_epi32(raw, 16), 16)
+                                        : _mm256_and_si256(raw, high));
+      }
+      SD_UNROLL for (int t = 0; t < MR; ++t) {
+        const __m256 xo = _mm256_broadcast_ss(x + t * K + 2 * j + 1);
+        SD_UNROLL for (int v = 0; v < V; ++v) acc[t][v] = _mm256_fmadd_ps(wv[v], xo, acc[t][v]);
+      }
+    }
+    SD_UNROLL for (int t = 0; t < MR; ++t)
+      SD_UNROLL for (int v = 0; v < V; ++v) _mm256_storeu_ps(res + (t * V + v) * 8, acc[t][v]);
+  }
 };
 
-// res[t * 8V + i] = dot(row i of the tile, x[t]); vector v of the tile (8 rows) is panel v / 2,
-// half v % 2, which sits 16 elements into each 32-element pair-of-k line of its panel.
-template <int MR, int V>
-inline void panel_tile(const uint16_t* p, int64_t K, int64_t pstride, const float* x,
-                       float* res) {
-  __m256 acc[MR][V];
-  SD_UNROLL for (int t = 0; t < MR; ++t)
-    SD_UNROLL for (int v = 0; v < V; ++v) acc[t][v] = _mm256_setzero_ps();
-  const __m256i high = _mm256_set1_epi32(int(0xFFFF0000u));
-  for (int64_t j = 0; j < K / 2; ++j) {
+struct Int8Panels {
+  using T = int8_t;
+  static constexpr bool kEvenOdd = false;
+  // half v % 2 sits 8 bytes into each 16-byte line (one k) of its panel
+  template <int MR, int V>
+  static inline void step(const T* p, int64_t K, int64_t pstride, const float* x, int64_t k,
+                          __m256 (&acc)[MR][V]) {
     __m256 wv[V];
-    SD_UNROLL for (int v = 0; v < V; ++v) {  // weights at k = 2j: the low halves, shifted up
-      const uint16_t* q = p + (v / 2) * pstride + (v % 2) * 16 + j * 32;
-      if (v % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(q + kPanelPrefetch), _MM_HINT_T0);
-      wv[v] = _mm256_castsi256_ps(
-          _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)), 16));
+    SD_UNROLL for (int v = 0; v < V; ++v) {
+      const T* q = p + (v / 2) * pstride + (v % 2) * 8 + k * 16;
+      wv[v] = _mm256_cvtepi32_ps(
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
     }
     SD_UNROLL for (int t = 0; t < MR; ++t) {
-      const __m256 xe = _mm256_broadcast_ss(x + t * K + 2 * j);
-      SD_UNROLL for (int v = 0; v < V; ++v) acc[t][v] = _mm256_fmadd_ps(wv[v], xe, acc[t][v]);
-    }
-    SD_UNROLL for (int v = 0; v < V; ++v) {  // weights at k = 2j + 1: the high halves
-      const uint16_t* q = p + (v / 2) * pstride + (v % 2) * 16 + j * 32;
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-      // 12 accumulators leave no register for the mask: two shifts instead
-      wv[v] = _mm256_castsi256_ps(MR * V >= 12
-                                      ? _mm256_slli_epi32(_mm256_srli_epi32(raw, 16), 16)
-                                      : _mm256_and_si256(raw, high));
-    }
-    SD_UNROLL for (int t = 0; t < MR; ++t) {
-      const __m256 xo = _mm256_broadcast_ss(x + t * K + 2 * j + 1);
-      SD_UNROLL for (int v = 0; v < V; ++v) acc[t][v] = _mm256_fmadd_ps(wv[v], xo, acc[t][v]);
+      const __m256 xk = _mm256_broadcast_ss(x + t * K + k);
+      SD_UNROLL for (int v = 0; v < V; ++v) acc[t][v] = _mm256_fmadd_ps(wv[v], xk, acc[t][v]);
     }
   }
-  SD_UNROLL for (int t = 0; t < MR; ++t)
-    SD_UNROLL for (int v = 0; v < V; ++v) _mm256_storeu_ps(res + (t * V + v) * 8, acc[t][v]);
-}
+  template <int MR, int V>
+  static inline void tile(const T* p, int64_t K, int64_t pstride, const float* x, float* res) {
+    __m256 acc[MR][V];
+    SD_UNROLL for (int t = 0; t < MR; ++t)
+      SD_UNROLL for (int v = 0; v < V; ++v) acc[t][v] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 4 <= K; k += 4) {  // four k per iteration: one 64-byte line per panel
+      SD_UNROLL for (int v = 0; v < V; v += 2)
+        _mm_prefetch(reinterpret_cast<const char*>(p + (v / 2) * pstride + k * 16 + kPanelPrefetch),
+                     _MM_HINT_T0);
+      SD_UNROLL for (int u = 0; u < 4; ++u) step<MR, V>(p, K, pstride, x, k + u, acc);
+    }
+    for (; k < K; ++k) step<MR, V>(p, K, pstride, x, k, acc);
+    SD_UNROLL for (int t = 0; t < MR; ++t)
+      SD_UNROLL for (int v = 0; v < V; ++v) _mm256_storeu_ps(res + (t * V + v) * 8, acc[t][v]);
+  }
+};
 
 // out[m0 .. m0+MR, n0 .. n0+8V] (the rows below N) from the panels at p
-template <int MR, int V>
-inline void panel_block(const uint16_t* p, int64_t K, int64_t pstride, const float* x,
+template <class F, int MR, int V>
+inline void panel_block(const typename F::T* p, int64_t K, int64_t pstride, const float* x,
                         int64_t m0, int64_t n0, const Out& o) {
   float res[MR * V * 8];
-  panel_tile<MR, V>(p, K, pstride, x + m0 * K, res);
+  F::template tile<MR, V>(p, K, pstride, x + m0 * K, res);
   const int64_t rows = std::min<int64_t>(V * 8, o.N - n0);
   for (int t = 0; t < MR && m0 + t < o.M; ++t)
-    for (int64_t i = 0; i < rows; ++i)
-      o.out[(m0 + t) * o.N + n0 + i] =
-          float_to_bf16(res[t * V * 8 + i] + (o.bias ? o.bias[n0 + i] : 0.f));
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t n = n0 + i;
+      const float sum = o.scale ? res[t * V * 8 + i] * o.scale[n] : res[t * V * 8 + i];
+      o.out[(m0 + t) * o.N + n] = float_to_bf16(sum + (o.bias ? o.bias[n] : 0.f));
+    }
 }
 
 // One panel against M >= 3 tokens (M a padded count, see run_panels): blocks of 4-6 tokens
 // (6 x 16 outputs = 12 accumulators, all the registers there are), as few blocks as possible,
 // of near-equal size.
-void panel_tokens(const uint16_t* p, int64_t K, int64_t pstride, const float* x, int64_t M,
+template <class F>
+void panel_tokens(const typename F::T* p, int64_t K, int64_t pstride, const float* x, int64_t M,
                   int64_t n0, const Out& o) {
   const int64_t blocks = (M + 5) / 6;
   int64_t m = 0;
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t mr = (M - m) / (blocks - b);
     switch (mr) {
-      case 6: panel_block<6, 2>(p, K, pstride, x, m, n0, o); break;
-      case 5: panel_block<5, 2>(p, K, pstride, x, m, n0, o); break;
-      case 4: panel_block<4, 2>(p, K, pstride, x, m, n0, o); break;
-      default: panel_block<4, 2>(p, K, pstride, x, m, n0, o); break;
+      case 6: panel_block<F, 6, 2>(p, K, pstride, x, m, n0, o); break;
+      case 5: panel_block<F, 5, 2>(p, K, pstride, x, m, n0, o); break;
+      case 4: panel_block<F, 4, 2>(p, K, pstride, x, m, n0, o); break;
+      default: panel_block<F, 4, 2>(p, K, pstride, x, m, n0, o); break;
     }
     m += mr;
   }
 }
 
-torch::Tensor run_panels(const torch::Tensor& x, const uint16_t* panels, int64_t N,
-                         const c10::optional<torch::Tensor>& bias) {
+template <class F>
+torch::Tensor run_panels(const torch::Tensor& x, const typename F::T* panels, int64_t N,
+                         const float* scale, const c10::optional<torch::Tensor>& bias) {
   const int64_t M = x.size(0), K = x.size(1);
-  std::vector<float> xf = prepare<Panels>(x);
+  std::vector<float> xf = prepare<F>(x);
   const std::vector<float> bias_f = bias_float(bias, N);
   auto out = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-  const Out o{nullptr, bias_f.empty() ? nullptr : bias_f.data(), N,
+  const Out o{scale, bias_f.empty() ? nullptr : bias_f.data(), N,
               reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), M};
   // A block of 3 tokens has 6 accumulators for 8 FMAs in flight: it costs about what 4 do.
   // So 3 and 7 tokens compute a zero row more (4, 4 + 4), whose outputs are not written.
@@ -317,21 +362,21 @@ torch::Tensor run_panels(const torch::Tensor& x, const uint16_t* panels, int64_t
   if (M <= 2) {  // two panels per tile: 8 accumulators for one or two tokens
     at::parallel_for(0, (P + 1) / 2, 1, [&](int64_t u0, int64_t u1) {
       for (int64_t u = u0; u < u1; ++u) {
-        const uint16_t* p = panels + 2 * u * pstride;
+        const typename F::T* p = panels + 2 * u * pstride;
         const bool pair = 2 * u + 1 < P;
         if (M == 1) {
-          pair ? panel_block<1, 4>(p, K, pstride, X, 0, 2 * u * kPanel, o)
-               : panel_block<1, 2>(p, K, pstride, X, 0, 2 * u * kPanel, o);
+          pair ? panel_block<F, 1, 4>(p, K, pstride, X, 0, 2 * u * kPanel, o)
+               : panel_block<F, 1, 2>(p, K, pstride, X, 0, 2 * u * kPanel, o);
         } else {
-          pair ? panel_block<2, 4>(p, K, pstride, X, 0, 2 * u * kPanel, o)
-               : panel_block<2, 2>(p, K, pstride, X, 0, 2 * u * kPanel, o);
+          pair ? panel_block<F, 2, 4>(p, K, pstride, X, 0, 2 * u * kPanel, o)
+               : panel_block<F, 2, 2>(p, K, pstride, X, 0, 2 * u * kPanel, o);
         }
       }
     });
   } else {
     at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p)
-        panel_tokens(panels + p * pstride, K, pstride, X, padded, p * kPanel, o);
+        panel_tokens<F>(panels + p * pstride, K, pstride, X, padded, p * kPanel, o);
     });
   }
   return out;
@@ -382,13 +427,32 @@ torch::Tensor linear_packed(torch::Tensor x, torch::Tensor panels, int64_t N,
   TORCH_CHECK(N >= 0 && panels.numel() == (N + kPanel - 1) / kPanel * kPanel * x.size(1),
               "linear_packed: panels must hold ceil(N / 16) * 16 * K weights");
   const auto* p = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
-  return run_panels(x, p, N, bias);
+  return run_panels<Bf16Panels>(x, p, N, nullptr, bias);
+}
+
+// x: [M, K] bfloat16, panels: contiguous int8 holding ceil(N / 16) panels of [K][16] (rows past
+// N zero), scale: [N] float32, bias: [N] or None -> [M, N] bfloat16, each sum scaled at its end.
+torch::Tensor linear_int8_packed(torch::Tensor x, torch::Tensor panels, int64_t N,
+                                 torch::Tensor scale, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() &&
+                  x.device().is_cpu(),
+              "linear_int8_packed: contiguous bfloat16 CPU x [M, K] expected");
+  TORCH_CHECK(panels.scalar_type() == at::kChar && panels.is_contiguous() &&
+                  panels.device().is_cpu(),
+              "linear_int8_packed: contiguous int8 CPU panels expected");
+  TORCH_CHECK(N >= 0 && panels.numel() == (N + kPanel - 1) / kPanel * kPanel * x.size(1),
+              "linear_int8_packed: panels must hold ceil(N / 16) * 16 * K weights");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N,
+              "linear_int8_packed: a contiguous float32 scale [N] expected");
+  return run_panels<Int8Panels>(x, panels.data_ptr<int8_t>(), N, scale.data_ptr<float>(), bias);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "bfloat16 linear for few tokens (AVX2 + FMA), batch invariant");
   m.def("linear_packed", &linear_packed,
         "bfloat16 linear on weights packed in 16-row panels (AVX2 + FMA), batch invariant");
+  m.def("linear_int8_packed", &linear_int8_packed,
+        "int8-weight linear on 16-row panels (one scale per row), batch invariant");
   m.def("linear_int8", &linear_int8,
         "int8-weight linear (one scale per row) for few tokens (AVX2 + FMA), batch invariant");
 }
