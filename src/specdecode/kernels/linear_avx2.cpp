@@ -1,8 +1,8 @@
 // Linear layers for CPUs with AVX2 + FMA, made for decoding: few tokens, big weights. Weights
-// come as bfloat16 (the model's own) in one of two layouts -- packed 16-row panels
-// (`linear_packed`, what `swap_linears` sets up; see "Packed panels" below) or plain rows
-// (`linear`) -- or as int8 rows with one scale per output row (a draft's weights quantized by
-// `quantize_linears`: half the bytes to read, so about half the time).
+// come as bfloat16 (the model's own) or as int8 with one scale per output row (a draft's weights
+// quantized by `quantize_linears`: half the bytes to read), each in one of two layouts: packed
+// 16-row panels (`linear_packed`, `linear_int8_packed`: what the models run on; see "Packed
+// panels" below) or plain rows (`linear`, `linear_int8`: bfloat16 weights with an odd K).
 //
 // Why: on x86 CPUs without bfloat16 matrix units, PyTorch's bfloat16 matmul costs about one extra
 // one-token forward per extra token, so verifying k+1 drafted tokens costs about k+1 forwards and
