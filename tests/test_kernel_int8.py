@@ -1,5 +1,6 @@
-"""int8 drafts: the int8 kernel computes x @ (q * scale)^T up to one bfloat16 rounding, batch
-invariant; `quantize_linears` keeps the state dict; `MODEL:int8` drafts stay lossless."""
+"""int8 drafts: the int8 kernel (on 16-row panels) computes x @ (q * scale)^T up to one bfloat16
+rounding, batch invariant; `quantize_linears` keeps the state dict; `MODEL:int8` drafts stay
+lossless."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ import torch.nn.functional as F
 from specdecode import SpeculativeDecoder
 from specdecode.drafters import resolve_draft
 from specdecode.kernels import quantize_int8, quantize_linears, restore_linears, unavailable_reason
-from specdecode.kernels.cpu_linear import INT8_NAME, _extension, int8_weights
+from specdecode.kernels.cpu_linear import (
+    INT8_NAME,
+    _extension,
+    int8_weights,
+    pack_int8_panels,
+    pack_panels,
+)
 
 from conftest import linear_case, noisy_copy, tiny_llama, tiny_qwen2
 
@@ -21,6 +28,11 @@ pytestmark = pytest.mark.skipif(
 
 def _dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale[:, None]  # [N, K] float32
+
+
+def int8_linear(x, q, scale, b):
+    """The kernel call a quantized layer makes: q [N, K] packed into panels first."""
+    return _extension().linear_int8_packed(x, pack_int8_panels(q), q.shape[0], scale, b)
 
 
 def test_quantize_int8_round_trip():
@@ -40,33 +52,34 @@ def test_quantize_int8_round_trip():
 @pytest.mark.parametrize("n", [1, 8, 13, 40])
 @pytest.mark.parametrize("bias", [False, True])
 def test_int8_kernel_matches_the_dequantized_linear(k, n, bias):
-    for m in (1, 2, 3, 4, 5, 9):
+    for m in (1, 2, 3, 4, 5, 6, 7, 9, 12):
         x, w, b = linear_case(m, k, n, seed=k * 100 + n + m, bias=bias)
         q, scale = quantize_int8(w)
-        out = _extension().linear_int8(x, q, scale, b)
+        out = int8_linear(x, q, scale, b)
         reference = F.linear(x.float(), _dequantized(q, scale), None if b is None else b.float())
         assert out.dtype == torch.bfloat16 and out.shape == (m, n)
         torch.testing.assert_close(out.float(), reference, rtol=2**-8, atol=1e-5)
 
 
-@pytest.mark.parametrize("m", [2, 3, 4, 5, 8, 13])
+@pytest.mark.parametrize("m", [2, 3, 4, 5, 6, 7, 8, 13])
 def test_int8_kernel_is_batch_invariant_bit_for_bit(m):
-    x, w, b = linear_case(m, 896, 72, seed=m, bias=True)
+    x, w, b = linear_case(m, 897, 72, seed=m, bias=True)  # an odd K: a k loop tail
     q, scale = quantize_int8(w)
-    together = _extension().linear_int8(x, q, scale, b)
+    together = int8_linear(x, q, scale, b)
     for i in range(m):
-        assert torch.equal(together[i], _extension().linear_int8(x[i : i + 1], q, scale, b)[0])
+        assert torch.equal(together[i], int8_linear(x[i : i + 1], q, scale, b)[0])
 
 
 def test_int8_kernel_refuses_bad_arguments():
     x, w, _ = linear_case(2, 32, 8, seed=0, bias=False)
     q, scale = quantize_int8(w)
-    with pytest.raises(RuntimeError, match="int8 weight"):
-        _extension().linear_int8(x, w, scale, None)
+    panels = pack_int8_panels(q)
+    with pytest.raises(RuntimeError, match="int8 CPU panels"):
+        _extension().linear_int8_packed(x, pack_panels(w), 8, scale, None)
     with pytest.raises(RuntimeError, match="scale"):
-        _extension().linear_int8(x, q, scale[:4], None)
-    with pytest.raises(RuntimeError, match=r"x \[M, K\]"):
-        _extension().linear_int8(x[:, :16], q, scale, None)
+        _extension().linear_int8_packed(x, panels, 8, scale[:4], None)
+    with pytest.raises(RuntimeError, match="ceil"):  # x's K does not match the panels'
+        _extension().linear_int8_packed(x[:, :16].contiguous(), panels, 8, scale, None)
 
 
 def test_quantize_linears_keeps_the_state_dict_and_restores():

@@ -1,6 +1,7 @@
-"""The kernel's packed panels: the layout, the outer-product tiles (same results as PyTorch up to
-rounding, batch invariant for every token count's tiling), and weights packed in place that the
-rest of the world still sees in their usual layout (state dict, loading, training, int8)."""
+"""The kernel's bfloat16 packed panels: the layout, the outer-product tiles (same results as
+PyTorch up to rounding, batch invariant for every token count's tiling), and weights packed in
+place that the rest of the world still sees in their usual layout (state dict, loading,
+training, int8). The int8 panels are tested in test_kernel_int8.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from specdecode.kernels import quantize_linears, restore_linears, swap_linears, 
 from specdecode.kernels.cpu_linear import (
     _extension,
     int8_weights,
-    pack_int8_panels,
     pack_panels,
     quantize_int8,
     row_major,
@@ -65,39 +65,12 @@ def test_batch_invariant_bit_for_bit(m):
         assert torch.equal(together[i], alone[0]), i
 
 
-@pytest.mark.parametrize("k", [1, 16, 37, 256])
-@pytest.mark.parametrize("n", [1, 16, 40])
-def test_int8_panels_match_the_dequantized_weights(k, n):
-    for m in (1, 2, 3, 5, 6, 7, 12):
-        x, w, b = linear_case(m, k, n, seed=k * 10 + n + m, bias=True)
-        q, scale = quantize_int8(w)
-        out = _extension().linear_int8_packed(x, pack_int8_panels(q), n, scale, b)
-        reference = F.linear(x.float(), q.float() * scale[:, None], b.float())
-        torch.testing.assert_close(out.float(), reference, rtol=2**-8, atol=1e-4)
-
-
-@pytest.mark.parametrize("m", [2, 3, 4, 6, 7, 9, 13])
-def test_int8_panels_batch_invariant_bit_for_bit(m):
-    x, w, b = linear_case(m, 896, 40, seed=m, bias=True)
-    q, scale = quantize_int8(w)
-    panels = pack_int8_panels(q)
-    together = _extension().linear_int8_packed(x, panels, 40, scale, b)
-    for i in range(m):
-        alone = _extension().linear_int8_packed(x[i : i + 1], panels, 40, scale, b)
-        assert torch.equal(together[i], alone[0]), i
-
-
 def test_bad_arguments_are_refused():
     x, w, _ = linear_case(2, 16, 16, seed=0, bias=False)
     with pytest.raises(RuntimeError, match="K even"):
         _extension().linear_packed(x[:, :15].contiguous(), pack_panels(w), 16, None)
     with pytest.raises(RuntimeError, match="ceil"):
         _extension().linear_packed(x, pack_panels(w), 17, None)
-    q, scale = quantize_int8(w)
-    with pytest.raises(RuntimeError, match="scale"):
-        _extension().linear_int8_packed(x, pack_int8_panels(q), 16, scale[:8], None)
-    with pytest.raises(RuntimeError, match="int8"):
-        _extension().linear_int8_packed(x, pack_panels(w), 16, scale, None)
 
 
 def _weights(model):

@@ -1,8 +1,8 @@
 // Linear layers for CPUs with AVX2 + FMA, made for decoding: few tokens, big weights. Weights
 // come as bfloat16 (the model's own) or as int8 with one scale per output row (a draft's weights
-// quantized by `quantize_linears`: half the bytes to read), each in one of two layouts: packed
-// 16-row panels (`linear_packed`, `linear_int8_packed`: what the models run on; see "Packed
-// panels" below) or plain rows (`linear`, `linear_int8`: bfloat16 weights with an odd K).
+// quantized by `quantize_linears`: half the bytes to read), in packed 16-row panels
+// (`linear_packed`, `linear_int8_packed`: see "Packed panels" below); bfloat16 weights with an
+// odd K run on plain rows (`linear`).
 //
 // Why: on x86 CPUs without bfloat16 matrix units, PyTorch's bfloat16 matmul costs about one extra
 // one-token forward per extra token, so verifying k+1 drafted tokens costs about k+1 forwards and
@@ -59,8 +59,9 @@ inline float lane_sum(__m256 v) {  // one fixed order for every caller
   return _mm_cvtss_f32(s);
 }
 
-// Weight formats. Each widens 16 consecutive weights of a row to two float32 vectors (`load16`)
-// that multiply the matching two vectors of a token's prepared activations.
+// The row format (a template parameter of the row tiles): widens 16 consecutive weights of a row
+// to two float32 vectors (`load16`) that multiply the matching two vectors of a token's prepared
+// activations.
 struct Bf16Rows {  // bfloat16; activations as [8 even | 8 odd] per 16-chunk: one shift, one mask
   using T = uint16_t;
   static constexpr bool kEvenOdd = true;
@@ -70,17 +71,6 @@ struct Bf16Rows {  // bfloat16; activations as [8 even | 8 odd] per 16-chunk: on
     b = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(int(0xFFFF0000u))));
   }
   static inline float at(const T* p) { return bf16_to_float(*p); }
-};
-
-struct Int8Rows {  // int8 with one float32 scale per row, applied after the sum; activations as is
-  using T = int8_t;
-  static constexpr bool kEvenOdd = false;
-  static inline void load16(const T* p, __m256& a, __m256& b) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
-    b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(raw, raw)));
-  }
-  static inline float at(const T* p) { return float(*p); }
 };
 
 // R weight rows x T tokens: res[t * R + r] = dot(w[r], x[t]), x prepared for the format W.
@@ -401,19 +391,6 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch:
   return run<Bf16Rows>(x, w, weight.size(0), nullptr, bias);
 }
 
-// x: [M, K] bfloat16, weight: [N, K] int8 contiguous, scale: [N] float32, bias: [N] or None
-// -> [M, N] bfloat16: x @ (weight * scale[:, None])^T + bias, each sum scaled once at its end.
-torch::Tensor linear_int8(torch::Tensor x, torch::Tensor weight, torch::Tensor scale,
-                          c10::optional<torch::Tensor> bias) {
-  check_x(x, weight);
-  TORCH_CHECK(weight.scalar_type() == at::kChar, "linear_int8: int8 weight expected");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
-                  scale.numel() == weight.size(0),
-              "linear_int8: a contiguous float32 scale [N] expected");
-  return run<Int8Rows>(x, weight.data_ptr<int8_t>(), weight.size(0), scale.data_ptr<float>(),
-                       bias);
-}
-
 // x: [M, K] bfloat16 (K even), panels: contiguous bfloat16 holding ceil(N / 16) panels of
 // [K / 2][16][2] (see "Packed panels"; rows past N zero), bias: [N] or None -> [M, N] bfloat16.
 torch::Tensor linear_packed(torch::Tensor x, torch::Tensor panels, int64_t N,
@@ -453,6 +430,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bfloat16 linear on weights packed in 16-row panels (AVX2 + FMA), batch invariant");
   m.def("linear_int8_packed", &linear_int8_packed,
         "int8-weight linear on 16-row panels (one scale per row), batch invariant");
-  m.def("linear_int8", &linear_int8,
-        "int8-weight linear (one scale per row) for few tokens (AVX2 + FMA), batch invariant");
 }
