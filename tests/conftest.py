@@ -13,6 +13,14 @@ torch.set_num_threads(1)
 VOCAB = 96
 
 
+def needs_kernel():
+    """A skip marker for tests of specdecode's CPU kernels, with the reason they cannot run."""
+    from specdecode.kernels import unavailable_reason
+
+    reason = unavailable_reason()
+    return pytest.mark.skipif(reason is not None, reason=f"kernel unavailable: {reason}")
+
+
 def _llama_like(config_cls, model_cls, seed: int, vocab: int, layers: int, **overrides):
     """A tiny Llama-family model (Llama, Qwen2 share these config fields), seeded."""
     torch.manual_seed(seed)

@@ -8,14 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from specdecode import SpeculativeDecoder
-from specdecode.kernels import apply_kernel, restore_linears, swap_linears, unavailable_reason
+from specdecode.kernels import apply_kernel, restore_linears, swap_linears
 from specdecode.kernels.cpu_linear import NAME, _extension
 
-from conftest import linear_case, noisy_copy, tiny_llama, tiny_qwen2
+from conftest import linear_case, needs_kernel, noisy_copy, tiny_llama, tiny_qwen2
 
-pytestmark = pytest.mark.skipif(
-    unavailable_reason() is not None, reason=f"kernel unavailable: {unavailable_reason()}"
-)
+pytestmark = needs_kernel()
 
 
 # K: below one 16-wide chunk, with a tail, exact chunks; N: below and around the 8-row group

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from specdecode import SpeculativeDecoder
 from specdecode.drafters import resolve_draft
-from specdecode.kernels import quantize_int8, quantize_linears, restore_linears, unavailable_reason
+from specdecode.kernels import quantize_int8, quantize_linears, restore_linears
 from specdecode.kernels.cpu_linear import (
     INT8_NAME,
     _extension,
@@ -19,11 +19,9 @@ from specdecode.kernels.cpu_linear import (
     pack_panels,
 )
 
-from conftest import linear_case, noisy_copy, tiny_llama, tiny_qwen2
+from conftest import linear_case, needs_kernel, noisy_copy, tiny_llama, tiny_qwen2
 
-pytestmark = pytest.mark.skipif(
-    unavailable_reason() is not None, reason=f"kernel unavailable: {unavailable_reason()}"
-)
+pytestmark = needs_kernel()
 
 
 def _dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdecode.kernels import quantize_linears, restore_linears, swap_linears, unavailable_reason
+from specdecode.kernels import quantize_linears, restore_linears, swap_linears
 from specdecode.kernels.cpu_linear import (
     _extension,
     int8_weights,
@@ -19,11 +19,9 @@ from specdecode.kernels.cpu_linear import (
     unpack_panels,
 )
 
-from conftest import linear_case, tiny_llama, tiny_qwen2
+from conftest import linear_case, needs_kernel, tiny_llama, tiny_qwen2
 
-pytestmark = pytest.mark.skipif(
-    unavailable_reason() is not None, reason=f"kernel unavailable: {unavailable_reason()}"
-)
+pytestmark = needs_kernel()
 
 
 def packed_linear(x, w, b):
