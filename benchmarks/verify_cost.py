@@ -11,6 +11,8 @@ in alternating rounds in one process, for each of `--kernels`:
   on-rows    the kernel with every weight row-major (its row tiles, no packed panels)
   int8       int8 weights on the kernel, decode attention (what a `MODEL:int8` draft runs)
   int8-sdpa  int8 weights with SDPA attention
+  MODE-lean  MODE (on or int8) through the lean draft forward (drafters/lean.py) instead of the
+             model's own forward: what a drafter runs
 "/ eager 1" divides by plain PyTorch's one-token forward: the cost that matters against decoding
 without the kernel.
 """
@@ -24,6 +26,8 @@ import statistics
 import torch
 
 from specdecode.bench.costs import forward_seconds
+from specdecode.cache import KVCache
+from specdecode.drafters.lean import LeanCache
 from specdecode.kernels.attention import restore_attention, use_decode_attention
 from specdecode.kernels.cpu_linear import (
     INT8_NAME,
@@ -46,7 +50,7 @@ def main() -> None:
     parser.add_argument(
         "--kernels",
         default="off,on",
-        help="modes to compare: off,on,on-sdpa,on-rows,int8,int8-sdpa",
+        help="modes to compare: off,on,on-sdpa,on-rows,int8,int8-sdpa,on-lean,int8-lean",
     )
     args = parser.parse_args()
 
@@ -57,8 +61,12 @@ def main() -> None:
     names: dict[str, str] = {}
     for _ in range(args.rounds):
         for mode in modes:
-            names[mode] = setup(model, mode)
-            runs[mode].append(forward_seconds(model, sizes, args.prefix, args.repeats))
+            lean = mode.endswith("-lean")
+            names[mode] = setup(model, mode.removesuffix("-lean")) + (" lean" if lean else "")
+            cache_type = LeanCache if lean else KVCache
+            runs[mode].append(
+                forward_seconds(model, sizes, args.prefix, args.repeats, cache_type=cache_type)
+            )
     seconds = {m: {n: statistics.median(r[n] for r in runs[m]) for n in sizes} for m in modes}
     eager_one = seconds.get("off", seconds[modes[0]])[1]
     print(
@@ -79,7 +87,10 @@ def main() -> None:
 def setup(model: torch.nn.Module, mode: str) -> str:
     """Put `model` in `mode` (see the module's doc); returns a name for the table."""
     if mode not in ("off", "on", "on-sdpa", "on-rows", "int8", "int8-sdpa"):
-        raise SystemExit(f"unknown mode {mode!r}: off, on, on-sdpa, on-rows, int8 or int8-sdpa")
+        raise SystemExit(
+            f"unknown mode {mode!r}: off, on, on-sdpa, on-rows, int8, int8-sdpa, on-lean "
+            "or int8-lean"
+        )
     apply_kernel(model, "off")  # from a clean model every time (int8 copies are dropped)
     if mode == "off":
         return "eager"

@@ -24,7 +24,7 @@ def needs_kernel():
 def _llama_like(config_cls, model_cls, seed: int, vocab: int, layers: int, **overrides):
     """A tiny Llama-family model (Llama, Qwen2 share these config fields), seeded."""
     torch.manual_seed(seed)
-    config = config_cls(
+    fields = dict(
         vocab_size=vocab,
         hidden_size=32,
         intermediate_size=64,
@@ -34,8 +34,8 @@ def _llama_like(config_cls, model_cls, seed: int, vocab: int, layers: int, **ove
         max_position_embeddings=256,
         eos_token_id=None,
         initializer_range=0.2,  # a wider init than the default: less flat next-token distributions
-        **overrides,
     )
+    config = config_cls(**{**fields, **overrides})
     return model_cls(config).eval()
 
 

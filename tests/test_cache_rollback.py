@@ -112,10 +112,14 @@ def test_a_copied_prefill_decodes_like_a_fresh_one_and_stays_independent(llama_p
         next(decode(target, [*prompt, 7], 4, prefilled=shared.copy()))
 
 
-def test_the_draft_prefill_builds_no_autograd_graph():
+@pytest.mark.parametrize("forward", ["hf", "lean"])
+def test_the_draft_prefill_builds_no_autograd_graph(forward, monkeypatch):
     # drafter.begin prefills the draft's cache: under inference mode, like every other forward
     # (with grad on it built a graph and sent the CPU kernel to its slow fallback)
     from specdecode.decode import decode
+    from specdecode.drafters.lean import ENV
+
+    monkeypatch.setenv(ENV, forward)
 
     target = ARCHS["llama"](seed=0)
     draft_model = noisy_copy(target, 0.05)
@@ -123,5 +127,10 @@ def test_the_draft_prefill_builds_no_autograd_graph():
     drafter = ModelDrafter(draft_model, vocab_size=96)
     for _ in decode(target, [3, 1, 4, 1, 5, 9, 2, 6], 1, drafter=drafter, k=2):
         break  # right after the prefill and the first step
-    layer = drafter.cache.hf.layers[0]
-    assert layer.keys.is_inference() and not layer.keys.requires_grad
+    if forward == "hf":
+        layer = drafter.cache.hf.layers[0]
+        assert layer.keys.is_inference() and not layer.keys.requires_grad
+    else:
+        assert not drafter.cache.kv.requires_grad
+        logits = drafter.cache.forward(torch.tensor([1]), last_only=True)
+        assert logits.is_inference() and not logits.requires_grad

@@ -28,18 +28,20 @@ def forward_seconds(
     prefix: int = 128,
     repeats: int = 5,
     clock: Callable[[], float] = time.perf_counter,
+    cache_type: Callable[[Any], Any] = KVCache,
 ) -> dict[int, float]:
     """Median seconds of one forward over n new tokens after a cached `prefix`, per n in sizes.
 
     Random ids (the cost of a forward does not depend on which tokens it sees); the cache is
     rolled back after every forward, so each one extends the same prefix. One untimed forward
-    of each size first (warm-up).
+    of each size first (warm-up). `cache_type(model)` runs the forwards (a KVCache: the model's
+    own forward; drafters.lean.LeanCache: the lean draft forward).
     """
     vocab = model.get_input_embeddings().num_embeddings
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (prefix + max(sizes),), generator=gen).to(device)
-    cache = KVCache(model)
+    cache = cache_type(model)
     cache.forward(ids[:prefix], last_only=True)
     seconds: dict[int, float] = {}
     for n in sizes:

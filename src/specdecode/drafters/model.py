@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from specdecode.cache import KVCache
+from specdecode.drafters.lean import LeanCache, draft_cache
 from specdecode.sampling import SamplingParams, logits_to_probs, sample
 from specdecode.types import Draft, ForwardMeter
 
@@ -19,7 +20,7 @@ class DraftModelState:
         self.model = model
         # tokens at or above vocab_size are never drafted (the target's and draft's common vocab)
         self.vocab_size = vocab_size
-        self.cache: KVCache | None = None
+        self.cache: KVCache | LeanCache | None = None
         # ids the draft cannot embed (a larger target's padding rows, never real tokens, but a
         # random or sampled target may emit them) are fed as id 0; verification keeps output exact
         self.embed_size = model.get_input_embeddings().num_embeddings
@@ -32,7 +33,7 @@ class DraftModelState:
         meter: ForwardMeter,
     ) -> None:
         self.params, self.generator, self.meter = params, generator, meter
-        self.cache = KVCache(self.model)
+        self.cache = draft_cache(self.model)  # the lean forward where it knows the model
         parameter = next(self.model.parameters())
         self.device, self.dtype = parameter.device, parameter.dtype
         if len(prompt_ids) > 1:

@@ -41,7 +41,7 @@ KERNEL_MODES = ("auto", "on", "off")
 ENV = "SPECDECODE_KERNEL"
 NAME = "bf16-avx2"  # what LoadedModel.kernel reports when the kernel is in use
 INT8_NAME = "int8-avx2"  # ... and after quantize_linears
-_SOURCE = Path(__file__).with_name("linear_avx2.cpp")
+_SOURCES = [Path(__file__).with_name(name) for name in ("linear_avx2.cpp", "draft_ops.cpp")]
 _FLAG = "_specdecode_kernel"  # set on swapped modules
 _QWEIGHT, _SCALE = "_specdecode_qweight", "_specdecode_scale"  # int8 buffers of quantized ones
 _PANEL = 16  # output rows per packed panel (kPanel in the C++)
@@ -90,7 +90,7 @@ def _extension() -> Any:
     try:
         return cpp_extension.load(
             name=name,
-            sources=[str(_SOURCE)],
+            sources=[str(source) for source in _SOURCES],
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
             verbose=False,

@@ -424,10 +424,21 @@ torch::Tensor linear_int8_packed(torch::Tensor x, torch::Tensor panels, int64_t 
   return run_panels<Int8Panels>(x, panels.data_ptr<int8_t>(), N, scale.data_ptr<float>(), bias);
 }
 
+// draft_ops.cpp: the lean draft forward's fused small operations
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x,
+                                                      c10::optional<torch::Tensor> delta,
+                                                      torch::Tensor weight, double eps);
+torch::Tensor rope_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos,
+                             torch::Tensor sin, torch::Tensor keys, torch::Tensor values,
+                             int64_t past, c10::optional<torch::Tensor> mask, double scale);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "bfloat16 linear for few tokens (AVX2 + FMA), batch invariant");
   m.def("linear_packed", &linear_packed,
         "bfloat16 linear on weights packed in 16-row panels (AVX2 + FMA), batch invariant");
   m.def("linear_int8_packed", &linear_int8_packed,
         "int8-weight linear on 16-row panels (one scale per row), batch invariant");
+  m.def("add_rms_norm", &add_rms_norm, "residual sum and RMSNorm of a few bfloat16 rows");
+  m.def("rope_attention", &rope_attention,
+        "rotary embedding, cache write and attention of a few new tokens (float32 cache)");
 }

@@ -1,0 +1,262 @@
+"""A lean forward for Llama-family draft models: the draft's layers, weights and linear kernels,
+run as a few large operations per layer over a cache of its own.
+
+Why: a draft forward is paid k times per speculative step. The 0.5B draft's one-token forward
+through Hugging Face's code cost about 55 ms here, of which its linear layers (on the CPU
+kernels) took about 30; the rest is some thousand small operations per forward: dtype casts,
+mask building, a cache that grows by concatenation (every step copies it), rotary embedding in
+seven operations per tensor. Here each layer is its norms, its own linear modules, rotary
+embedding in three operations, one batched matmul per attention product, and keys/values
+written in place into a preallocated float32 cache.
+
+Same arithmetic as the model's own forward up to rounding (the cache and attention are float32;
+norms use `F.rms_norm`): drafts need not be bit-exact, the target verifies every drafted token
+and always runs through its own forward. Only drafters use this, and only for the families whose
+layers it knows (Llama, Qwen2, Mistral without a sliding window: pre-norm, rotary, grouped-query
+attention, SwiGLU); any other draft keeps Hugging Face's forward (`draft_cache`).
+Set SPECDECODE_DRAFT_FORWARD=hf to keep Hugging Face's forward for every draft.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from specdecode.cache import KVCache
+
+FAMILIES = ("llama", "qwen2", "mistral")
+ENV = "SPECDECODE_DRAFT_FORWARD"  # "hf": Hugging Face's forward for every draft; else "lean"
+PREFILL_CHUNK = 512  # longer inputs run in chunks: attention scores stay [H, 512, L]
+FUSED_TOKENS = 16  # the fused C++ operations serve up to this many tokens (drafting, not prefill)
+
+
+def unsupported_reason(model: Any) -> str | None:
+    """Why `model` cannot run the lean forward, or None when it can."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAMILIES:
+        return f"model type {model_type!r} is not one of {', '.join(FAMILIES)}"
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"activation {config.hidden_act!r} (the lean forward knows SwiGLU)"
+    windowed = getattr(config, "sliding_window", None) and getattr(
+        config, "use_sliding_window", True
+    )
+    if windowed or any(t != "full_attention" for t in getattr(config, "layer_types", None) or []):
+        return "sliding-window attention"
+    base = getattr(model, "model", None)
+    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+    if base is None or not all(hasattr(base, name) for name in needed):
+        return "not a decoder with embed_tokens / layers / norm / rotary_emb"
+    if not isinstance(getattr(model, "lm_head", None), torch.nn.Linear) or model.training:
+        return "no linear output layer, or the model is in training mode"
+    for layer in base.layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if (
+            attn is None
+            or mlp is None
+            or not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+            or not all(hasattr(mlp, p) for p in ("gate_proj", "up_proj", "down_proj"))
+            or hasattr(attn, "q_norm")  # per-head norms (Qwen3-style) are not modelled here
+            or not hasattr(layer, "input_layernorm")
+            or not hasattr(layer, "post_attention_layernorm")
+        ):
+            return f"layer {type(layer).__name__} is not a Llama-style decoder layer"
+    return None
+
+
+def draft_cache(model: Any) -> KVCache | LeanCache:
+    """The cache a drafter runs `model` through: a LeanCache where the lean forward supports the
+    model (and SPECDECODE_DRAFT_FORWARD is not "hf"), else the KVCache over its own forward."""
+    choice = os.environ.get(ENV, "lean").lower() or "lean"
+    if choice not in ("lean", "hf"):
+        raise ValueError(f"{ENV} must be lean or hf (got {choice!r})")
+    if choice == "lean" and unsupported_reason(model) is None:
+        return LeanCache(model)
+    return KVCache(model)
+
+
+class LeanCache:
+    """KVCache's protocol (len, rollback, compact, forward) over the lean forward.
+
+    Keys and values of all layers live in one float32 tensor [layers, 2, Hkv, capacity, d]
+    (after rotary embedding), grown by doubling; the first `length` positions are valid, so a
+    rollback moves a number and a compaction is one gather.
+    """
+
+    def __init__(self, model: Any, capacity: int = 256) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"the lean draft forward cannot run this model: {reason}")
+        self.model = model
+        base = model.model
+        self.layers = list(base.layers)
+        attn = self.layers[0].self_attn
+        config = model.config
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = attn.head_dim
+        self.scale = attn.scaling
+        self.length = 0
+        param = next(model.parameters())
+        self.dtype, self.device = param.dtype, param.device
+        self.kv = torch.empty(
+            len(self.layers), 2, self.kv_heads, capacity, self.head_dim, device=self.device
+        )
+        self._fused = _fused_ops(self.dtype, self.device, self.head_dim)
+        half = self.head_dim // 2
+        # rotate_half(x) = roll(x, d/2) * [-1]*d/2 + [1]*d/2: the sign goes into sin
+        self._sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def rollback(self, length: int) -> None:
+        """Forget every cached position at or after `length`."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back a cache of {self.length} positions to {length}")
+        self.length = length
+
+    def compact(self, keep: list[int] | torch.Tensor) -> None:
+        """Keep only the cached positions `keep` (strictly increasing), moved to 0..len(keep)-1."""
+        keep = torch.as_tensor(keep, dtype=torch.long).cpu()  # [m]
+        n = self.length
+        if keep.numel() and (bool((keep[1:] <= keep[:-1]).any()) or keep[0] < 0 or keep[-1] >= n):
+            raise ValueError(f"keep must be increasing positions in [0, {n}) (got {keep.tolist()})")
+        run = int((keep == torch.arange(keep.numel())).cumprod(0).sum())  # positions already home
+        tail = keep[run:]
+        if tail.numel():  # the gather copies before the write, so overlapping slots are safe
+            self.kv[:, :, :, run : keep.numel()] = self.kv[:, :, :, tail.to(self.device)]
+        self.length = keep.numel()
+
+    def _reserve(self, needed: int) -> None:
+        capacity = self.kv.shape[3]
+        if needed > capacity:
+            grown = torch.empty(
+                *self.kv.shape[:3], max(needed, 2 * capacity), self.head_dim, device=self.device
+            )
+            grown[:, :, :, : self.length] = self.kv[:, :, :, : self.length]
+            self.kv = grown
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        last_only: bool = False,
+        *,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run the draft over new tokens appended to the cached ones; the cache grows by n.
+
+        input_ids: [n] int64; position_ids [n] (default: the next n positions); attention_mask
+        [1, 1, n, len(self) + n], additive or bool (default: causal). Returns logits [n, V] in
+        the model's dtype, or [1, V] for the last position only when `last_only`.
+        """
+        n = input_ids.shape[0]
+        if n > PREFILL_CHUNK and attention_mask is None and position_ids is None:
+            parts = [
+                self.forward(input_ids[start : start + PREFILL_CHUNK], last_only)
+                for start in range(0, n, PREFILL_CHUNK)
+            ]
+            return parts[-1] if last_only else torch.cat(parts)
+        past = self.length
+        self._reserve(past + n)
+        if position_ids is None:
+            position_ids = torch.arange(past, past + n, device=self.device)
+        base = self.model.model
+        x = base.embed_tokens(input_ids)  # [n, D]
+        cos, sin = base.rotary_emb(x[None], position_ids[None])  # [1, n, d] each
+        cos, sin = cos[0].float(), sin[0].float()  # [n, d]
+        mask = self._mask(n, past, attention_mask)  # [n, L] float32 or None (causal)
+        fused = self._fused if n <= FUSED_TOKENS else None
+        attend = self._attend_fused if fused is not None else self._attend
+        delta = None  # the last block's output, added to x by the next norm
+        for index, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            x, h = self._add_norm(x, delta, layer.input_layernorm, fused)
+            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+            out = attend(q, k, v, cos, sin, self.kv[index], past, mask)  # [n, H * d]
+            x, h = self._add_norm(x, attn.o_proj(out), layer.post_attention_layernorm, fused)
+            delta = mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+        if last_only:
+            x, delta = x[-1:].contiguous(), delta[-1:].contiguous()
+        self.length = past + n
+        _, h = self._add_norm(x, delta, base.norm, fused)
+        return self.model.lm_head(h)  # [n or 1, V]
+
+    def _mask(self, n: int, past: int, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The additive float32 mask of the n queries over L = past + n keys: [n, L]; None for
+        causal attention."""
+        if attention_mask is None:
+            return None
+        mask = attention_mask.reshape(n, -1)[:, : past + n]  # [n, L]
+        if mask.dtype == torch.bool:
+            return torch.zeros(mask.shape, device=self.device).masked_fill(~mask, -torch.inf)
+        return mask.float().contiguous()
+
+    @staticmethod
+    def _add_norm(
+        x: torch.Tensor, delta: torch.Tensor | None, norm: torch.nn.Module, fused: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, RMSNorm of it) for x, delta [n, D], rounded as Hugging Face's norm does."""
+        eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
+        if fused is not None:
+            delta = delta if delta is None else delta.contiguous()
+            return fused.add_rms_norm(x, delta, norm.weight, eps)
+        if delta is not None:
+            x = x + delta
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return x, norm.weight * h.to(x.dtype)
+
+    def _attend_fused(self, q, k, v, cos, sin, kv, past, mask) -> torch.Tensor:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # no-ops after our kernels
+        return self._fused.rope_attention(q, k, v, cos, sin, kv[0], kv[1], past, mask, self.scale)
+
+    def _attend(
+        self,
+        q: torch.Tensor,  # [n, H * d]
+        k: torch.Tensor,  # [n, Hkv * d]
+        v: torch.Tensor,  # [n, Hkv * d]
+        cos: torch.Tensor,  # [n, d] float32
+        sin: torch.Tensor,  # [n, d] float32
+        kv: torch.Tensor,  # [2, Hkv, capacity, d] float32: this layer's cache
+        past: int,
+        mask: torch.Tensor | None,  # [n, L] additive; None: causal
+    ) -> torch.Tensor:
+        """Rotary embedding, the cache write and attention in PyTorch operations -> [n, H * d]."""
+        n, d, kv_heads = q.shape[0], self.head_dim, self.kv_heads
+        group, kv_len = self.heads // kv_heads, past + n
+        cos, sin = cos[:, None], sin[:, None] * self._sign  # [n, 1, d]
+        k = k.float().view(n, kv_heads, d)
+        kv[0, :, past:kv_len] = torch.addcmul(k * cos, k.roll(d // 2, -1), sin).transpose(0, 1)
+        kv[1, :, past:kv_len] = v.view(n, kv_heads, d).transpose(0, 1)
+        q = q.float().view(n, self.heads, d)
+        q = torch.addcmul(q * cos, q.roll(d // 2, -1), sin) * self.scale
+        # the queries of one key/value head side by side: rows (head in group, token)
+        q = q.view(n, kv_heads, group, d).permute(1, 2, 0, 3).reshape(kv_heads, group * n, d)
+        if mask is None and n > 1:  # causal over the last n positions
+            rows = torch.arange(past, kv_len, device=self.device)[:, None]  # [n, 1]
+            future = torch.arange(kv_len, device=self.device)[None, :] > rows  # [n, L]
+            mask = torch.zeros(n, kv_len, device=self.device).masked_fill(future, -torch.inf)
+        k_t = kv[0, :, :kv_len].transpose(1, 2)  # [Hkv, d, L]
+        # a mask has one row per token: repeated for each query head of the group
+        scores = torch.bmm(q, k_t) if mask is None else torch.baddbmm(mask.repeat(group, 1), q, k_t)
+        out = torch.bmm(scores.softmax(-1), kv[1, :, :kv_len])  # [Hkv, group * n, d]
+        out = out.view(kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, self.heads * d)
+        return out.to(self.dtype)
+
+
+def _fused_ops(dtype: torch.dtype, device: torch.device, head_dim: int) -> Any:
+    """The compiled extension when its fused operations fit (bfloat16 on the CPU), else None."""
+    if dtype != torch.bfloat16 or device.type != "cpu" or head_dim % 2:
+        return None
+    from specdecode.kernels.cpu_linear import KernelUnavailable, _extension
+
+    try:
+        return _extension()
+    except KernelUnavailable:
+        return None

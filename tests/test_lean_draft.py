@@ -1,0 +1,200 @@
+"""The lean draft forward (drafters/lean.py) against the model's own forward, and its fused ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode.cache import KVCache
+from specdecode.drafters import lean
+from specdecode.drafters.lean import ENV, LeanCache, draft_cache, unsupported_reason
+from specdecode.tree import additive_mask
+
+from conftest import VOCAB, needs_kernel, tiny_gpt2, tiny_llama, tiny_qwen2
+
+LLAMA_FAMILY = {
+    "llama": lambda: tiny_llama(seed=1, layers=3),
+    "llama-bias-mqa": lambda: tiny_llama(seed=2, attention_bias=True, num_key_value_heads=1),
+    "llama3-rope": lambda: tiny_llama(
+        seed=3,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "qwen2": lambda: tiny_qwen2(seed=4, layers=3),
+}
+
+
+def _ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a.float(), b.float(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", sorted(LLAMA_FAMILY))
+def test_matches_the_models_own_forward_through_every_cache_move(arch):
+    model = LLAMA_FAMILY[arch]()
+    ours, theirs = LeanCache(model, capacity=4), KVCache(model)  # capacity 4: it must grow
+    with torch.inference_mode():
+        _close(ours.forward(_ids(11, 0)), theirs.forward(_ids(11, 0)))
+        for step, n in enumerate((1, 3, 1, 2)):
+            ids = _ids(n, step + 1)
+            _close(ours.forward(ids), theirs.forward(ids))
+            _close(ours.forward(ids, last_only=True), theirs.forward(ids, last_only=True))
+        for cache in (ours, theirs):
+            cache.rollback(13)
+        ids = _ids(2, 9)
+        _close(ours.forward(ids), theirs.forward(ids))
+        assert len(ours) == len(theirs) == 15
+
+        # a token tree: root children a, b at depth 1, a's child c at depth 2
+        past = len(ours)
+        allowed = torch.ones(3, past + 3, dtype=torch.bool)
+        allowed[0, past + 1 :] = False  # a sees itself
+        allowed[1, past] = allowed[1, past + 2] = False  # b: not a, not c
+        allowed[2, past + 1] = False  # c: a and itself
+        positions = torch.tensor([past, past, past + 1])
+        ids = _ids(3, 10)
+        for mask in (additive_mask(allowed, torch.float32), allowed[None, None]):
+            _close(
+                ours.forward(ids, position_ids=positions, attention_mask=mask),
+                theirs.forward(
+                    ids,
+                    position_ids=positions,
+                    attention_mask=additive_mask(allowed, torch.float32),
+                ),
+            )
+            for cache in (ours, theirs):
+                cache.rollback(past)
+        # accept a -> c: compaction moves them next to the prefix
+        ours.forward(ids, position_ids=positions, attention_mask=allowed[None, None])
+        theirs.forward(
+            ids, position_ids=positions, attention_mask=additive_mask(allowed, torch.float32)
+        )
+        keep = [*range(past), past, past + 2]
+        ours.compact(keep)
+        theirs.compact(keep)
+        ids = _ids(2, 11)
+        _close(ours.forward(ids), theirs.forward(ids))
+
+
+def test_long_inputs_run_in_chunks_with_the_same_result(monkeypatch):
+    model = tiny_llama(seed=5)
+    reference = KVCache(model)
+    monkeypatch.setattr(lean, "PREFILL_CHUNK", 4)
+    chunked = LeanCache(model)
+    ids = _ids(10, 3)
+    with torch.inference_mode():
+        _close(chunked.forward(ids), reference.forward(ids))
+        _close(chunked.forward(ids[:2], last_only=True), reference.forward(ids[:2])[-1:])
+    assert len(chunked) == 12
+
+
+def test_cache_moves_check_their_arguments():
+    cache = LeanCache(tiny_llama(seed=6))
+    with torch.inference_mode():
+        cache.forward(_ids(5, 0))
+    with pytest.raises(ValueError, match="cannot roll back"):
+        cache.rollback(6)
+    with pytest.raises(ValueError, match="increasing positions"):
+        cache.compact([0, 2, 1])
+    with pytest.raises(ValueError, match="increasing positions"):
+        cache.compact([0, 5])
+
+
+def test_unsupported_models_keep_their_own_forward():
+    gpt2 = tiny_gpt2()
+    assert "gpt2" in unsupported_reason(gpt2)
+    assert type(draft_cache(gpt2)) is KVCache
+    with pytest.raises(ValueError, match="cannot run this model"):
+        LeanCache(gpt2)
+    windowed = tiny_llama(seed=7)
+    windowed.config.model_type = "mistral"
+    windowed.config.sliding_window = 16
+    assert unsupported_reason(windowed) == "sliding-window attention"
+    training = tiny_llama(seed=8).train()
+    assert "training" in unsupported_reason(training)
+
+
+def test_the_environment_variable_chooses_the_forward(monkeypatch):
+    model = tiny_qwen2()
+    assert type(draft_cache(model)) is LeanCache
+    monkeypatch.setenv(ENV, "hf")
+    assert type(draft_cache(model)) is KVCache
+    monkeypatch.setenv(ENV, "fast")
+    with pytest.raises(ValueError, match="must be lean or hf"):
+        draft_cache(model)
+
+
+@needs_kernel()
+@pytest.mark.parametrize("arch", ["llama-bias-mqa", "qwen2"])
+def test_fused_ops_match_the_pytorch_path_in_bfloat16(arch):
+    model = LLAMA_FAMILY[arch]().to(torch.bfloat16)
+    fused, plain = LeanCache(model), LeanCache(model)
+    assert fused._fused is not None
+    plain._fused = None
+    reference = KVCache(model)
+    with torch.inference_mode():
+        for cache in (fused, plain, reference):
+            cache.forward(_ids(20, 0))
+        for step, n in enumerate((1, 2, 5, 16)):
+            ids = _ids(n, step)
+            a, b, c = (cache.forward(ids).float() for cache in (fused, plain, reference))
+            # bfloat16 activations: one rounding flipped early moves a logit by a few ulps
+            torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)
+            torch.testing.assert_close(a, c, rtol=0.05, atol=0.05)
+            assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
+        past = len(fused)
+        allowed = torch.ones(4, past + 4, dtype=torch.bool).tril(diagonal=past)
+        allowed[3, past + 1] = False
+        mask = additive_mask(allowed, torch.bfloat16)
+        ids, positions = _ids(4, 7), torch.tensor([past, past + 1, past + 2, past + 2])
+        a, b = (
+            cache.forward(ids, position_ids=positions, attention_mask=mask).float()
+            for cache in (fused, plain)
+        )
+        torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)
+
+
+@needs_kernel()
+def test_add_rms_norm_rounds_as_the_models_norm():
+    from specdecode.kernels.cpu_linear import _extension
+
+    ext = _extension()
+    torch.manual_seed(0)
+    x, delta = torch.randn(3, 40).bfloat16(), torch.randn(3, 40).bfloat16()
+    weight = torch.randn(40).bfloat16()
+    total, normed = ext.add_rms_norm(x, delta, weight, 1e-6)
+    assert torch.equal(total, x + delta)
+    h = total.float()
+    expected = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()
+    assert (normed.float() - expected.float()).abs().max() <= 2**-7 * expected.abs().max()
+    same, _ = ext.add_rms_norm(x, None, weight, 1e-6)
+    assert same.data_ptr() == x.data_ptr()
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ext.add_rms_norm(x.float(), None, weight, 1e-6)
+    with pytest.raises(RuntimeError, match="shape"):
+        ext.add_rms_norm(x, delta[:2], weight, 1e-6)
+
+
+@needs_kernel()
+def test_rope_attention_refuses_bad_shapes():
+    from specdecode.kernels.cpu_linear import _extension
+
+    ext = _extension()
+    q, k = torch.zeros(2, 4 * 8).bfloat16(), torch.zeros(2, 2 * 8).bfloat16()
+    cos, sin = torch.ones(2, 8), torch.zeros(2, 8)
+    cache = torch.zeros(2, 2, 4, 8)
+    ext.rope_attention(q, k, k, cos, sin, cache[0], cache[1], 2, None, 0.5)  # fits exactly
+    with pytest.raises(RuntimeError, match="no room"):
+        ext.rope_attention(q, k, k, cos, sin, cache[0], cache[1], 3, None, 0.5)
+    with pytest.raises(RuntimeError, match="mask"):
+        ext.rope_attention(q, k, k, cos, sin, cache[0], cache[1], 0, torch.zeros(2, 3), 0.5)
+    with pytest.raises(RuntimeError, match="float32"):
+        ext.rope_attention(q, k, k, cos.double(), sin, cache[0], cache[1], 0, None, 0.5)
