@@ -5,7 +5,7 @@ cache moves, and the Python around them.
 
 Wraps the core's pieces with timers (the core itself reads no clock) and runs the built-in demo
 prompts speculatively, greedy, chat template on. Every step's wall time is split into:
-- draft forwards (`KVCache.forward` on the draft model), target forward (on the target),
+- draft forwards (`KVCache.forward` or `LeanCache.forward` on the draft model), target forward,
 - verification (`verify_greedy` / `verify_sampling`), cache moves (`KVCache.rollback`),
 - the rest: Python in the step, the drafter's own bookkeeping, tensor glue.
 """
@@ -22,6 +22,7 @@ from specdecode import SpeculativeDecoder, decode, load_model
 from specdecode.cache import KVCache
 from specdecode.demo import DEMO_PROMPTS
 from specdecode.drafters import resolve_draft
+from specdecode.drafters.lean import LeanCache
 
 SECONDS: dict[str, float] = defaultdict(float)
 IN_STEP = [False]  # prefill forwards happen outside steps and are not counted
@@ -66,6 +67,8 @@ def main() -> None:
         KVCache.forward,
     )
     KVCache.rollback = timed("cache moves (rollback)", KVCache.rollback)
+    LeanCache.forward = timed("draft forwards", LeanCache.forward)  # the lean draft forward
+    LeanCache.rollback = timed("cache moves (rollback)", LeanCache.rollback)
     decode.verify_greedy = timed("verification", decode.verify_greedy)
     decode.verify_sampling = timed("verification", decode.verify_sampling)
     decode.speculative_step = timed("step", decode.speculative_step, step=True)
