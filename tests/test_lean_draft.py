@@ -38,9 +38,10 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("arch", sorted(LLAMA_FAMILY))
-def test_matches_the_models_own_forward_through_every_cache_move(arch):
+def test_matches_the_models_own_forward_through_every_cache_move(arch, monkeypatch):
+    monkeypatch.setattr(lean, "CAPACITY", 4)  # the cache must grow (4 -> 16 -> 32)
     model = LLAMA_FAMILY[arch]()
-    ours, theirs = LeanCache(model, capacity=4), KVCache(model)  # capacity 4: it must grow
+    ours, theirs = LeanCache(model), KVCache(model)
     with torch.inference_mode():
         _close(ours.forward(_ids(11, 0)), theirs.forward(_ids(11, 0)))
         for step, n in enumerate((1, 3, 1, 2)):
@@ -78,7 +79,8 @@ def test_matches_the_models_own_forward_through_every_cache_move(arch):
             ids, position_ids=positions, attention_mask=additive_mask(allowed, torch.float32)
         )
         keep = [*range(past), past, past + 2]
-        ours.compact(keep)
+    ours.compact(keep)  # also outside inference mode, on a cache grown inside it
+    with torch.inference_mode():
         theirs.compact(keep)
         ids = _ids(2, 11)
         _close(ours.forward(ids), theirs.forward(ids))
@@ -198,3 +200,23 @@ def test_rope_attention_refuses_bad_shapes():
         ext.rope_attention(q, k, k, cos, sin, cache[0], cache[1], 0, torch.zeros(2, 3), 0.5)
     with pytest.raises(RuntimeError, match="float32"):
         ext.rope_attention(q, k, k, cos.double(), sin, cache[0], cache[1], 0, None, 0.5)
+
+
+def test_memory_estimates_count_the_lean_cache_as_it_is_held():
+    from specdecode.bench.memory import estimate_bytes, kv_bytes_per_token, weights_bytes
+    from specdecode.drafters.lean import CAPACITY, cache_bytes, capacity_for
+
+    assert capacity_for(10) == CAPACITY
+    assert capacity_for(CAPACITY + 1) == 2 * CAPACITY
+    assert capacity_for(5 * CAPACITY) == 8 * CAPACITY
+    target, draft = tiny_llama(seed=9), tiny_qwen2(seed=10)
+    cache = LeanCache(draft)
+    with torch.inference_mode():
+        cache.forward(_ids(CAPACITY + 3, 0), last_only=True)
+    assert cache.kv.numel() * cache.kv.element_size() == cache_bytes(draft, CAPACITY + 3)
+    models = weights_bytes(target) + weights_bytes(draft)
+    own = estimate_bytes(target, draft, 300)
+    lean_held = estimate_bytes(target, draft, 300, lean_draft=True)
+    target_cache = kv_bytes_per_token(target) * 300
+    assert own == models + target_cache + kv_bytes_per_token(draft) * 300
+    assert lean_held == models + target_cache + cache_bytes(draft, 300)

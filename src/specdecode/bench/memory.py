@@ -39,16 +39,23 @@ def kv_bytes_per_token(model: Any, layers: int | None = None) -> int:
     return 2 * n_layers * kv_heads * head_dim * element
 
 
-def estimate_bytes(target: Any, draft: Any | None, n_tokens: int) -> int:
+def estimate_bytes(target: Any, draft: Any | None, n_tokens: int, lean_draft: bool = False) -> int:
     """Weights of target (and draft model) + their caches over `n_tokens` (prompt + new).
 
     `draft` is the draft's model (an early-exit view shares the target's weights, so only its
-    cache over its own layers counts) or None for the target alone and model-free drafters.
+    cache over its own layers counts) or None for the target alone and model-free drafters. A
+    draft on the lean forward (`lean_draft`: drafters/lean.py) holds a float32 cache of
+    `capacity_for(n)` positions instead of the model's own.
     """
+    from specdecode.drafters.lean import cache_bytes
+
     total = weights_bytes(target) + kv_bytes_per_token(target) * n_tokens
     if isinstance(draft, torch.nn.Module):
         total += weights_bytes(draft) - _shared_bytes(target, draft)
-        total += kv_bytes_per_token(draft) * n_tokens
+        if lean_draft:  # the lean forward's own cache: float32, preallocated
+            total += cache_bytes(draft, n_tokens)
+        else:
+            total += kv_bytes_per_token(draft) * n_tokens
     return total
 
 

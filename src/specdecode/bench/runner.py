@@ -32,6 +32,7 @@ from specdecode.bench.methods import (
 from specdecode.bench.records import make_record, mark_identity, top2_margin
 from specdecode.bench.suites import BenchPrompt, interleave_by_category, load_suite
 from specdecode.config import load_config
+from specdecode.drafters.lean import LeanCache
 from specdecode.models.loading import LoadedModel
 
 QUICK_TARGET = "smollm2-135m-instruct"
@@ -310,12 +311,14 @@ def _peak_or_estimate(
 ) -> int:
     if target.device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(target.device))
-    draft_model = None
+    draft_model, lean = None, False
     if setting.method == "spec":
-        draft_model = getattr(runner.engine(setting).drafter, "model", None)
+        drafter = runner.engine(setting).drafter
+        draft_model = getattr(drafter, "model", None)
+        lean = isinstance(getattr(drafter, "cache", None), LeanCache)
     elif setting.method == "hf-assisted":
-        draft_model = runner.drafts[setting.draft].model
-    return estimate_bytes(target.model, draft_model, n_tokens)
+        draft_model = runner.drafts[setting.draft].model  # through its own forward
+    return estimate_bytes(target.model, draft_model, n_tokens, lean_draft=lean)
 
 
 def _write_run_info(

@@ -30,6 +30,7 @@ from specdecode.cache import KVCache
 FAMILIES = ("llama", "qwen2", "mistral")
 ENV = "SPECDECODE_DRAFT_FORWARD"  # "hf": Hugging Face's forward for every draft; else "lean"
 PREFILL_CHUNK = 512  # longer inputs run in chunks: attention scores stay [H, 512, L]
+CAPACITY = 256  # positions a LeanCache starts with
 FUSED_TOKENS = 16  # the fused C++ operations serve up to this many tokens (drafting, not prefill)
 
 
@@ -67,15 +68,36 @@ def unsupported_reason(model: Any) -> str | None:
     return None
 
 
-def draft_cache(model: Any) -> KVCache | LeanCache:
-    """The cache a drafter runs `model` through: a LeanCache where the lean forward supports the
-    model (and SPECDECODE_DRAFT_FORWARD is not "hf"), else the KVCache over its own forward."""
+def runs_lean(model: Any) -> bool:
+    """Whether drafters run `model` through the lean forward (`draft_cache`)."""
     choice = os.environ.get(ENV, "lean").lower() or "lean"
     if choice not in ("lean", "hf"):
         raise ValueError(f"{ENV} must be lean or hf (got {choice!r})")
-    if choice == "lean" and unsupported_reason(model) is None:
-        return LeanCache(model)
-    return KVCache(model)
+    return choice == "lean" and unsupported_reason(model) is None
+
+
+def draft_cache(model: Any) -> KVCache | LeanCache:
+    """The cache a drafter runs `model` through: a LeanCache where the lean forward supports the
+    model (and SPECDECODE_DRAFT_FORWARD is not "hf"), else the KVCache over its own forward."""
+    return LeanCache(model) if runs_lean(model) else KVCache(model)
+
+
+def capacity_for(n_tokens: int) -> int:
+    """The positions a LeanCache holds once it has seen n_tokens: CAPACITY doubled until they
+    fit (whatever the order of the forwards, so the memory estimate knows it)."""
+    capacity = CAPACITY
+    while n_tokens > capacity:
+        capacity *= 2
+    return capacity
+
+
+def cache_bytes(model: Any, n_tokens: int) -> int:
+    """Bytes of a LeanCache of `model` after n_tokens: float32 keys and values, every layer."""
+    config = model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = model.model.layers[0].self_attn.head_dim
+    return len(model.model.layers) * 2 * kv_heads * head_dim * 4 * capacity_for(n_tokens)
 
 
 class LeanCache:
@@ -86,7 +108,7 @@ class LeanCache:
     rollback moves a number and a compaction is one gather.
     """
 
-    def __init__(self, model: Any, capacity: int = 256) -> None:
+    def __init__(self, model: Any) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the lean draft forward cannot run this model: {reason}")
@@ -103,7 +125,7 @@ class LeanCache:
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
         self.kv = torch.empty(
-            len(self.layers), 2, self.kv_heads, capacity, self.head_dim, device=self.device
+            len(self.layers), 2, self.kv_heads, CAPACITY, self.head_dim, device=self.device
         )
         self._fused = _fused_ops(self.dtype, self.device, self.head_dim)
         half = self.head_dim // 2
@@ -119,6 +141,7 @@ class LeanCache:
             raise ValueError(f"cannot roll back a cache of {self.length} positions to {length}")
         self.length = length
 
+    @torch.inference_mode()  # a cache grown inside a forward is an inference tensor
     def compact(self, keep: list[int] | torch.Tensor) -> None:
         """Keep only the cached positions `keep` (strictly increasing), moved to 0..len(keep)-1."""
         keep = torch.as_tensor(keep, dtype=torch.long).cpu()  # [m]
@@ -135,7 +158,10 @@ class LeanCache:
         capacity = self.kv.shape[3]
         if needed > capacity:
             grown = torch.empty(
-                *self.kv.shape[:3], max(needed, 2 * capacity), self.head_dim, device=self.device
+                *self.kv.shape[:3],
+                capacity_for(needed),
+                self.head_dim,
+                device=self.device,
             )
             grown[:, :, :, : self.length] = self.kv[:, :, :, : self.length]
             self.kv = grown
