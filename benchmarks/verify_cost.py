@@ -11,6 +11,7 @@ in alternating rounds in one process, for each of `--kernels`:
   on-rows    the kernel with every weight row-major (its row tiles, no packed panels)
   int8       int8 weights on the kernel, decode attention (what a `MODEL:int8` draft runs)
   int8-sdpa  int8 weights with SDPA attention
+  int4       4-bit weights on the kernel (groups of 32; a tied output layer int8), decode attention
   MODE-lean  MODE (on or int8) through the lean draft forward (drafters/lean.py) instead of the
              model's own forward: what a drafter runs
 "/ eager 1" divides by plain PyTorch's one-token forward: the cost that matters against decoding
@@ -50,7 +51,7 @@ def main() -> None:
     parser.add_argument(
         "--kernels",
         default="off,on",
-        help="modes to compare: off,on,on-sdpa,on-rows,int8,int8-sdpa,on-lean,int8-lean",
+        help="modes to compare: off,on,on-sdpa,on-rows,int8,int8-sdpa,int4, MODE-lean",
     )
     args = parser.parse_args()
 
@@ -86,10 +87,10 @@ def main() -> None:
 
 def setup(model: torch.nn.Module, mode: str) -> str:
     """Put `model` in `mode` (see the module's doc); returns a name for the table."""
-    if mode not in ("off", "on", "on-sdpa", "on-rows", "int8", "int8-sdpa"):
+    if mode not in ("off", "on", "on-sdpa", "on-rows", "int8", "int8-sdpa", "int4"):
         raise SystemExit(
-            f"unknown mode {mode!r}: off, on, on-sdpa, on-rows, int8, int8-sdpa, on-lean "
-            "or int8-lean"
+            f"unknown mode {mode!r}: off, on, on-sdpa, on-rows, int8, int8-sdpa, int4, or one "
+            "of them + -lean"
         )
     apply_kernel(model, "off")  # from a clean model every time (int8 copies are dropped)
     if mode == "off":
@@ -102,6 +103,9 @@ def setup(model: torch.nn.Module, mode: str) -> str:
     if mode.startswith("int8"):
         quantize_linears(model)
         name = INT8_NAME
+    elif mode == "int4":
+        quantize_linears(model, bits=4)
+        name = "int4-avx2"
     if mode.endswith("-sdpa"):
         restore_attention(model)
         name += " + sdpa"

@@ -11,11 +11,11 @@ One JSON object; every key is optional (a run still needs a target from somewher
       "per_category": {"code": {"k": 6}, "chat": {"draft": "ngram:1-3", "k": 2}}
     }
 
-`draft` takes what `--draft` takes: a model (`MODEL:int8` for int8 weights), `early-exit:N` or
-`ngram[:MIN-MAX]`; null (the default) is autoregressive. `k` is the fixed k, the heuristic's
-starting k or the cost policy's k_max (policies.py). `tree` (`static:3,2,1` / `dynamic:NODES`,
-drafters/tree_shape.py) drafts a token tree instead of a chain; it needs a model draft, and k
-is then unused.
+`draft` takes what `--draft` takes: a model (`MODEL:int8` / `MODEL:int4` for int8 / 4-bit
+weights), `early-exit:N` or `ngram[:MIN-MAX]`; null (the default) is autoregressive. `k` is the
+fixed k, the heuristic's starting k or the cost policy's k_max (policies.py). `tree`
+(`static:3,2,1` / `dynamic:NODES`, drafters/tree_shape.py) drafts a token tree instead of a
+chain; it needs a model draft, and k is then unused.
 
 `per_category` holds a tuner's overrides per prompt category (only the keys in
 `CATEGORY_KEYS`); `RunConfig.for_category(name)` applies them. The server and the bench read
@@ -121,8 +121,8 @@ def to_vllm_speculative_config(config: RunConfig) -> dict[str, Any]:
     `ngram:MIN-MAX` -> {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min":
     MIN, "prompt_lookup_max": MAX}. vLLM drafts a fixed number of tokens, so an adaptive
     policy exports its k (the largest it would try) and `confidence` is not exported; a
-    `MODEL:int8` draft exports MODEL. A preset exports the folder it was converted to (fetch it
-    first). ValueError for no draft, for early-exit drafts and for token trees, which vLLM's
+    `MODEL:int8` or `MODEL:int4` draft exports MODEL. A preset exports the folder it was
+    converted to (fetch it first). ValueError for no draft, for early-exit drafts and for token trees, which vLLM's
     draft-model method has no equivalent of.
     """
     draft = config.draft
@@ -144,12 +144,12 @@ def to_vllm_speculative_config(config: RunConfig) -> dict[str, Any]:
             "prompt_lookup_min": ngram.min_ngram,
             "prompt_lookup_max": ngram.max_ngram,
         }
-    from specdecode.drafters import INT8_SUFFIX
+    from specdecode.drafters import split_quantization
 
     # an int8 draft exports its model: int8 is our CPU kernel's, vLLM picks its own quantization
     return {
         "method": "draft_model",
-        "model": _vllm_model(draft.removesuffix(INT8_SUFFIX)),
+        "model": _vllm_model(split_quantization(draft)[0]),
         "num_speculative_tokens": config.k,
     }
 

@@ -12,8 +12,20 @@ from specdecode.drafters.model import ModelDrafter
 from specdecode.drafters.ngram import NgramDrafter
 
 INT8_SUFFIX = ":int8"  # MODEL:int8 drafts with int8 weights (specdecode.kernels.quantize_linears)
+INT4_SUFFIX = ":int4"  # MODEL:int4 with 4-bit weights (groups of 32; the tied output layer int8)
+QUANT_BITS = {INT8_SUFFIX: 8, INT4_SUFFIX: 4}
+
+
+def split_quantization(spec: str) -> tuple[str, str]:
+    """ "MODEL:int8" -> ("MODEL", ":int8"); "MODEL:int4" likewise; anything else -> (spec, "")."""
+    for suffix in QUANT_BITS:
+        if spec.endswith(suffix):
+            return spec[: -len(suffix)], suffix
+    return spec, ""
+
 
 __all__ = [
+    "INT4_SUFFIX",
     "INT8_SUFFIX",
     "Drafter",
     "EarlyExitDrafter",
@@ -28,15 +40,15 @@ def resolve_draft(spec: str | None, target: Any, dtype: Any = "bfloat16", device
 
     `None` -> None (autoregressive); `early-exit:N` -> an EarlyExitDrafter over `target` (a
     LoadedModel); `ngram` or `ngram:MIN-MAX` -> prompt lookup (default 1-3); anything else is
-    loaded with `load_model`, and `MODEL:int8` then runs its linears on int8 weights (bfloat16 on
-    a CPU with AVX2 only; `specdecode.kernels.quantize_linears`).
+    loaded with `load_model`, and `MODEL:int8` / `MODEL:int4` then runs its linears on int8 /
+    4-bit weights (bfloat16 on a CPU with AVX2 only; `specdecode.kernels.quantize_linears`).
     """
     if spec is None:
         return None
-    base, int8 = (spec[: -len(INT8_SUFFIX)], True) if spec.endswith(INT8_SUFFIX) else (spec, False)
-    if int8 and (base.startswith(("ngram", "early-exit")) or not base):
+    base, suffix = split_quantization(spec)
+    if suffix and (base.startswith(("ngram", "early-exit")) or not base):
         raise ValueError(
-            f"{INT8_SUFFIX} quantizes a draft model (e.g. qwen2.5-coder-0.5b-instruct{INT8_SUFFIX}); "
+            f"{suffix} quantizes a draft model (e.g. qwen2.5-coder-0.5b-instruct{suffix}); "
             f"n-gram drafts have no weights and early-exit shares the target's (got {spec!r})"
         )
     if spec == "ngram" or spec.startswith("ngram:"):
@@ -54,23 +66,26 @@ def resolve_draft(spec: str | None, target: Any, dtype: Any = "bfloat16", device
         return EarlyExitDrafter(target.model, int(depth))
     from specdecode.models.loading import load_model
 
-    if not int8:
+    if not suffix:
         return load_model(spec, dtype=dtype, device=device)
     return quantized_draft(load_model(base, dtype=dtype, device=device), spec)
 
 
 def quantized_draft(draft: Any, spec: str) -> Any:
-    """`draft` (a LoadedModel) with its linears on int8 weights; ValueError where that cannot run."""
-    from specdecode.kernels.cpu_linear import INT8_NAME, KernelUnavailable, quantize_linears
+    """`draft` (a LoadedModel) with its linears on the weights `spec`'s suffix asks for (int8 or
+    4-bit); ValueError where that cannot run."""
+    from specdecode.kernels.cpu_linear import KernelUnavailable, quantize_linears
 
+    suffix = split_quantization(spec)[1] or INT8_SUFFIX
+    kind = suffix.lstrip(":")
     if draft.dtype != torch.bfloat16 or draft.device.type != "cpu":
         raise ValueError(
-            f"{spec}: int8 drafts run on the CPU kernel with bfloat16 activations; "
+            f"{spec}: {kind} drafts run on the CPU kernel with bfloat16 activations; "
             f"use --dtype bfloat16 on the CPU (the draft is {draft.dtype} on {draft.device})"
         )
     try:
-        quantize_linears(draft.model)
+        quantize_linears(draft.model, bits=QUANT_BITS[suffix])
     except KernelUnavailable as err:
-        raise ValueError(f"{spec}: the int8 CPU kernel cannot be used: {err}") from err
-    draft.kernel, draft.name = INT8_NAME, f"{draft.name}{INT8_SUFFIX}"
+        raise ValueError(f"{spec}: the {kind} CPU kernel cannot be used: {err}") from err
+    draft.kernel, draft.name = f"{kind}-avx2", f"{draft.name}{suffix}"
     return draft

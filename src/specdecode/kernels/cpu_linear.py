@@ -270,7 +270,7 @@ def restore_linears(model: torch.nn.Module) -> int:
             del module.forward  # the instance attribute; the class's forward shows again
             delattr(module, _FLAG)
             _unpack(module)
-            for name in (_QWEIGHT, _SCALE):
+            for name in (_QWEIGHT, _SCALE, _Q4, _Q4_SCALE, _Q4_MIN):
                 if name in module._buffers:
                     del module._buffers[name]
             count += 1
@@ -311,32 +311,119 @@ def _int8_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def quantize_linears(model: torch.nn.Module) -> int:
-    """Run every bfloat16 CPU `nn.Linear` of `model` on int8 copies of its weights (one scale
-    per output row, `quantize_int8`), packed into 16-row panels (`pack_int8_panels`;
-    `int8_weights` gives them back) for the AVX2 int8 kernel; returns how many.
+_INT4_GROUP = 32  # k per scale and min (kInt4Group in the C++)
+_Q4, _Q4_SCALE, _Q4_MIN = "_specdecode_q4", "_specdecode_q4_scale", "_specdecode_q4_min"
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit per row and group of 32 k: weight [N, K] ~= q * scale + min, q [N, K]
+    uint8 in 0..15, scale and min [N, K / 32] float32 (scale = (max - min) / 15 of the group, 1
+    where the group is constant). Values on such a grid (GGUF Q4_K sub-blocks) come back exact."""
+    n, k = weight.shape
+    if k % _INT4_GROUP:
+        raise ValueError(f"int4 needs K a multiple of {_INT4_GROUP} (got {k})")
+    groups = weight.float().reshape(n, k // _INT4_GROUP, _INT4_GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)  # [N, G]
+    scale = torch.where(high > low, (high - low) / 15, torch.ones_like(low))
+    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp_(0, 15)
+    return q.to(torch.uint8).reshape(n, k), scale, low
+
+
+def pack_int4_panels(
+    q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`quantize_int4`'s output -> the layout `linear_int4_packed` reads: panels [P, K / 2, 16]
+    uint8 (a row's weights at k and k + 1 in the low and high nibble of one byte), scales and mins
+    [P, K / 32, 16] float32; rows past N are zeros."""
+    n, k = q.shape
+    pad = -n % _PANEL
+    q, scale, low = (F.pad(t, (0, 0, 0, pad)) if pad else t for t in (q, scale, low))
+    pairs = q[:, 0::2] | (q[:, 1::2] << 4)  # [N', K / 2]
+    panels = pairs.reshape(-1, _PANEL, k // 2).permute(0, 2, 1).contiguous()
+    scales, mins = (
+        t.reshape(-1, _PANEL, k // _INT4_GROUP).permute(0, 2, 1).contiguous() for t in (scale, low)
+    )
+    return panels, scales, mins
+
+
+def int4_weights(module: torch.nn.Linear) -> torch.Tensor:
+    """A 4-bit layer's weight as it computes with it: [N, K] float32 (q * scale + min)."""
+    panels, scales, mins = (getattr(module, name) for name in (_Q4, _Q4_SCALE, _Q4_MIN))
+    n, k = module.weight.shape
+    pairs = panels.permute(0, 2, 1).reshape(-1, k // 2)
+    q = torch.stack([pairs & 0xF, pairs >> 4], dim=-1).reshape(-1, k).float()
+    scale, low = (t.permute(0, 2, 1).reshape(-1, k // _INT4_GROUP) for t in (scales, mins))
+    groups = q.reshape(-1, k // _INT4_GROUP, _INT4_GROUP)
+    return (groups * scale[..., None] + low[..., None]).reshape(-1, k)[:n]
+
+
+def _int4_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if (
+        x.dtype != torch.bfloat16
+        or x.device.type != "cpu"
+        or (torch.is_grad_enabled() and x.requires_grad)
+    ):
+        # inputs the kernel does not take: the same quantized weights, through PyTorch
+        return F.linear(x, int4_weights(self).to(x.dtype), self.bias)
+    flat = x.reshape(-1, x.shape[-1]).contiguous()  # [..., K] -> [M, K]
+    panels, scales, mins = (getattr(self, name) for name in (_Q4, _Q4_SCALE, _Q4_MIN))
+    out = _extension().linear_int4_packed(
+        flat, panels, self.weight.shape[0], scales, mins, self.bias
+    )
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _quantize_int4(module: torch.nn.Linear) -> None:
+    panels, scales, mins = pack_int4_panels(*quantize_int4(row_major(module)))
+    module._buffers.pop(_PANELS, None)  # a tied layer's panels: no longer read
+    # not persistent: the state dict keeps only the model's own weights
+    for name, tensor in ((_Q4, panels), (_Q4_SCALE, scales), (_Q4_MIN, mins)):
+        module.register_buffer(name, tensor, persistent=False)
+    module.forward = types.MethodType(_int4_forward, module)
+    setattr(module, _FLAG, True)
+
+
+def quantize_linears(model: torch.nn.Module, bits: int = 8) -> int:
+    """Run every bfloat16 CPU `nn.Linear` of `model` on quantized copies of its weights for the
+    AVX2 kernels; returns how many.
+
+    bits=8: int8, one scale per output row (`quantize_int8`), in 16-row panels
+    (`pack_int8_panels`; `int8_weights` gives them back). bits=4: 4-bit with a scale and a min per
+    row and group of 32 k (`quantize_int4`, `pack_int4_panels`, `int4_weights`) where K is a
+    multiple of 32, except an output layer tied to the embedding (the logits keep int8).
 
     For drafters only (a draft's output is verified; a target's would change). The bfloat16
     weights stay (embeddings may be tied to the output layer; `restore_linears` undoes it), so
-    the model holds 1.5 bytes per linear weight. Builds the kernel first (KernelUnavailable when
-    it cannot). Idempotent.
+    the model holds 1.5 (int8) or about 2.6 (4-bit) bytes per linear weight. Builds the kernel
+    first (KernelUnavailable when it cannot). Idempotent: a quantized layer stays as it is.
     """
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8 (got {bits})")
     _extension()
     count = 0
+    shared = _shared_storages(model)
     with torch.no_grad():
         for module in model.modules():
             if not _eligible(module):
                 continue
-            if _QWEIGHT not in module._buffers:
-                q, scale = quantize_int8(row_major(module))
-                module._buffers.pop(_PANELS, None)  # a tied layer's panels: no longer read
-                # not persistent: the state dict keeps only the model's own weights
-                module.register_buffer(_QWEIGHT, pack_int8_panels(q), persistent=False)
-                module.register_buffer(_SCALE, scale, persistent=False)
-                module.forward = types.MethodType(_int8_forward, module)
-                setattr(module, _FLAG, True)
+            if _QWEIGHT not in module._buffers and _Q4 not in module._buffers:
+                tied = module.weight.untyped_storage().data_ptr() in shared
+                if bits == 4 and module.weight.shape[1] % _INT4_GROUP == 0 and not tied:
+                    _quantize_int4(module)
+                else:
+                    _quantize_int8(module)
             count += 1
     return count
+
+
+def _quantize_int8(module: torch.nn.Linear) -> None:
+    q, scale = quantize_int8(row_major(module))
+    module._buffers.pop(_PANELS, None)  # a tied layer's panels: no longer read
+    # not persistent: the state dict keeps only the model's own weights
+    module.register_buffer(_QWEIGHT, pack_int8_panels(q), persistent=False)
+    module.register_buffer(_SCALE, scale, persistent=False)
+    module.forward = types.MethodType(_int8_forward, module)
+    setattr(module, _FLAG, True)
 
 
 def resolve_mode(mode: str | None) -> str:

@@ -424,6 +424,130 @@ torch::Tensor linear_int8_packed(torch::Tensor x, torch::Tensor panels, int64_t 
   return run_panels<Int8Panels>(x, panels.data_ptr<int8_t>(), N, scale.data_ptr<float>(), bias);
 }
 
+// ---- int4 panels (a draft's weights at 4 bits) -------------------------------------------
+// Each row's weights in groups of 32 k: w = scale * q + min, q in 0..15 (asymmetric, one scale
+// and one min per row and group: the grid of GGUF's Q4_K sub-blocks, which the presets were
+// converted from). A panel holds 16 rows as [K / 2][16] bytes, a row's weights at k (low
+// nibble) and k + 1 (high nibble) in one byte; scales and mins are [P][K / 32][16] float32.
+// Per group a tile sums x * q in float32 and then adds scale * sum + min * (sum of x over the
+// group): half the bytes of int8 per weight plus 1/4 byte of scales. Tiles of 1-3 tokens x 16
+// rows (more tokens: near-equal blocks), the nibbles unpacked as they go. Each output's sum runs
+// over the groups in the same order whatever the tile: batch invariant.
+namespace {
+
+constexpr int64_t kInt4Group = 32;
+
+// MR tokens x 16 rows (one panel). Per row and group, even and odd k sum apart (two FMA chains
+// each: with one token and one chain per 8 rows, FMA latency, not bandwidth, bounds the tile),
+// then total += scale (even + odd) + min xsum. Totals live in res (touched once per group), so
+// up to 3 tokens fit the 16 registers.
+template <int MR>
+inline void int4_tile(const uint8_t* p, const float* sc, const float* mn, int64_t K,
+                      const float* x, const float* xsum, float* res) {
+  const int64_t G = K / kInt4Group;
+  for (int i = 0; i < MR * 16; ++i) res[i] = 0.f;
+  const __m256i low = _mm256_set1_epi32(0xF);
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 even[MR][2], odd[MR][2];
+    SD_UNROLL for (int t = 0; t < MR; ++t)
+      SD_UNROLL for (int v = 0; v < 2; ++v) even[t][v] = odd[t][v] = _mm256_setzero_ps();
+    const uint8_t* pg = p + g * (kInt4Group / 2) * 16;
+    SD_UNROLL for (int line = 0; line < 4; ++line)
+      _mm_prefetch(reinterpret_cast<const char*>(pg + 4096 + 64 * line), _MM_HINT_T0);
+    const float* xg = x + g * kInt4Group;
+    SD_UNROLL for (int j = 0; j < kInt4Group / 2; ++j) {  // pairs of k
+      SD_UNROLL for (int v = 0; v < 2; ++v) {
+        const __m256i raw = _mm256_cvtepu8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(pg + j * 16 + v * 8)));
+        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(raw, low));
+        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(raw, 4));
+        SD_UNROLL for (int t = 0; t < MR; ++t) {
+          even[t][v] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(xg + t * K + 2 * j), even[t][v]);
+          odd[t][v] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(xg + t * K + 2 * j + 1), odd[t][v]);
+        }
+      }
+    }
+    SD_UNROLL for (int v = 0; v < 2; ++v) {
+      const __m256 s = _mm256_loadu_ps(sc + g * 16 + v * 8);
+      const __m256 m = _mm256_loadu_ps(mn + g * 16 + v * 8);
+      SD_UNROLL for (int t = 0; t < MR; ++t) {
+        float* out = res + t * 16 + v * 8;
+        const __m256 sum = _mm256_add_ps(even[t][v], odd[t][v]);
+        __m256 total = _mm256_fmadd_ps(s, sum, _mm256_loadu_ps(out));
+        total = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xsum + t * G + g), total);
+        _mm256_storeu_ps(out, total);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// x: [M, K] bfloat16 (K a multiple of 32), panels: uint8 [ceil(N / 16)][K / 2][16] (two 4-bit
+// weights per byte, rows past N zero), scales, mins: float32 [ceil(N / 16)][K / 32][16],
+// bias: [N] or None -> [M, N] bfloat16 with out[m, n] = sum_k x[m, k] (scale q + min) + bias[n].
+torch::Tensor linear_int4_packed(torch::Tensor x, torch::Tensor panels, int64_t N,
+                                 torch::Tensor scales, torch::Tensor mins,
+                                 c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() &&
+                  x.device().is_cpu(),
+              "linear_int4_packed: contiguous bfloat16 CPU x [M, K] expected");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % kInt4Group == 0, "linear_int4_packed: K must be a multiple of 32");
+  const int64_t P = (N + kPanel - 1) / kPanel, G = K / kInt4Group;
+  TORCH_CHECK(panels.scalar_type() == at::kByte && panels.is_contiguous() &&
+                  panels.device().is_cpu() && N >= 0 && panels.numel() == P * kPanel * K / 2,
+              "linear_int4_packed: contiguous uint8 panels of ceil(N / 16) * 16 * K / 2 bytes");
+  for (const auto* t : {&scales, &mins})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->device().is_cpu() &&
+                    t->numel() == P * G * kPanel,
+                "linear_int4_packed: contiguous float32 scales and mins [P][K / 32][16]");
+  std::vector<float> xf = prepare<Int8Panels>(x);
+  const std::vector<float> bias_f = bias_float(bias, N);
+  auto out = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  std::vector<float> xsum(size_t(M * G));  // the sum of x over each group, per token
+  for (int64_t t = 0; t < M; ++t)
+    for (int64_t g = 0; g < G; ++g) {
+      float total = 0.f;
+      for (int64_t i = 0; i < kInt4Group; ++i) total += xf[size_t(t * K + g * kInt4Group + i)];
+      xsum[size_t(t * G + g)] = total;
+    }
+  const uint8_t* pp = panels.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* mp = mins.data_ptr<float>();
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const float* bp = bias_f.empty() ? nullptr : bias_f.data();
+  const int64_t pstride = (K / 2) * kPanel, sstride = G * kPanel;
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    float res[3 * kPanel];
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint8_t* panel = pp + p * pstride;
+      const float* s = sp + p * sstride;
+      const float* m = mp + p * sstride;
+      const int64_t rows = std::min<int64_t>(kPanel, N - p * kPanel);
+      const int64_t blocks = (M + 2) / 3;  // as few blocks as possible, of near-equal size
+      for (int64_t b = 0, t0 = 0; b < blocks; ++b) {
+        const int64_t block = (M - t0) / (blocks - b);
+        const float* xt = xf.data() + t0 * K;
+        const float* st = xsum.data() + t0 * G;
+        switch (block) {
+          case 3: int4_tile<3>(panel, s, m, K, xt, st, res); break;
+          case 2: int4_tile<2>(panel, s, m, K, xt, st, res); break;
+          default: int4_tile<1>(panel, s, m, K, xt, st, res); break;
+        }
+        for (int64_t t = 0; t < block; ++t)
+          for (int64_t i = 0; i < rows; ++i) {
+            const int64_t n = p * kPanel + i;
+            op[(t0 + t) * N + n] = float_to_bf16(res[t * kPanel + i] + (bp ? bp[n] : 0.f));
+          }
+        t0 += block;
+      }
+    }
+  });
+  return out;
+}
+
 // draft_ops.cpp: the lean draft forward's fused small operations
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x,
                                                       c10::optional<torch::Tensor> delta,
@@ -438,6 +562,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bfloat16 linear on weights packed in 16-row panels (AVX2 + FMA), batch invariant");
   m.def("linear_int8_packed", &linear_int8_packed,
         "int8-weight linear on 16-row panels (one scale per row), batch invariant");
+  m.def("linear_int4_packed", &linear_int4_packed,
+        "int4-weight linear on 16-row panels (a scale and a min per row and 32 k), batch invariant");
   m.def("add_rms_norm", &add_rms_norm, "residual sum and RMSNorm of a few bfloat16 rows");
   m.def("rope_attention", &rope_attention,
         "rotary embedding, cache write and attention of a few new tokens (float32 cache)");

@@ -1,0 +1,155 @@
+"""4-bit drafts: the int4 kernel computes x @ (q * scale + min)^T up to one bfloat16 rounding,
+batch invariant; `quantize_linears(bits=4)` keeps the state dict and a tied output layer on
+int8; `MODEL:int4` drafts stay lossless."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdecode import SpeculativeDecoder
+from specdecode.drafters import resolve_draft
+from specdecode.kernels import quantize_linears, restore_linears
+from specdecode.kernels.cpu_linear import (
+    _extension,
+    int4_weights,
+    pack_int4_panels,
+    quantize_int4,
+)
+
+from conftest import linear_case, needs_kernel, noisy_copy, tiny_llama, tiny_qwen2
+
+pytestmark = needs_kernel()
+
+
+def _dequantized(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    n, k = q.shape
+    groups = q.float().reshape(n, k // 32, 32) * scale[..., None] + low[..., None]
+    return groups.reshape(n, k)  # [N, K] float32
+
+
+def int4_linear(x, q, scale, low, b):
+    """The kernel call a 4-bit layer makes, on `q` packed into panels first."""
+    panels, scales, mins = pack_int4_panels(q, scale, low)
+    return _extension().linear_int4_packed(x, panels, q.shape[0], scales, mins, b)
+
+
+def test_quantize_int4_round_trip_and_exact_on_its_grid():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 96, generator=gen)
+    w[3, :32] = 0.5  # a constant group keeps a usable scale
+    q, scale, low = quantize_int4(w)
+    assert q.dtype == torch.uint8 and q.shape == w.shape and int(q.max()) <= 15
+    assert scale.shape == low.shape == (40, 3) and scale[3, 0] == 1
+    error = (_dequantized(q, scale, low) - w).abs()
+    assert (error <= scale.repeat_interleave(32, dim=1) / 2 + 1e-6).all()
+    # weights already on a 4-bit grid per group (GGUF Q4_K's) come back exactly
+    grid = torch.randint(0, 16, (40, 96), generator=gen).float()
+    grid[:, ::32], grid[:, 1::32] = 0, 15  # every group spans the whole grid
+    on_grid = grid * 0.03125 - 0.25
+    q, scale, low = quantize_int4(on_grid)
+    assert torch.equal(_dequantized(q, scale, low), on_grid)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_int4(torch.randn(4, 48))
+
+
+@pytest.mark.parametrize("k", [32, 96, 896])
+@pytest.mark.parametrize("n", [1, 16, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int4_kernel_matches_the_dequantized_linear(k, n, bias):
+    for m in (1, 2, 3, 5, 6):
+        x, w, b = linear_case(m, k, n, seed=k * 100 + n + m, bias=bias)
+        q, scale, low = quantize_int4(w)
+        out = int4_linear(x, q, scale, low, b)
+        dequantized = _dequantized(q, scale, low)
+        reference = F.linear(x.float(), dequantized, None if b is None else b.float())
+        assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+        torch.testing.assert_close(out.float(), reference, rtol=2**-8, atol=1e-4)
+
+
+@pytest.mark.parametrize("m", [2, 3, 4, 7])
+def test_int4_kernel_is_batch_invariant_bit_for_bit(m):
+    x, w, b = linear_case(m, 160, 72, seed=m, bias=True)
+    q, scale, low = quantize_int4(w)
+    together = int4_linear(x, q, scale, low, b)
+    for i in range(m):
+        assert torch.equal(together[i], int4_linear(x[i : i + 1], q, scale, low, b)[0])
+
+
+def test_int4_kernel_refuses_bad_arguments():
+    x, w, _ = linear_case(2, 64, 8, seed=0, bias=False)
+    panels, scales, mins = pack_int4_panels(*quantize_int4(w))
+    kernel = _extension().linear_int4_packed
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernel(x[:, :48].contiguous(), panels, 8, scales, mins, None)
+    with pytest.raises(RuntimeError, match="uint8 panels"):
+        kernel(x, panels.to(torch.int8), 8, scales, mins, None)
+    with pytest.raises(RuntimeError, match="scales and mins"):
+        kernel(x, panels, 8, scales[:, :1].contiguous(), mins, None)
+
+
+def test_quantize_linears_4_bit_keeps_the_state_dict_and_a_tied_head_on_int8():
+    model = tiny_qwen2(seed=3).to(torch.bfloat16)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    state = {name: t.clone() for name, t in model.state_dict().items()}
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    with torch.no_grad():
+        plain = model(ids).logits
+        assert quantize_linears(model, bits=4) == linears
+        assert quantize_linears(model, bits=4) == linears  # idempotent
+        assert hasattr(model.lm_head, "_specdecode_qweight")  # tied: int8
+        assert hasattr(model.model.layers[0].mlp.up_proj, "_specdecode_q4")
+        int4 = model(ids).logits
+        assert restore_linears(model) == linears
+        again = model(ids).logits
+    assert all(torch.equal(state[name], t) for name, t in model.state_dict().items())
+    assert not any("_specdecode" in name for name, _ in model.named_buffers())
+    assert not torch.equal(int4, plain)
+    # 4 bits on random Gaussian weights: logits within about a quarter of their norm (0.24
+    # measured), the same next tokens
+    assert (int4.float() - plain.float()).norm() <= 0.35 * plain.float().norm()
+    assert (int4.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.8
+    assert torch.equal(again, plain)
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        quantize_linears(model, bits=2)
+
+
+def test_int4_layer_falls_back_for_float32_and_autograd():
+    layer = torch.nn.Linear(64, 16).to(torch.bfloat16)
+    quantize_linears(layer, bits=4)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        kernel = layer(x.bfloat16()).float()
+    expected = F.linear(x, int4_weights(layer), layer.bias.float())
+    torch.testing.assert_close(kernel, expected, rtol=2**-7, atol=2e-2)
+    x_grad = x.bfloat16().requires_grad_()
+    layer(x_grad).float().sum().backward()
+    assert x_grad.grad is not None
+
+
+def test_int4_draft_spec(tmp_path):
+    folder = tmp_path / "tiny"
+    tiny_llama(seed=0).to(torch.bfloat16).save_pretrained(folder)
+    draft = resolve_draft(f"{folder}:int4", None, dtype="bfloat16", device="cpu")
+    assert draft.kernel == "int4-avx2" and draft.name.endswith(":int4")
+    assert any(hasattr(m, "_specdecode_q4") for m in draft.model.modules())
+    with pytest.raises(ValueError, match="int4 drafts run on the CPU kernel"):
+        resolve_draft(f"{folder}:int4", None, dtype="float32", device="cpu")
+    with pytest.raises(ValueError, match="quantizes a draft model"):
+        resolve_draft("ngram:int4", None)
+
+
+@pytest.mark.parametrize("factory", [tiny_llama, tiny_qwen2])
+def test_speculative_decoding_with_a_4_bit_draft_is_lossless(factory):
+    target = factory(seed=0)
+    draft = noisy_copy(target, 0.05).to(torch.bfloat16)
+    quantize_linears(draft, bits=4)
+    prompt = [1, 2, 3]
+    expected = SpeculativeDecoder(target).generate(prompt, max_new_tokens=40).token_ids
+    for kwargs in ({"k": 4}, {"tree": "dynamic:6"}):
+        result = SpeculativeDecoder(target, draft, **kwargs).generate(prompt, max_new_tokens=40)
+        assert result.token_ids == expected, kwargs
+        assert result.stats.acceptance_rate > 0.2, kwargs
