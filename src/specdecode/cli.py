@@ -180,7 +180,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     quick = args.quick
     target = args.target or (demo.QUICK_TARGET if quick else demo.DEFAULT_TARGET)
     draft = args.draft or (demo.QUICK_DRAFT if quick else demo.DEFAULT_DRAFT)
-    k = args.k if args.k is not None else demo.DEFAULT_K  # 2, the quick demo's best too
+    k = args.k if args.k is not None else (demo.QUICK_K if quick else demo.DEFAULT_K)
     demo.main_demo(
         target,
         draft,
@@ -233,7 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
         "bfloat16 (quick: ngram)",
     )
     dem.add_argument("--quick", action="store_true", help="smollm2-135m-instruct, about a minute")
-    dem.add_argument("--k", type=int, default=None, help="tokens drafted per step (default 2)")
+    dem.add_argument(
+        "--k", type=int, default=None, help="tokens drafted per step (default 4; quick: 2)"
+    )
     dem.add_argument("--max-new-tokens", type=int, default=None, help="default 64 (quick: 48)")
     dem.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     dem.add_argument("--dtype", default="bfloat16")

@@ -22,6 +22,7 @@ QUICK_TARGET = "smollm2-135m-instruct"
 # SmolLM2-135M has no smaller sibling with its tokenizer here; prompt lookup measured better than
 # its early exit (docs/benchmarks.md)
 QUICK_DRAFT = "ngram"
+QUICK_K = 2  # the quick demo's k (prompt lookup: its best when last measured)
 
 # (kind, prompt): one of each kind users ask about; the chat template is applied to each
 DEMO_PROMPTS: list[tuple[str, str]] = [
