@@ -57,11 +57,7 @@ class KVCache:
         the committed prefix and every other node is dropped. The unchanged leading run of `keep`
         stays in place; only the tail is gathered (O(tail), not O(cache)).
         """
-        keep = torch.as_tensor(keep, dtype=torch.long).cpu()  # [m]
-        n = len(self)
-        if keep.numel() and (bool((keep[1:] <= keep[:-1]).any()) or keep[0] < 0 or keep[-1] >= n):
-            raise ValueError(f"keep must be increasing positions in [0, {n}) (got {keep.tolist()})")
-        run = int((keep == torch.arange(keep.numel())).cumprod(0).sum())  # positions already home
+        keep, run = compaction(keep, len(self))
         tail = keep[run:]  # [m - run]
         for layer in _layers(self.hf):
             for name in ("keys", "values"):
@@ -96,6 +92,15 @@ class KVCache:
         out = self.model(input_ids=input_ids[None], use_cache=True, **kwargs)
         logits = out.logits[0]  # [n, V] or [1, V]
         return logits[-1:] if last_only else logits
+
+
+def compaction(keep: list[int] | torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    """Check a `compact` argument against a cache of n positions: keep as int64 [m] on the CPU
+    and how many of its leading positions are already in place (keep[i] == i)."""
+    keep = torch.as_tensor(keep, dtype=torch.long).cpu()  # [m]
+    if keep.numel() and (bool((keep[1:] <= keep[:-1]).any()) or keep[0] < 0 or keep[-1] >= n):
+        raise ValueError(f"keep must be increasing positions in [0, {n}) (got {keep.tolist()})")
+    return keep, int((keep == torch.arange(keep.numel())).cumprod(0).sum())
 
 
 def _layers(hf: Any) -> list[Any]:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from specdecode.cache import KVCache
+from specdecode.cache import KVCache, compaction
 
 FAMILIES = ("llama", "qwen2", "mistral")
 ENV = "SPECDECODE_DRAFT_FORWARD"  # "hf": Hugging Face's forward for every draft; else "lean"
@@ -144,11 +144,7 @@ class LeanCache:
     @torch.inference_mode()  # a cache grown inside a forward is an inference tensor
     def compact(self, keep: list[int] | torch.Tensor) -> None:
         """Keep only the cached positions `keep` (strictly increasing), moved to 0..len(keep)-1."""
-        keep = torch.as_tensor(keep, dtype=torch.long).cpu()  # [m]
-        n = self.length
-        if keep.numel() and (bool((keep[1:] <= keep[:-1]).any()) or keep[0] < 0 or keep[-1] >= n):
-            raise ValueError(f"keep must be increasing positions in [0, {n}) (got {keep.tolist()})")
-        run = int((keep == torch.arange(keep.numel())).cumprod(0).sum())  # positions already home
+        keep, run = compaction(keep, self.length)
         tail = keep[run:]
         if tail.numel():  # the gather copies before the write, so overlapping slots are safe
             self.kv[:, :, :, run : keep.numel()] = self.kv[:, :, :, tail.to(self.device)]

@@ -25,6 +25,7 @@ the draft reads half the bytes per forward (its acceptance may change a little; 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import shutil
 import sys
@@ -42,6 +43,7 @@ ENV = "SPECDECODE_KERNEL"
 NAME = "bf16-avx2"  # what LoadedModel.kernel reports when the kernel is in use
 INT8_NAME = "int8-avx2"  # ... and after quantize_linears
 _SOURCES = [Path(__file__).with_name(name) for name in ("linear_avx2.cpp", "draft_ops.cpp")]
+_HEADER = Path(__file__).with_name("kernel_common.h")
 _FLAG = "_specdecode_kernel"  # set on swapped modules
 _QWEIGHT, _SCALE = "_specdecode_qweight", "_specdecode_scale"  # int8 buffers of quantized ones
 _PANEL = 16  # output rows per packed panel (kPanel in the C++)
@@ -86,7 +88,9 @@ def _extension() -> Any:
             "specdecode: building the CPU kernels (once per machine, about a minute)...",
             file=sys.stderr,
         )
-    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+    # PyTorch rebuilds when a source or a flag changes, not a header: the header's digest is a flag
+    header = hashlib.sha256(_HEADER.read_bytes()).hexdigest()[:16]
+    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp", f"-DSPECDECODE_HEADER_{header}"]
     try:
         return cpp_extension.load(
             name=name,

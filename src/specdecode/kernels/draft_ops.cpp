@@ -20,22 +20,13 @@
 #include <tuple>
 #include <vector>
 
+#include "kernel_common.h"
+
 namespace {
 
-inline float bf16_to_float(uint16_t b) {
-  const uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, as PyTorch does
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return uint16_t(u >> 16);
-}
+using specdecode_kernels::bf16_to_float;
+using specdecode_kernels::float_to_bf16;
+using specdecode_kernels::lane_sum;
 
 inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 
@@ -71,10 +62,7 @@ inline float dot(const float* a, const float* b, int64_t d) {
   __m256 acc = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  float total = _mm_cvtss_f32(s);
+  float total = lane_sum(acc);
   for (; i < d; ++i) total += a[i] * b[i];
   return total;
 }

@@ -26,6 +26,8 @@
 #include <cstring>
 #include <vector>
 
+#include "kernel_common.h"
+
 namespace {
 
 constexpr int64_t kGroup = 8;     // weight rows per parallel work item (24 KB when K = 1536)
@@ -37,27 +39,9 @@ constexpr int64_t kPanelPrefetch = 8192;  // elements ahead within a panel (16 K
 // accumulator array in memory and stores all of it back on every step of the k loop.
 #define SD_UNROLL _Pragma("GCC unroll 16")
 
-inline float bf16_to_float(uint16_t b) {
-  const uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, as PyTorch does
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // NaN stays NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return uint16_t(u >> 16);
-}
-
-inline float lane_sum(__m256 v) {  // one fixed order for every caller
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
+using specdecode_kernels::bf16_to_float;
+using specdecode_kernels::float_to_bf16;
+using specdecode_kernels::lane_sum;
 
 // The row format (a template parameter of the row tiles): widens 16 consecutive weights of a row
 // to two float32 vectors (`load16`) that multiply the matching two vectors of a token's prepared
