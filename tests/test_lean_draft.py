@@ -137,7 +137,11 @@ def test_the_environment_variable_chooses_the_forward(monkeypatch):
 @needs_kernel()
 @pytest.mark.parametrize("arch", ["llama-bias-mqa", "qwen2"])
 def test_fused_ops_match_the_pytorch_path_in_bfloat16(arch):
+    from specdecode.kernels import swap_linears
+
     model = LLAMA_FAMILY[arch]().to(torch.bfloat16)
+    assert LeanCache(model)._fused is None  # plain PyTorch linears: no fused ops either
+    swap_linears(model)
     fused, plain = LeanCache(model), LeanCache(model)
     assert fused._fused is not None
     plain._fused = None

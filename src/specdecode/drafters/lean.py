@@ -1,20 +1,23 @@
 """A lean forward for Llama-family draft models: the draft's layers, weights and linear kernels,
 run as a few large operations per layer over a cache of its own.
 
-Why: a draft forward is paid k times per speculative step. The 0.5B draft's one-token forward
-through Hugging Face's code cost about 55 ms here, of which its linear layers (on the CPU
-kernels) took about 30; the rest is some thousand small operations per forward: dtype casts,
+Why: a draft forward is paid k times per speculative step. The int8 0.5B draft's one-token
+forward through Hugging Face's code cost about 62 ms here, of which its linear layers (on the CPU
+kernels) took about 30; the rest was a thousand-odd small operations per forward: dtype casts,
 mask building, a cache that grows by concatenation (every step copies it), rotary embedding in
-seven operations per tensor. Here each layer is its norms, its own linear modules, rotary
-embedding in three operations, one batched matmul per attention product, and keys/values
-written in place into a preallocated float32 cache.
+seven operations per tensor. Here each layer is the model's own linear modules around three
+fused C++ calls (`kernels/draft_ops.cpp`: residual add + RMSNorm twice; rotary embedding, the
+cache write and attention once), with keys/values written in place into a preallocated float32
+cache: 38 ms side by side (docs/benchmarks.md). Where the model's linears are not on the CPU
+kernels (other dtypes, no AVX2, `--kernel off`) and above FUSED_TOKENS tokens (prefill) the same
+maths runs in PyTorch operations.
 
-Same arithmetic as the model's own forward up to rounding (the cache and attention are float32;
-norms use `F.rms_norm`): drafts need not be bit-exact, the target verifies every drafted token
-and always runs through its own forward. Only drafters use this, and only for the families whose
-layers it knows (Llama, Qwen2, Mistral without a sliding window: pre-norm, rotary, grouped-query
-attention, SwiGLU); any other draft keeps Hugging Face's forward (`draft_cache`).
-Set SPECDECODE_DRAFT_FORWARD=hf to keep Hugging Face's forward for every draft.
+Same arithmetic as the model's own forward up to rounding (norms round as its bfloat16 norms do;
+rotary embedding, the cache and attention are float32): drafts need not be bit-exact, the target
+verifies every drafted token and always runs through its own forward. Only drafters use this,
+and only for the families whose layers it knows (Llama, Qwen2, Mistral without a sliding window:
+pre-norm, rotary, grouped-query attention, SwiGLU); any other draft keeps Hugging Face's forward
+(`draft_cache`). Set SPECDECODE_DRAFT_FORWARD=hf to keep Hugging Face's forward for every draft.
 """
 
 from __future__ import annotations
@@ -127,7 +130,7 @@ class LeanCache:
         self.kv = torch.empty(
             len(self.layers), 2, self.kv_heads, CAPACITY, self.head_dim, device=self.device
         )
-        self._fused = _fused_ops(self.dtype, self.device, self.head_dim)
+        self._fused = _fused_ops(model, self.dtype, self.device, self.head_dim)
         half = self.head_dim // 2
         # rotate_half(x) = roll(x, d/2) * [-1]*d/2 + [1]*d/2: the sign goes into sin
         self._sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device)
@@ -272,11 +275,15 @@ class LeanCache:
         return out.to(self.dtype)
 
 
-def _fused_ops(dtype: torch.dtype, device: torch.device, head_dim: int) -> Any:
-    """The compiled extension when its fused operations fit (bfloat16 on the CPU), else None."""
+def _fused_ops(model: Any, dtype: torch.dtype, device: torch.device, head_dim: int) -> Any:
+    """The compiled extension when its fused operations fit (bfloat16 on the CPU) and the model's
+    linears already run on specdecode's kernels (`--kernel off` is respected), else None."""
     if dtype != torch.bfloat16 or device.type != "cpu" or head_dim % 2:
         return None
-    from specdecode.kernels.cpu_linear import KernelUnavailable, _extension
+    from specdecode.kernels.cpu_linear import _FLAG, KernelUnavailable, _extension
+
+    if not any(getattr(module, _FLAG, False) for module in model.modules()):
+        return None
 
     try:
         return _extension()
