@@ -36,8 +36,8 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
         "--draft",
         action="append",
         default=None,
-        help="draft (repeatable): a model (MODEL:int8 / MODEL:int4: on int8 / 4-bit weights), ngram[:MIN-MAX] or "
-        "early-exit:N (quick: ngram)",
+        help="draft (repeatable): a model (MODEL:int8 / MODEL:int4: on int8 / 4-bit weights), "
+        "ngram[:MIN-MAX] or early-exit:N (quick: ngram)",
     )
     bench.add_argument(
         "--methods",
@@ -123,8 +123,8 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
         "--draft",
         action="append",
         required=True,
-        help="candidate drafter (repeatable): a model (MODEL:int8 / MODEL:int4: on int8 / 4-bit weights), "
-        "ngram[:MIN-MAX] or early-exit:N",
+        help="candidate drafter (repeatable): a model (MODEL:int8 / MODEL:int4: on int8 / "
+        "4-bit weights), ngram[:MIN-MAX] or early-exit:N",
     )
     tune.add_argument("--k-max", type=int, default=8, help="largest k considered (default 8)")
     tune.add_argument(

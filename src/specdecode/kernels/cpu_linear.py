@@ -16,10 +16,11 @@ Modes (`load_model(kernel=...)`, `--kernel`, or the `SPECDECODE_KERNEL` environm
 With the kernel, a model on SDPA attention also switches to `kernels/attention.py`'s attention
 for few query tokens (`off` switches it back).
 
-`quantize_linears` is separate and explicit (a draft spec's `:int8` suffix): it runs a draft's
-linears on int8 copies of their weights, one scale per output row. Only a drafter may be
-quantized: the target verifies every drafted token, so the output stays the target's own, and
-the draft reads half the bytes per forward (its acceptance may change a little; measure it).
+`quantize_linears` is separate and explicit (a draft spec's `:int8` or `:int4` suffix): it runs a
+draft's linears on int8 copies of their weights, one scale per output row, or on 4-bit ones, a
+scale and a min per row and group of 32 k. Only a drafter may be quantized: the target verifies
+every drafted token, so the output stays the target's own, and the draft reads half (int8) or
+about a third (4-bit) of the bytes per forward (its acceptance may change; measure it).
 """
 
 from __future__ import annotations
@@ -322,7 +323,8 @@ _Q4, _Q4_SCALE, _Q4_MIN = "_specdecode_q4", "_specdecode_q4_scale", "_specdecode
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric 4-bit per row and group of 32 k: weight [N, K] ~= q * scale + min, q [N, K]
     uint8 in 0..15, scale and min [N, K / 32] float32 (scale = (max - min) / 15 of the group, 1
-    where the group is constant). Values on such a grid (GGUF Q4_K sub-blocks) come back exact."""
+    where the group is constant). Weights on such a grid (GGUF Q4_K sub-blocks) come back exactly
+    where their group spans all 16 steps."""
     n, k = weight.shape
     if k % _INT4_GROUP:
         raise ValueError(f"int4 needs K a multiple of {_INT4_GROUP} (got {k})")
