@@ -208,12 +208,16 @@ def test_rope_attention_refuses_bad_shapes():
 
 def test_memory_estimates_count_the_lean_cache_as_it_is_held():
     from specdecode.bench.memory import estimate_bytes, kv_bytes_per_token, weights_bytes
-    from specdecode.drafters.lean import CAPACITY, cache_bytes, capacity_for
+    from specdecode.drafters.lean import CAPACITY, capacity_for
 
     assert capacity_for(10) == CAPACITY
     assert capacity_for(CAPACITY + 1) == 2 * CAPACITY
     assert capacity_for(5 * CAPACITY) == 8 * CAPACITY
     target, draft = tiny_llama(seed=9), tiny_qwen2(seed=10)
+
+    def cache_bytes(model, n_tokens):  # float32 keys and values of every layer, as allocated
+        return kv_bytes_per_token(model, element=4) * capacity_for(n_tokens)
+
     cache = LeanCache(draft)
     with torch.inference_mode():
         cache.forward(_ids(CAPACITY + 3, 0), last_only=True)

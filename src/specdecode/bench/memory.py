@@ -26,8 +26,9 @@ def weights_bytes(*models: Any) -> int:
     return total
 
 
-def kv_bytes_per_token(model: Any, layers: int | None = None) -> int:
-    """Bytes one token adds to `model`'s key/value cache (keys and values, every layer)."""
+def kv_bytes_per_token(model: Any, layers: int | None = None, element: int | None = None) -> int:
+    """Bytes one token adds to `model`'s key/value cache (keys and values, every layer), in the
+    model's dtype or `element` bytes per number."""
     config = model.config
     config = getattr(config, "text_config", config)
     n_layers = layers if layers is not None else config.num_hidden_layers
@@ -35,7 +36,7 @@ def kv_bytes_per_token(model: Any, layers: int | None = None) -> int:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     hidden = getattr(config, "hidden_size", None) or config.n_embd
     head_dim = getattr(config, "head_dim", None) or hidden // heads
-    element = next(model.parameters()).element_size()
+    element = element or next(model.parameters()).element_size()
     return 2 * n_layers * kv_heads * head_dim * element
 
 
@@ -47,13 +48,14 @@ def estimate_bytes(target: Any, draft: Any | None, n_tokens: int, lean_draft: bo
     draft on the lean forward (`lean_draft`: drafters/lean.py) holds a float32 cache of
     `capacity_for(n)` positions instead of the model's own.
     """
-    from specdecode.drafters.lean import cache_bytes
+    from specdecode.drafters.lean import capacity_for
 
     total = weights_bytes(target) + kv_bytes_per_token(target) * n_tokens
     if isinstance(draft, torch.nn.Module):
         total += weights_bytes(draft) - _shared_bytes(target, draft)
         if lean_draft:  # the lean forward's own cache: float32, preallocated
-            total += cache_bytes(draft, n_tokens)
+            per_token = kv_bytes_per_token(draft, len(draft.model.layers), element=4)
+            total += per_token * capacity_for(n_tokens)
         else:
             total += kv_bytes_per_token(draft) * n_tokens
     return total

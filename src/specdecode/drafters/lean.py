@@ -94,15 +94,6 @@ def capacity_for(n_tokens: int) -> int:
     return capacity
 
 
-def cache_bytes(model: Any, n_tokens: int) -> int:
-    """Bytes of a LeanCache of `model` after n_tokens: float32 keys and values, every layer."""
-    config = model.config
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = model.model.layers[0].self_attn.head_dim
-    return len(model.model.layers) * 2 * kv_heads * head_dim * 4 * capacity_for(n_tokens)
-
-
 class LeanCache:
     """KVCache's protocol (len, rollback, compact, forward) over the lean forward.
 
