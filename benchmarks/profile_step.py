@@ -18,7 +18,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from specdecode import SpeculativeDecoder, decode, load_model
+from specdecode import SpeculativeDecoder, decode, load_model, tree_decode
 from specdecode.cache import KVCache
 from specdecode.demo import DEMO_PROMPTS
 from specdecode.drafters import resolve_draft
@@ -51,6 +51,7 @@ def main() -> None:
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--tree", default=None, help="a token tree instead of a chain")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--limit", type=int, default=4)
     parser.add_argument("--dtype", default="bfloat16")
@@ -58,7 +59,7 @@ def main() -> None:
 
     target = load_model(args.target, dtype=args.dtype, device="cpu")
     draft = resolve_draft(args.draft, target, dtype=args.dtype, device="cpu")
-    spec = SpeculativeDecoder(target, draft, k=args.k, time_forwards=False)
+    spec = SpeculativeDecoder(target, draft, k=args.k, tree=args.tree, time_forwards=False)
     spec.generate(DEMO_PROMPTS[0][1], max_new_tokens=4, chat=True)  # warm-up
 
     target_model = target.model
@@ -66,12 +67,15 @@ def main() -> None:
         lambda cache, *a: "target forward" if cache.model is target_model else "draft forwards",
         KVCache.forward,
     )
-    KVCache.rollback = timed("cache moves (rollback)", KVCache.rollback)
     LeanCache.forward = timed("draft forwards", LeanCache.forward)  # the lean draft forward
-    LeanCache.rollback = timed("cache moves (rollback)", LeanCache.rollback)
-    decode.verify_greedy = timed("verification", decode.verify_greedy)
-    decode.verify_sampling = timed("verification", decode.verify_sampling)
-    decode.speculative_step = timed("step", decode.speculative_step, step=True)
+    for cache in (KVCache, LeanCache):
+        cache.rollback = timed("cache moves", cache.rollback)
+        cache.compact = timed("cache moves", cache.compact)
+    for module, step_fn in ((decode, "speculative_step"), (tree_decode, "tree_step")):
+        for name in dir(module):
+            if name.startswith("verify_"):
+                setattr(module, name, timed("verification", getattr(module, name)))
+        setattr(module, step_fn, timed("step", getattr(module, step_fn), step=True))
 
     tokens = steps = 0
     for _, prompt in DEMO_PROMPTS[: args.limit]:
@@ -79,10 +83,11 @@ def main() -> None:
         tokens, steps = tokens + result.stats.new_tokens, steps + result.stats.steps
 
     step = SECONDS.pop("step")
-    print(f"{args.target} / {args.draft}, k={args.k}, {args.dtype}: {steps} steps, {tokens} tokens")
+    shape = f"tree={args.tree}" if args.tree else f"k={args.k}"
+    print(f"{args.target} / {args.draft}, {shape}, {args.dtype}: {steps} steps, {tokens} tokens")
     print(f"{'part':<28}{'ms/step':>10}{'share':>9}")
     rest = step
-    for label in ("draft forwards", "target forward", "verification", "cache moves (rollback)"):
+    for label in ("draft forwards", "target forward", "verification", "cache moves"):
         rest -= SECONDS[label]
         print(f"{label:<28}{1000 * SECONDS[label] / steps:>10.2f}{SECONDS[label] / step:>9.1%}")
     print(f"{'Python and glue (the rest)':<28}{1000 * rest / steps:>10.2f}{rest / step:>9.1%}")
