@@ -195,6 +195,13 @@ def test_tree_specs():
     assert parse_tree_spec("dynamic:16") == TreeShape(nodes=16)
     assert parse_tree_spec("dynamic:16,5,3") == TreeShape(nodes=16, depth=5, width=3)
     assert str(parse_tree_spec("static:4,1")) == "static:4,1"
+    floored = parse_tree_spec("dynamic:5,6,2,0.25")
+    assert floored == TreeShape(nodes=5, depth=6, width=2, floor=0.25)
+    assert str(floored) == "dynamic:5,6,2,0.25"
+    assert str(parse_tree_spec("dynamic:5")) == "dynamic:5,6,4"
+    for bad in ("dynamic:5,6,2,0", "dynamic:5,6,2,1", "dynamic:5,6,2,x", "static:2,2,2,0.5"):
+        with pytest.raises(ValueError, match="bad tree"):
+            parse_tree_spec(bad)
     for bad in ("3,2", "static:", "static:3,0", "static:a", "dynamic:0", "dynamic:1,2,3,4"):
         with pytest.raises(ValueError, match="static:3,2,2,1,1"):
             parse_tree_spec(bad)
@@ -224,6 +231,7 @@ def test_cli_accepts_tree():
 # -- greedy identity end to end -------------------------------------------------------------------
 
 SHAPES = ["static:1,1,1", "static:3,2,2,1,1", "static:4,1", "dynamic:8", "dynamic:16"]
+SHAPES += ["dynamic:8,6,2,0.3"]
 PROMPTS = [[1, 2, 3], [5] * 12, [11]]
 
 
@@ -248,6 +256,21 @@ def test_tree_greedy_equals_autoregressive(factory):
                 assert stats.to_dict()["nodes_verified"] == stats.nodes_verified
                 if name == "identical" and spec.startswith("static"):
                     assert stats.accepted == stats.drafted  # every step takes the full depth
+
+
+def test_floor_spares_the_draft_forwards_of_unlikely_levels():
+    target = tiny_llama(seed=0)
+    draft = tiny_llama(seed=99)  # unrelated: flat-ish distributions, no path near probability 1
+    expected = SpeculativeDecoder(target).generate([1, 2, 3], max_new_tokens=16).token_ids
+    free = SpeculativeDecoder(target, draft, tree="dynamic:8,6,2").generate([1, 2, 3], 16)
+    floored = SpeculativeDecoder(target, draft, tree="dynamic:8,6,2,0.9").generate([1, 2, 3], 16)
+    assert floored.token_ids == free.token_ids == expected
+    # the root is always expanded: one draft forward and depth-1 nodes only, every tree step
+    # (the last step, with one token left, drafts nothing)
+    stats = floored.stats
+    tree_steps = stats.steps - stats.k_hist.get(0, 0)
+    assert stats.draft_forwards == tree_steps and stats.nodes_verified == 2 * tree_steps
+    assert free.stats.draft_forwards > 2 * free.stats.steps
 
 
 def test_identical_draft_takes_the_full_depth_every_step():

@@ -144,7 +144,7 @@ def test_tree_walk_emits_the_target_joint():
 # -- the drafter's trees ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("spec", ["static:3,2", "dynamic:7,3,2"])
+@pytest.mark.parametrize("spec", ["static:3,2", "dynamic:7,3,2", "dynamic:7,3,2,0.3"])
 def test_sampled_trees_keep_every_draw(spec):
     model = tiny_llama(seed=4, vocab=6)
     shape = parse_tree_spec(spec)
@@ -173,8 +173,9 @@ def test_sampled_trees_keep_every_draw(spec):
     [
         ("static:3,2", SamplingParams(temperature=1.0), 1200),
         ("dynamic:6,2,2", SamplingParams(temperature=0.7, top_k=4), 700),
+        ("dynamic:6,3,2,0.3", SamplingParams(temperature=1.0), 700),
     ],
-    ids=["static-t1", "dynamic-t0.7-topk4"],
+    ids=["static-t1", "dynamic-t0.7-topk4", "dynamic-floor-t1"],
 )
 def test_tree_sampling_matches_target_distribution(spec, params, n):
     target = tiny_llama(seed=3, vocab=6)

@@ -207,8 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--tree",
         default=None,
         metavar="SHAPE",
-        help="draft a token tree with the draft model: static:3,2,2,1,1 or dynamic:NODES "
-        "(none: a chain, whatever --config says)",
+        help="draft a token tree with the draft model: static:3,2,2,1,1 or "
+        "dynamic:NODES[,DEPTH,WIDTH[,FLOOR]] (none: a chain, whatever --config says)",
     )
     gen.add_argument(
         "--category",

@@ -63,7 +63,8 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
         action="append",
         default=None,
         metavar="SHAPE",
-        help="token tree for each model draft (repeatable): static:3,2,2,1,1 or dynamic:NODES",
+        help="token tree for each model draft (repeatable): static:3,2,2,1,1 or "
+        "dynamic:NODES[,DEPTH,WIDTH[,FLOOR]]",
     )
     bench.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     bench.add_argument("--top-k", type=int, default=None)
@@ -138,7 +139,8 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
         action="append",
         default=None,
         metavar="SHAPE",
-        help="token tree to try with each model draft (repeatable): static:3,2,1 or dynamic:N",
+        help="token tree to try with each model draft (repeatable): static:3,2,1 or "
+        "dynamic:NODES[,DEPTH,WIDTH[,FLOOR]]",
     )
     tune.add_argument(
         "--limit", type=int, default=2, help="prompts per category to calibrate (and validate)"

@@ -15,6 +15,7 @@ accepted nodes it holds (an accepted path's expanded nodes are a prefix of it).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -184,11 +185,15 @@ class TreeModelDrafter(DraftModelState):
         return min(self.shape.width, budget)  # decided before the draws: no draw is dropped
 
     def _worth_expanding(self, frontier: list[int]) -> list[int]:
-        """Greedy dynamic trees skip nodes whose children could not make the final cut."""
-        pool = self._pool
-        if not (self.shape.dynamic and self.params.greedy) or len(pool) < self.shape.nodes:
+        """Dynamic trees skip nodes below the shape's path-probability floor and (greedy) nodes
+        whose children could not make the final cut. Both depend on the draft alone."""
+        pool, shape = self._pool, self.shape
+        if shape.floor > 0.0:
+            floor = math.log(shape.floor)
+            frontier = [node for node in frontier if pool.score[node] >= floor]
+        if not (shape.dynamic and self.params.greedy) or len(pool) < shape.nodes:
             return frontier
-        cut = pool.score[pool.best(list(range(len(pool))), self.shape.nodes)[-1]]
+        cut = pool.score[pool.best(list(range(len(pool))), shape.nodes)[-1]]
         # a child scores at most its parent and loses ties to every older node
         return [node for node in frontier if pool.score[node] > cut]
 

@@ -1,4 +1,5 @@
-"""Tree shapes: `static:3,2,2,1,1` (children per node at each depth) or `dynamic:NODES`."""
+"""Tree shapes: `static:3,2,2,1,1` (children per node at each depth) or `dynamic:NODES`
+(`dynamic:NODES,DEPTH,WIDTH,FLOOR` in full)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from dataclasses import dataclass
 MAX_NODES = 1024  # a verification forward over more tree nodes than this is surely a typo
 
 _EXAMPLES = "e.g. static:3,2,2,1,1 (children per node at depth 1, 2, ...), dynamic:16 (a budget "
-_EXAMPLES += "of 16 nodes) or dynamic:16,6,4 (budget, deepest level, nodes expanded per level)"
+_EXAMPLES += "of 16 nodes), dynamic:16,6,4 (budget, deepest level, nodes expanded per level) or "
+_EXAMPLES += "dynamic:16,6,4,0.2 (and the path probability below which no node is expanded)"
 
 
 @dataclass(frozen=True)
@@ -18,13 +20,16 @@ class TreeShape:
     when greedy, that many i.i.d. draws when sampling).
     dynamic (EAGLE-2 style): at each depth the `width` most probable new nodes (cumulative draft
     probability along their path) are expanded with `width` children each, down to `depth`
-    levels, within a budget of `nodes` nodes.
+    levels, within a budget of `nodes` nodes. `floor` > 0: a node whose path probability under
+    the draft (the product along its path) is below it gets no children, so a level whose
+    nodes are all unlikely costs no draft forward; the root is always expanded.
     """
 
     branching: tuple[int, ...] = ()  # static
     nodes: int = 0  # dynamic: node budget
     depth: int = 6  # dynamic: deepest level
     width: int = 4  # dynamic: nodes expanded per level, children per expanded node
+    floor: float = 0.0  # dynamic: the least path probability of an expanded node
 
     @property
     def dynamic(self) -> bool:
@@ -36,7 +41,8 @@ class TreeShape:
 
     def __str__(self) -> str:
         if self.dynamic:
-            return f"dynamic:{self.nodes},{self.depth},{self.width}"
+            floor = f",{self.floor:g}" if self.floor else ""
+            return f"dynamic:{self.nodes},{self.depth},{self.width}{floor}"
         return "static:" + ",".join(map(str, self.branching))
 
 
@@ -47,11 +53,26 @@ def _positive_ints(text: str, spec: str) -> list[int]:
     return [int(part) for part in parts]
 
 
+def _floor(text: str, spec: str) -> float:
+    try:
+        floor = float(text)
+    except ValueError:
+        floor = -1.0
+    if not 0.0 < floor < 1.0:
+        raise ValueError(f"bad tree {spec!r}: FLOOR must be a probability in (0, 1), {_EXAMPLES}")
+    return floor
+
+
 def parse_tree_spec(spec: str) -> TreeShape:
-    """`static:C1,C2,...` or `dynamic:NODES[,DEPTH[,WIDTH]]` -> TreeShape (ValueError if bad)."""
+    """`static:C1,C2,...` or `dynamic:NODES[,DEPTH[,WIDTH[,FLOOR]]]` -> TreeShape (ValueError if
+    bad)."""
     kind, sep, rest = spec.partition(":")
     if not sep or kind not in ("static", "dynamic"):
         raise ValueError(f"bad tree {spec!r}: {_EXAMPLES}")
+    floor = 0.0
+    if kind == "dynamic" and rest.count(",") == 3:
+        rest, _, last = rest.rpartition(",")
+        floor = _floor(last.strip(), spec)
     numbers = _positive_ints(rest, spec)
     if kind == "static":
         nodes, level = 0, 1
@@ -66,4 +87,4 @@ def parse_tree_spec(spec: str) -> TreeShape:
     if numbers[0] > MAX_NODES:
         raise ValueError(f"tree {spec!r} has {numbers[0]} nodes (at most {MAX_NODES})")
     extra = dict(zip(("depth", "width"), numbers[1:], strict=False))  # optional, in order
-    return TreeShape(nodes=numbers[0], **extra)
+    return TreeShape(nodes=numbers[0], floor=floor, **extra)
