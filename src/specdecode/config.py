@@ -14,8 +14,8 @@ One JSON object; every key is optional (a run still needs a target from somewher
 `draft` takes what `--draft` takes: a model (`MODEL:int8` / `MODEL:int4` for int8 / 4-bit
 weights), `early-exit:N` or `ngram[:MIN-MAX]`; null (the default) is autoregressive. `k` is the
 fixed k, the heuristic's starting k or the cost policy's k_max (policies.py). `tree`
-(`static:3,2,1` / `dynamic:NODES`, drafters/tree_shape.py) drafts a token tree instead of a
-chain; it needs a model draft, and k is then unused.
+(`static:3,2,1` / `dynamic:NODES[,DEPTH,WIDTH[,FLOOR]]`, drafters/tree_shape.py) drafts a token
+tree instead of a chain; it needs a model draft, and k is then unused.
 
 `per_category` holds a tuner's overrides per prompt category (only the keys in
 `CATEGORY_KEYS`); `RunConfig.for_category(name)` applies them. The server and the bench read
@@ -122,8 +122,8 @@ def to_vllm_speculative_config(config: RunConfig) -> dict[str, Any]:
     MIN, "prompt_lookup_max": MAX}. vLLM drafts a fixed number of tokens, so an adaptive
     policy exports its k (the largest it would try) and `confidence` is not exported; a
     `MODEL:int8` or `MODEL:int4` draft exports MODEL. A preset exports the folder it was
-    converted to (fetch it first). ValueError for no draft, for early-exit drafts and for token trees, which vLLM's
-    draft-model method has no equivalent of.
+    converted to (fetch it first). ValueError for no draft, for early-exit drafts and for token
+    trees, which vLLM's draft-model method has no equivalent of.
     """
     draft = config.draft
     if draft is None:

@@ -72,20 +72,20 @@ def resolve_draft(spec: str | None, target: Any, dtype: Any = "bfloat16", device
 
 
 def quantized_draft(draft: Any, spec: str) -> Any:
-    """`draft` (a LoadedModel) with its linears on the weights `spec`'s suffix asks for (int8 or
-    4-bit); ValueError where that cannot run."""
-    from specdecode.kernels.cpu_linear import KernelUnavailable, quantize_linears
+    """`draft` (a LoadedModel) with its linears on the weights `spec`'s suffix asks for
+    (`MODEL:int8` or `MODEL:int4`); ValueError where that cannot run."""
+    from specdecode.kernels.cpu_linear import QUANT_NAMES, KernelUnavailable, quantize_linears
 
-    suffix = split_quantization(spec)[1] or INT8_SUFFIX
-    kind = suffix.lstrip(":")
+    suffix = split_quantization(spec)[1]
+    bits, kind = QUANT_BITS[suffix], suffix.lstrip(":")
     if draft.dtype != torch.bfloat16 or draft.device.type != "cpu":
         raise ValueError(
             f"{spec}: {kind} drafts run on the CPU kernel with bfloat16 activations; "
             f"use --dtype bfloat16 on the CPU (the draft is {draft.dtype} on {draft.device})"
         )
     try:
-        quantize_linears(draft.model, bits=QUANT_BITS[suffix])
+        quantize_linears(draft.model, bits=bits)
     except KernelUnavailable as err:
         raise ValueError(f"{spec}: the {kind} CPU kernel cannot be used: {err}") from err
-    draft.kernel, draft.name = f"{kind}-avx2", f"{draft.name}{suffix}"
+    draft.kernel, draft.name = QUANT_NAMES[bits], f"{draft.name}{suffix}"
     return draft

@@ -43,6 +43,7 @@ KERNEL_MODES = ("auto", "on", "off")
 ENV = "SPECDECODE_KERNEL"
 NAME = "bf16-avx2"  # what LoadedModel.kernel reports when the kernel is in use
 INT8_NAME = "int8-avx2"  # ... and after quantize_linears
+QUANT_NAMES = {8: INT8_NAME, 4: "int4-avx2"}  # by quantize_linears' bits
 _SOURCES = [Path(__file__).with_name(name) for name in ("linear_avx2.cpp", "draft_ops.cpp")]
 _HEADER = Path(__file__).with_name("kernel_common.h")
 _FLAG = "_specdecode_kernel"  # set on swapped modules
