@@ -1,5 +1,6 @@
-"""4-bit drafts: the int4 kernel computes x @ (q * scale + min)^T up to one bfloat16 rounding,
-batch invariant; `quantize_linears(bits=4)` keeps the state dict and a tied output layer on
+"""4-bit drafts: the int4 kernel computes x @ (q * scale + min)^T on activations quantized to 8
+bits per token and group of 32 k (the min term on the exact sum of x), up to one bfloat16
+rounding, batch invariant; `quantize_linears(bits=4)` keeps the state dict and a tied output layer on
 int8; `MODEL:int4` drafts stay lossless."""
 
 from __future__ import annotations
@@ -29,6 +30,29 @@ def _dequantized(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tor
     return groups.reshape(n, k)  # [N, K] float32
 
 
+def _reference(x, q, scale, low, b):
+    """What the kernel computes, in float64: per group (scale dx) (xq . q) + min (sum of x)."""
+    m, k = x.shape
+    groups = x.double().reshape(m, k // 32, 32)  # [M, G, 32]
+    amax = groups.abs().amax(-1)  # [M, G]
+    # 127 / amax as the kernel rounds it (a tensor division: `127 / t` multiplies by 1 / t)
+    inv = torch.full_like(amax, 127).float() / amax.float()
+    inv = torch.where(amax > 0, inv, torch.zeros_like(inv))
+    xq = torch.round(groups.float() * inv[..., None]).double()  # -127..127
+    dots = torch.einsum("mgi,ngi->mng", xq, q.double().reshape(-1, k // 32, 32))  # [M, N, G]
+    out = (dots * scale.double() * (amax / 127)[:, None]).sum(-1)
+    out += groups.sum(-1) @ low.double().T  # [M, G] @ [G, N]
+    return out if b is None else out + b.double()
+
+
+def test_activation_quantization_stays_close_to_the_float_product():
+    x, w, _ = linear_case(4, 896, 64, seed=7, bias=False)
+    q, scale, low = quantize_int4(w)
+    exact = F.linear(x.double(), _dequantized(q, scale, low).double())
+    error = (int4_linear(x, q, scale, low, None).double() - exact).norm() / exact.norm()
+    assert error < 0.01  # 8-bit activations per 32: under 1% of the product's norm
+
+
 def int4_linear(x, q, scale, low, b):
     """The kernel call a 4-bit layer makes, on `q` packed into panels first."""
     panels, scales, mins = pack_int4_panels(q, scale, low)
@@ -42,6 +66,7 @@ def test_quantize_int4_round_trip_and_exact_on_its_grid():
     q, scale, low = quantize_int4(w)
     assert q.dtype == torch.uint8 and q.shape == w.shape and int(q.max()) <= 15
     assert scale.shape == low.shape == (40, 3) and scale[3, 0] == 1
+    assert scale.dtype == low.dtype == torch.float16  # 2 bytes each per 32 weights
     error = (_dequantized(q, scale, low) - w).abs()
     assert (error <= scale.repeat_interleave(32, dim=1) / 2 + 1e-6).all()
     # weights already on a 4-bit grid per group (GGUF Q4_K's) come back exactly
@@ -52,6 +77,8 @@ def test_quantize_int4_round_trip_and_exact_on_its_grid():
     assert torch.equal(_dequantized(q, scale, low), on_grid)
     with pytest.raises(ValueError, match="multiple of 32"):
         quantize_int4(torch.randn(4, 48))
+    with pytest.raises(ValueError, match="float16's range"):
+        quantize_int4(torch.full((1, 32), 1e6))
 
 
 @pytest.mark.parametrize("k", [32, 96, 896])
@@ -62,8 +89,7 @@ def test_int4_kernel_matches_the_dequantized_linear(k, n, bias):
         x, w, b = linear_case(m, k, n, seed=k * 100 + n + m, bias=bias)
         q, scale, low = quantize_int4(w)
         out = int4_linear(x, q, scale, low, b)
-        dequantized = _dequantized(q, scale, low)
-        reference = F.linear(x.float(), dequantized, None if b is None else b.float())
+        reference = _reference(x, q, scale, low, b).float()
         assert out.dtype == torch.bfloat16 and out.shape == (m, n)
         torch.testing.assert_close(out.float(), reference, rtol=2**-8, atol=1e-4)
 

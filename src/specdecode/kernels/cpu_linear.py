@@ -92,7 +92,7 @@ def _extension() -> Any:
         )
     # PyTorch rebuilds when a source or a flag changes, not a header: the header's digest is a flag
     header = hashlib.sha256(_HEADER.read_bytes()).hexdigest()[:16]
-    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp", f"-DSPECDECODE_HEADER_{header}"]
+    flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", f"-DSPECDECODE_HEADER_{header}"]
     try:
         return cpp_extension.load(
             name=name,
@@ -323,42 +323,48 @@ _Q4, _Q4_SCALE, _Q4_MIN = "_specdecode_q4", "_specdecode_q4_scale", "_specdecode
 
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric 4-bit per row and group of 32 k: weight [N, K] ~= q * scale + min, q [N, K]
-    uint8 in 0..15, scale and min [N, K / 32] float32 (scale = (max - min) / 15 of the group, 1
-    where the group is constant). Weights on such a grid (GGUF Q4_K sub-blocks) come back exactly
-    where their group spans all 16 steps."""
+    uint8 in 0..15, scale and min [N, K / 32] float16 (min the group's, scale = (max - min) / 15,
+    both rounded to float16 before q is chosen on their grid; scale 1 where the group is
+    constant). Weights on such a grid (GGUF Q4_K sub-blocks) come back exactly where their group
+    spans all 16 steps and the steps are float16 numbers."""
     n, k = weight.shape
     if k % _INT4_GROUP:
         raise ValueError(f"int4 needs K a multiple of {_INT4_GROUP} (got {k})")
     groups = weight.float().reshape(n, k // _INT4_GROUP, _INT4_GROUP)
-    low, high = groups.amin(-1), groups.amax(-1)  # [N, G]
-    scale = torch.where(high > low, (high - low) / 15, torch.ones_like(low))
-    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp_(0, 15)
+    if groups.numel() and float(groups.abs().max()) > torch.finfo(torch.float16).max:
+        raise ValueError("int4 needs weights within float16's range (its scales are float16)")
+    low = groups.amin(-1).half()  # [N, G]
+    scale = ((groups.amax(-1) - low.float()) / 15).half()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant (or tiny) groups
+    q = torch.round((groups - low.float()[..., None]) / scale.float()[..., None]).clamp_(0, 15)
     return q.to(torch.uint8).reshape(n, k), scale, low
 
 
 def pack_int4_panels(
     q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`quantize_int4`'s output -> the layout `linear_int4_packed` reads: panels [P, K / 2, 16]
-    uint8 (a row's weights at k and k + 1 in the low and high nibble of one byte), scales and mins
-    [P, K / 32, 16] float32; rows past N are zeros."""
+    """`quantize_int4`'s output -> the layout `linear_int4_packed` reads: panels [P, K / 4, 32]
+    uint8 (per panel of 16 rows and step of 4 k, byte 4r + j holds row r's weight at k = 4s + j
+    in its low nibble and row r + 8's in its high one), scales and mins [P, K / 32, 16] float16;
+    rows past N are zeros."""
     n, k = q.shape
     pad = -n % _PANEL
     q, scale, low = (F.pad(t, (0, 0, 0, pad)) if pad else t for t in (q, scale, low))
-    pairs = q[:, 0::2] | (q[:, 1::2] << 4)  # [N', K / 2]
-    panels = pairs.reshape(-1, _PANEL, k // 2).permute(0, 2, 1).contiguous()
+    rows = q.reshape(-1, 2, _PANEL // 2, k)  # [P, low | high nibble, 8, K]
+    bytes_ = rows[:, 0] | (rows[:, 1] << 4)  # [P, 8, K]
+    panels = bytes_.reshape(-1, _PANEL // 2, k // 4, 4).permute(0, 2, 1, 3)
     scales, mins = (
         t.reshape(-1, _PANEL, k // _INT4_GROUP).permute(0, 2, 1).contiguous() for t in (scale, low)
     )
-    return panels, scales, mins
+    return panels.reshape(-1, k // 4, 32).contiguous(), scales, mins
 
 
 def int4_weights(module: torch.nn.Linear) -> torch.Tensor:
     """A 4-bit layer's weight as it computes with it: [N, K] float32 (q * scale + min)."""
     panels, scales, mins = (getattr(module, name) for name in (_Q4, _Q4_SCALE, _Q4_MIN))
     n, k = module.weight.shape
-    pairs = panels.permute(0, 2, 1).reshape(-1, k // 2)
-    q = torch.stack([pairs & 0xF, pairs >> 4], dim=-1).reshape(-1, k).float()
+    steps = panels.reshape(-1, k // 4, _PANEL // 2, 4).permute(0, 2, 1, 3).reshape(-1, 1, 8, k)
+    q = torch.cat([steps & 0xF, steps >> 4], dim=1).reshape(-1, k).float()  # [N', K]
     scale, low = (t.permute(0, 2, 1).reshape(-1, k // _INT4_GROUP) for t in (scales, mins))
     groups = q.reshape(-1, k // _INT4_GROUP, _INT4_GROUP)
     return (groups * scale[..., None] + low[..., None]).reshape(-1, k)[:n]

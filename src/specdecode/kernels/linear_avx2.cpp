@@ -1,8 +1,9 @@
 // Linear layers for CPUs with AVX2 + FMA, made for decoding: few tokens, big weights. Weights
 // come as bfloat16 (the model's own) or as int8 with one scale per output row (a draft's weights
 // quantized by `quantize_linears`: half the bytes to read), in packed 16-row panels
-// (`linear_packed`, `linear_int8_packed`: see "Packed panels" below); bfloat16 weights with an
-// odd K run on plain rows (`linear`).
+// (`linear_packed`, `linear_int8_packed`: see "Packed panels" below), or at 4 bits on 8-bit
+// activations (`linear_int4_packed`, "int4 panels" below); bfloat16 weights with an odd K run on
+// plain rows (`linear`).
 //
 // Why: on x86 CPUs without bfloat16 matrix units, PyTorch's bfloat16 matmul costs about one extra
 // one-token forward per extra token, so verifying k+1 drafted tokens costs about k+1 forwards and
@@ -16,12 +17,13 @@
 // layer's output for a token is bit-identical whether the token is decoded alone or verified
 // among k others. (Attention and the rest of the model can still round differently with the
 // number of tokens, so bfloat16 greedy identity keeps its near-tie exception.) Activations are
-// float32 inside, bfloat16 in and out.
+// float32 inside (int8 for 4-bit weights), bfloat16 in and out.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -411,53 +413,96 @@ torch::Tensor linear_int8_packed(torch::Tensor x, torch::Tensor panels, int64_t 
 // ---- int4 panels (a draft's weights at 4 bits) -------------------------------------------
 // Each row's weights in groups of 32 k: w = scale * q + min, q in 0..15 (asymmetric, one scale
 // and one min per row and group: the grid of GGUF's Q4_K sub-blocks, which the presets were
-// converted from). A panel holds 16 rows as [K / 2][16] bytes, a row's weights at k (low
-// nibble) and k + 1 (high nibble) in one byte; scales and mins are [P][K / 32][16] float32.
-// Per group a tile sums x * q in float32 and then adds scale * sum + min * (sum of x over the
-// group): half the bytes of int8 per weight plus 1/4 byte of scales. Tiles of 1-3 tokens x 16
-// rows (more tokens: near-equal blocks), the nibbles unpacked as they go. Each output's sum runs
-// over the groups in the same order whatever the tile: batch invariant.
+// converted from). Activations are quantized too, per token and group of 32 k: x ~= dx * xq,
+// xq in -127..127 (symmetric, dx = max |x| / 127), as llama.cpp does for its 4-bit formats.
+// Then a group's x . q is an exact integer sum, and AVX2's byte multiply-add
+// (vpmaddubsw: 32 unsigned x signed byte products summed in pairs, one instruction) does 32
+// multiply-adds where float32 FMAs do 8, after a cheaper unpacking: about 3x fewer instructions
+// per weight, which is what bounds a forward over more than one token.
+//   out = sum over groups of (scale dx) (xq . q) + min (sum of x over the group)
+// A panel holds 16 rows as K / 4 steps of 32 bytes: byte 4r + j of step s holds row r's weight
+// at k = 4s + j (low nibble) and row r + 8's (high nibble), so one 32-byte load gives 8 rows x
+// 4 k twice, and one broadcast of 4 activation bytes serves both. Scales and mins are
+// [P][K / 32][16] float16 (F16C widens them): 5 bits per weight read in all, where float32 ones
+// made it 6 (a one-token forward is bound by those bytes). Tiles of 1-4 tokens x 16 rows (more tokens: near-equal blocks). Each
+// output's float32 sum runs over the groups in the same order whatever the tile, and a token's
+// quantization depends on that token alone: batch invariant.
 namespace {
 
 constexpr int64_t kInt4Group = 32;
 
-// MR tokens x 16 rows (one panel). Per row and group, even and odd k sum apart (two FMA chains
-// each: with one token and one chain per 8 rows, FMA latency, not bandwidth, bounds the tile),
-// then total += scale (even + odd) + min xsum. Totals live in res (touched once per group), so
-// up to 3 tokens fit the 16 registers.
+// A token's activations at 8 bits: xq [K] int8, per group g dx[g] and the exact sum of x.
+struct QuantizedRows {
+  std::vector<int8_t> xq;    // [M][K]
+  std::vector<float> dx;     // [M][G]
+  std::vector<float> xsum;   // [M][G]
+};
+
+QuantizedRows quantize_rows(const torch::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), G = K / kInt4Group;
+  const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  QuantizedRows r{std::vector<int8_t>(size_t(M * K)), std::vector<float>(size_t(M * G)),
+                  std::vector<float>(size_t(M * G))};
+  float xf[kInt4Group];
+  for (int64_t t = 0; t < M; ++t)
+    for (int64_t g = 0; g < G; ++g) {
+      float amax = 0.f, total = 0.f;
+      for (int64_t i = 0; i < kInt4Group; ++i) {
+        xf[i] = bf16_to_float(src[t * K + g * kInt4Group + i]);
+        amax = std::max(amax, std::fabs(xf[i]));
+        total += xf[i];
+      }
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int8_t* q = r.xq.data() + t * K + g * kInt4Group;
+      for (int64_t i = 0; i < kInt4Group; ++i) q[i] = int8_t(std::nearbyint(xf[i] * inv));
+      r.dx[size_t(t * G + g)] = amax / 127.f;
+      r.xsum[size_t(t * G + g)] = total;
+    }
+  return r;
+}
+
+inline __m256 half8(const uint16_t* h) {  // 8 float16 -> float32
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+}
+
+// MR tokens x 16 rows (one panel). Per group: 8 steps of 4 k, each one 32-byte load unpacked
+// into rows 0-7 and 8-15 (and, shift) and per token one 4-byte broadcast and two vpmaddubsw,
+// summed in 16 bits (8 steps of two products of at most 15 * 127: below 2^15, no saturation);
+// then vpmaddwd by ones gives each row's group sum in a 32-bit lane, and totals (in res, touched
+// once per group) += scale dx sum + min xsum.
 template <int MR>
-inline void int4_tile(const uint8_t* p, const float* sc, const float* mn, int64_t K,
-                      const float* x, const float* xsum, float* res) {
+inline void int4_tile(const uint8_t* p, const uint16_t* sc, const uint16_t* mn, int64_t K,
+                      const int8_t* xq, const float* dx, const float* xsum, float* res) {
   const int64_t G = K / kInt4Group;
   for (int i = 0; i < MR * 16; ++i) res[i] = 0.f;
-  const __m256i low = _mm256_set1_epi32(0xF);
+  const __m256i low = _mm256_set1_epi8(0xF);
+  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < G; ++g) {
-    __m256 even[MR][2], odd[MR][2];
-    SD_UNROLL for (int t = 0; t < MR; ++t)
-      SD_UNROLL for (int v = 0; v < 2; ++v) even[t][v] = odd[t][v] = _mm256_setzero_ps();
+    __m256i acc[MR][2];
+    SD_UNROLL for (int t = 0; t < MR; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_si256();
     const uint8_t* pg = p + g * (kInt4Group / 2) * 16;
     SD_UNROLL for (int line = 0; line < 4; ++line)
       _mm_prefetch(reinterpret_cast<const char*>(pg + 4096 + 64 * line), _MM_HINT_T0);
-    const float* xg = x + g * kInt4Group;
-    SD_UNROLL for (int j = 0; j < kInt4Group / 2; ++j) {  // pairs of k
-      SD_UNROLL for (int v = 0; v < 2; ++v) {
-        const __m256i raw = _mm256_cvtepu8_epi32(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(pg + j * 16 + v * 8)));
-        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(raw, low));
-        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(raw, 4));
-        SD_UNROLL for (int t = 0; t < MR; ++t) {
-          even[t][v] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(xg + t * K + 2 * j), even[t][v]);
-          odd[t][v] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(xg + t * K + 2 * j + 1), odd[t][v]);
-        }
+    SD_UNROLL for (int s = 0; s < kInt4Group / 4; ++s) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + 32 * s));
+      const __m256i w0 = _mm256_and_si256(raw, low);                         // rows 0-7
+      const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);  // rows 8-15
+      SD_UNROLL for (int t = 0; t < MR; ++t) {
+        int32_t four;
+        std::memcpy(&four, xq + t * K + g * kInt4Group + 4 * s, 4);
+        const __m256i xv = _mm256_set1_epi32(four);
+        acc[t][0] = _mm256_add_epi16(acc[t][0], _mm256_maddubs_epi16(w0, xv));
+        acc[t][1] = _mm256_add_epi16(acc[t][1], _mm256_maddubs_epi16(w1, xv));
       }
     }
     SD_UNROLL for (int v = 0; v < 2; ++v) {
-      const __m256 s = _mm256_loadu_ps(sc + g * 16 + v * 8);
-      const __m256 m = _mm256_loadu_ps(mn + g * 16 + v * 8);
+      const __m256 s = half8(sc + g * 16 + v * 8);
+      const __m256 m = half8(mn + g * 16 + v * 8);
       SD_UNROLL for (int t = 0; t < MR; ++t) {
         float* out = res + t * 16 + v * 8;
-        const __m256 sum = _mm256_add_ps(even[t][v], odd[t][v]);
-        __m256 total = _mm256_fmadd_ps(s, sum, _mm256_loadu_ps(out));
+        const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[t][v], ones));
+        const __m256 sdx = _mm256_mul_ps(s, _mm256_broadcast_ss(dx + t * G + g));
+        __m256 total = _mm256_fmadd_ps(sdx, sum, _mm256_loadu_ps(out));
         total = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xsum + t * G + g), total);
         _mm256_storeu_ps(out, total);
       }
@@ -467,9 +512,10 @@ inline void int4_tile(const uint8_t* p, const float* sc, const float* mn, int64_
 
 }  // namespace
 
-// x: [M, K] bfloat16 (K a multiple of 32), panels: uint8 [ceil(N / 16)][K / 2][16] (two 4-bit
-// weights per byte, rows past N zero), scales, mins: float32 [ceil(N / 16)][K / 32][16],
-// bias: [N] or None -> [M, N] bfloat16 with out[m, n] = sum_k x[m, k] (scale q + min) + bias[n].
+// x: [M, K] bfloat16 (K a multiple of 32), panels: uint8 [ceil(N / 16)][K / 4][32] (see above;
+// rows past N zero), scales, mins: float16 [ceil(N / 16)][K / 32][16], bias: [N] or None ->
+// [M, N] bfloat16 with out[m, n] = sum_k xq[m, k] dx (scale q + min) + bias[n], the min term
+// on the exact sum of x.
 torch::Tensor linear_int4_packed(torch::Tensor x, torch::Tensor panels, int64_t N,
                                  torch::Tensor scales, torch::Tensor mins,
                                  c10::optional<torch::Tensor> bias) {
@@ -483,42 +529,37 @@ torch::Tensor linear_int4_packed(torch::Tensor x, torch::Tensor panels, int64_t 
                   panels.device().is_cpu() && N >= 0 && panels.numel() == P * kPanel * K / 2,
               "linear_int4_packed: contiguous uint8 panels of ceil(N / 16) * 16 * K / 2 bytes");
   for (const auto* t : {&scales, &mins})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->device().is_cpu() &&
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->device().is_cpu() &&
                     t->numel() == P * G * kPanel,
-                "linear_int4_packed: contiguous float32 scales and mins [P][K / 32][16]");
-  std::vector<float> xf = prepare<Int8Panels>(x);
+                "linear_int4_packed: contiguous float16 scales and mins [P][K / 32][16]");
+  const QuantizedRows xr = quantize_rows(x);
   const std::vector<float> bias_f = bias_float(bias, N);
   auto out = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-  std::vector<float> xsum(size_t(M * G));  // the sum of x over each group, per token
-  for (int64_t t = 0; t < M; ++t)
-    for (int64_t g = 0; g < G; ++g) {
-      float total = 0.f;
-      for (int64_t i = 0; i < kInt4Group; ++i) total += xf[size_t(t * K + g * kInt4Group + i)];
-      xsum[size_t(t * G + g)] = total;
-    }
   const uint8_t* pp = panels.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  const float* mp = mins.data_ptr<float>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const auto* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const float* bp = bias_f.empty() ? nullptr : bias_f.data();
   const int64_t pstride = (K / 2) * kPanel, sstride = G * kPanel;
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    float res[3 * kPanel];
+    float res[4 * kPanel];
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* panel = pp + p * pstride;
-      const float* s = sp + p * sstride;
-      const float* m = mp + p * sstride;
+      const uint16_t* s = sp + p * sstride;
+      const uint16_t* m = mp + p * sstride;
       const int64_t rows = std::min<int64_t>(kPanel, N - p * kPanel);
-      const int64_t blocks = (M + 2) / 3;  // as few blocks as possible, of near-equal size
+      const int64_t blocks = (M + 3) / 4;  // as few blocks as possible, of near-equal size
       for (int64_t b = 0, t0 = 0; b < blocks; ++b) {
         const int64_t block = (M - t0) / (blocks - b);
-        const float* xt = xf.data() + t0 * K;
-        const float* st = xsum.data() + t0 * G;
+        const int8_t* xt = xr.xq.data() + t0 * K;
+        const float* dt = xr.dx.data() + t0 * G;
+        const float* st = xr.xsum.data() + t0 * G;
         switch (block) {
-          case 3: int4_tile<3>(panel, s, m, K, xt, st, res); break;
-          case 2: int4_tile<2>(panel, s, m, K, xt, st, res); break;
-          default: int4_tile<1>(panel, s, m, K, xt, st, res); break;
+          case 4: int4_tile<4>(panel, s, m, K, xt, dt, st, res); break;
+          case 3: int4_tile<3>(panel, s, m, K, xt, dt, st, res); break;
+          case 2: int4_tile<2>(panel, s, m, K, xt, dt, st, res); break;
+          default: int4_tile<1>(panel, s, m, K, xt, dt, st, res); break;
         }
         for (int64_t t = 0; t < block; ++t)
           for (int64_t i = 0; i < rows; ++i) {
