@@ -29,3 +29,47 @@ def test_an_explicit_int8_draft_that_cannot_run_is_an_error(tiny_folders):
             str(tiny_folders / "target"), f"{tiny_folders / 'draft'}:int8", k=2,
             max_new_tokens=6, dtype="float32", device="cpu", limit=1, out=io.StringIO(),
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("suffix", [":int8", ":int4"])
+def test_a_default_quantized_draft_falls_back_whatever_its_bits(
+    tiny_folders, monkeypatch, capsys, suffix
+):
+    default = f"{tiny_folders / 'draft'}{suffix}"
+    monkeypatch.setattr(demo, "DEFAULT_DRAFT", default)
+    rows = demo.main_demo(
+        str(tiny_folders / "target"), default, k=2, max_new_tokens=6, dtype="float32",
+        device="cpu", limit=1, out=io.StringIO(),
+    )  # fmt: skip
+    assert rows[0].identical
+    assert f"drafting with {tiny_folders / 'draft'} in float32" in capsys.readouterr().err
+
+
+def test_the_demo_drafts_a_tree_and_explains_its_step(tiny_folders):
+    out = io.StringIO()
+    rows = demo.main_demo(
+        str(tiny_folders / "target"), str(tiny_folders / "draft"), k=2, max_new_tokens=12,
+        dtype="float32", device="cpu", limit=2, out=out, tree="dynamic:4,3,2,0.2",
+    )  # fmt: skip
+    assert len(rows) == 2 and all(r.identical for r in rows)  # float32: the target's own output
+    assert all(r.spec.stats.nodes_verified > 0 for r in rows)  # a tree, not a chain
+    text = out.getvalue()
+    assert "draft forwards (one per level" in text and "τ / (d·c + v)" in text
+
+
+def test_the_cli_gives_the_default_pair_its_tree_and_a_chosen_draft_a_chain(monkeypatch):
+    from specdecode import cli
+
+    calls = []
+    monkeypatch.setattr(demo, "main_demo", lambda *a, **kw: calls.append(kw["tree"]))
+    for argv in (
+        ["demo"],
+        ["demo", "--tree", "none"],
+        ["demo", "--k", "3"],
+        ["demo", "--draft", "ngram"],
+        ["demo", "--quick"],
+        ["demo", "--tree", "static:2,1"],
+    ):
+        args = cli.build_parser().parse_args(argv)
+        assert args.func(args) == 0
+    assert calls == [demo.DEFAULT_TREE, None, None, None, None, "static:2,1"]

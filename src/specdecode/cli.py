@@ -181,10 +181,16 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     target = args.target or (demo.QUICK_TARGET if quick else demo.DEFAULT_TARGET)
     draft = args.draft or (demo.QUICK_DRAFT if quick else demo.DEFAULT_DRAFT)
     k = args.k if args.k is not None else (demo.QUICK_K if quick else demo.DEFAULT_K)
+    if args.tree is not None:
+        tree = None if args.tree == "none" else args.tree
+    else:  # the default tree belongs to the default draft; a chosen draft or k runs a chain
+        default = not (quick or args.draft or args.k is not None)
+        tree = demo.DEFAULT_TREE if default else None
     demo.main_demo(
         target,
         draft,
         k=k,
+        tree=tree,
         max_new_tokens=args.max_new_tokens or (48 if quick else 64),
         dtype=args.dtype,
         device=args.device,
@@ -229,12 +235,22 @@ def build_parser() -> argparse.ArgumentParser:
     dem.add_argument(
         "--draft",
         default=None,
-        help="default: qwen2.5-coder-0.5b-instruct:int8 where the int8 kernel runs, else in "
+        help="default: qwen2.5-coder-0.5b-instruct:int4 where the CPU kernel runs, else in "
         "bfloat16 (quick: ngram)",
     )
     dem.add_argument("--quick", action="store_true", help="smollm2-135m-instruct, about a minute")
     dem.add_argument(
-        "--k", type=int, default=None, help="tokens drafted per step (default 4; quick: 2)"
+        "--k",
+        type=int,
+        default=None,
+        help="tokens drafted per step of a chain (default 4; quick: 2)",
+    )
+    dem.add_argument(
+        "--tree",
+        default=None,
+        metavar="SHAPE",
+        help="draft a token tree (static:3,2,2,1,1 or dynamic:NODES[,DEPTH,WIDTH[,FLOOR]]) or "
+        "'none' for a chain; default dynamic:5,6,2,0.3 with the default draft and k, else a chain",
     )
     dem.add_argument("--max-new-tokens", type=int, default=None, help="default 64 (quick: 48)")
     dem.add_argument("--limit", type=int, default=None, help="use only the first N prompts")

@@ -14,10 +14,14 @@ from specdecode.engine import SpeculativeDecoder
 from specdecode.types import GenerationResult, Stats
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
-# int8 weights cut the draft's cost by about a third at the same acceptance (docs/benchmarks.md);
-# where the int8 kernel cannot run (no AVX2, not bfloat16 on the CPU) the demo drafts in bfloat16
-DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct:int8"
-DEFAULT_K = 4  # the fastest chain k with that draft over the 9 benchmark categories (lean forward)
+# 4-bit weights on 8-bit activations: the cheapest draft forward at the same acceptance
+# (docs/benchmarks.md); where the kernel cannot run (no AVX2, not bfloat16 on the CPU) the demo
+# drafts in bfloat16
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct:int4"
+# the fastest setting over the 9 benchmark categories with that draft (docs/benchmarks.md); the
+# tuner recommended it too
+DEFAULT_TREE = "dynamic:5,6,2,0.3"
+DEFAULT_K = 4  # the fastest chain k with that draft (`--tree none`)
 QUICK_TARGET = "smollm2-135m-instruct"
 # SmolLM2-135M has no smaller sibling with its tokenizer here; prompt lookup measured better than
 # its early exit (docs/benchmarks.md)
@@ -154,7 +158,7 @@ def _per_call(stats: list[Stats], kind: str) -> float | None:
     return metrics.ratio(seconds, calls)
 
 
-def explain(rows: list[DemoRow], k: int) -> str:
+def explain(rows: list[DemoRow], k: int, tree: str | None = None) -> str:
     """Why the speedup is what it is: measured costs against the theory (metrics.py)."""
     ar = [r.ar.stats for r in rows]
     spec = [r.spec.stats for r in rows]
@@ -167,10 +171,12 @@ def explain(rows: list[DemoRow], k: int) -> str:
     alpha = sum(s.accepted for s in spec) / drafted
     v = verify / one_token  # a verification forward over k+1 tokens / a one-token forward
     c = (draft or 0.0) / one_token  # one draft forward / one target forward
-    ideal = metrics.ideal_speedup(alpha, k, c, v)
     ar_decode = sum(s.new_tokens for s in ar) / sum(s.wall_time_s - s.prefill_s for s in ar)
     spec_decode = sum(s.new_tokens for s in spec) / sum(s.wall_time_s - s.prefill_s for s in spec)
     measured = spec_decode / ar_decode
+    if tree is not None:
+        return _explain_tree(spec, c, v, measured)
+    ideal = metrics.ideal_speedup(alpha, k, c, v)
     lines = [
         f"Why: acceptance α = {alpha:.2f}; a draft forward costs c = {c:.2f} target forwards; "
         f"verifying k+1 = {k + 1} tokens costs v(k) = {v:.2f} one-token forwards.",
@@ -187,6 +193,26 @@ def explain(rows: list[DemoRow], k: int) -> str:
     return "\n".join(lines)
 
 
+def _explain_tree(spec: list[Stats], c: float, v: float, measured: float) -> str:
+    """A tree step: d draft forwards (one per level) and one target forward over its nodes, for
+    tau tokens; so a step costs d c + v one-token forwards, and decode speedup ~= tau / (d c + v)
+    (what a step costs, not a model of acceptance: the tree's tau is measured)."""
+    steps = sum(s.steps for s in spec)
+    tau = sum(s.emitted for s in spec) / steps
+    d = sum(s.draft_forwards for s in spec) / steps
+    nodes = sum(s.nodes_verified for s in spec) / steps
+    expected = tau / (d * c + v)
+    return "\n".join(
+        [
+            f"Why: each step drafts {nodes:.1f} tree nodes in d = {d:.2f} draft forwards (one per "
+            f"level, c = {c:.2f} target forwards each) and verifies them in one target forward "
+            f"(v = {v:.2f} one-token forwards); the target keeps τ = {tau:.2f} tokens per step.",
+            f"Cost accounting: decode speedup ≈ τ / (d·c + v) = {expected:.2f}x; measured "
+            f"(prefill excluded) = {measured:.2f}x; the rest is the step's own overhead.",
+        ]
+    )
+
+
 def main_demo(
     target_spec: str,
     draft_spec: str,
@@ -196,22 +222,25 @@ def main_demo(
     device: str | None,
     limit: int | None = None,
     out: TextIO = sys.stdout,
+    tree: str | None = None,
 ) -> list[DemoRow]:
-    from specdecode.drafters import INT8_SUFFIX, resolve_draft
+    from specdecode.drafters import QUANT_BITS, resolve_draft
     from specdecode.models.loading import load_model
 
-    print(f"target {target_spec}, draft {draft_spec}, k={k}, {dtype}", file=sys.stderr)
+    shape = f"tree {tree}" if tree else f"k={k}"
+    print(f"target {target_spec}, draft {draft_spec}, {shape}, {dtype}", file=sys.stderr)
     target = load_model(target_spec, dtype=dtype, device=device)
     try:
         draft = resolve_draft(draft_spec, target, dtype=dtype, device=device)
     except ValueError as err:
         if draft_spec != DEFAULT_DRAFT:
             raise
-        draft_spec = draft_spec.removesuffix(INT8_SUFFIX)  # the default's int8 is an optimization
+        for suffix in QUANT_BITS:  # the default's quantization is an optimization
+            draft_spec = draft_spec.removesuffix(suffix)
         print(f"note: {err}; drafting with {draft_spec} in {dtype}", file=sys.stderr)
         draft = resolve_draft(draft_spec, target, dtype=dtype, device=device)
     ar = SpeculativeDecoder(target)
-    spec = SpeculativeDecoder(target, draft, k=k)
+    spec = SpeculativeDecoder(target, draft, k=k, tree=tree)
     prompts = DEMO_PROMPTS[:limit] if limit else DEMO_PROMPTS
     rows = run_demo(ar, spec, prompts, max_new_tokens)
     print(format_table(rows), file=out)
@@ -220,7 +249,7 @@ def main_demo(
         "acceptance = accepted / drafted; mean acc. len = tokens emitted per target forward.",
         file=out,
     )
-    why = explain(rows, k)
+    why = explain(rows, k, tree)
     if why:
         print(why, file=out)
     if not all(r.identical for r in rows):
