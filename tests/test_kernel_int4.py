@@ -179,3 +179,12 @@ def test_speculative_decoding_with_a_4_bit_draft_is_lossless(factory):
         result = SpeculativeDecoder(target, draft, **kwargs).generate(prompt, max_new_tokens=40)
         assert result.token_ids == expected, kwargs
         assert result.stats.acceptance_rate > 0.2, kwargs
+
+
+def test_int4_kernel_turns_non_finite_activations_into_nan_outputs():
+    x, w, _ = linear_case(3, 64, 16, seed=5, bias=False)
+    x[0, 3], x[1, 40] = float("inf"), float("nan")
+    q, scale, low = quantize_int4(w)
+    out = int4_linear(x, q, scale, low, None).float()
+    assert out[:2].isnan().all() and out[2].isfinite().all()
+    assert torch.equal(out[2], int4_linear(x[2:], q, scale, low, None).float()[0])

@@ -452,9 +452,14 @@ QuantizedRows quantize_rows(const torch::Tensor& x) {
         amax = std::max(amax, std::fabs(xf[i]));
         total += xf[i];
       }
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      // a group with inf or NaN gets xq = 0 and an inf or NaN scale or sum: NaN outputs, as a
+      // float product would give, and no float-to-int conversion of a NaN
+      const float inv = amax > 0.f && std::isfinite(amax) ? 127.f / amax : 0.f;
       int8_t* q = r.xq.data() + t * K + g * kInt4Group;
-      for (int64_t i = 0; i < kInt4Group; ++i) q[i] = int8_t(std::nearbyint(xf[i] * inv));
+      for (int64_t i = 0; i < kInt4Group; ++i) {
+        const float v = xf[i] * inv;
+        q[i] = int8_t(v == v ? std::nearbyint(v) : 0.f);
+      }
       r.dx[size_t(t * G + g)] = amax / 127.f;
       r.xsum[size_t(t * G + g)] = total;
     }
