@@ -10,7 +10,13 @@ from specdecode.bench.aggregate import row_for as cal_row
 from specdecode.bench.methods import tuned_setting
 from specdecode.bench.runner import BenchConfig
 from specdecode.bench.suites import BenchPrompt
-from specdecode.bench.tune import predict_speedup, run_tune, split_prompts, step_profile
+from specdecode.bench.tune import (
+    predict_speedup,
+    predictions,
+    run_tune,
+    split_prompts,
+    step_profile,
+)
 from specdecode.cli import main
 from specdecode.config import load_config
 
@@ -44,6 +50,50 @@ def test_step_profile_pools_steps():
     profile = step_profile(records, 3)
     assert profile["p_accepted_ge"] == pytest.approx([0.5, 0.1, 0.0])
     assert profile["p_drafted_ge"] == pytest.approx([1.0, 0.4, 0.0])
+
+
+def _record(method, category, **fields):
+    base = {"method": method, "category": category, "draft": None, "k": 0, "k_policy": "fixed"}
+    return {**base, "tree": None, "prefill_s": 0.0, "draft_forward_s": 0.0, **fields}
+
+
+def test_chain_predictions_are_anchored_on_the_chain_measured_at_k_max():
+    ar = [
+        _record("ar", c, steps=10, wall_time_s=10.0, target_forwards=10, target_forward_s=10.0)
+        for c in ("a", "b")
+    ]
+    spec = [
+        _record(
+            "spec",
+            c,
+            draft="d",
+            k=2,
+            steps=5,
+            wall_time_s=6.0,
+            target_forwards=5,
+            target_forward_s=5.5,
+            draft_forwards=10,
+            draft_forward_s=0.5,
+            accepted_at=[4, 2],
+            drafted_at=[5, 5],
+        )
+        for c in ("a", "b")
+    ]
+    v = {1: 1.0, 2: 1.05, 3: 1.1}
+    label = {k: f"spec[d] k={k}" for k in (1, 2)}
+    plain = {(r["k"], r["category"]): r["predicted"] for r in predictions(ar + spec, ["d"], 2, v)}
+    summary = {
+        "rows": [
+            {"setting": label[2], "category": "a", "speedup": 1.5},
+            {"setting": label[2], "category": "b", "speedup": None},  # no decode rate there
+        ]
+    }
+    rows = predictions(ar + spec, ["d"], 2, v, summary)
+    got = {(r["k"], r["category"]): r["predicted"] for r in rows}
+    assert got[2, "a"] == pytest.approx(1.5)  # k_max: what the chain measured
+    assert got[1, "a"] == pytest.approx(plain[1, "a"] * 1.5 / plain[2, "a"])  # same scale
+    assert got[1, "b"] == plain[1, "b"] and got[2, "b"] == plain[2, "b"]  # nothing to anchor on
+    assert got[2, "all"] == pytest.approx((1.5 * plain[2, "b"]) ** 0.5)  # over categories
 
 
 def test_split_prompts_keeps_calibration_and_validation_apart():
@@ -109,9 +159,10 @@ def test_tune_tries_k_policies_and_trees(tiny_folders, tmp_path):
     }
     cal = json.loads((tmp_path / "tune" / "calibration" / "summary.json").read_text())
     tree = f"spec[{draft}] tree=static:2,1"
+    chain = f"spec[{draft}] k=2"
     for row in rows:  # what a calibrated candidate expects is what it measured there
-        if row["setting"] == tree and row["category"] == "qa":
-            assert row["predicted"] == cal_row(cal, tree, "qa")["speedup"]
+        if row["setting"] in (tree, chain) and row["category"] == "qa":
+            assert row["predicted"] == pytest.approx(cal_row(cal, row["setting"], "qa")["speedup"])
     # the config says everything each category needs, so a category override is complete
     saved = load_config(tmp_path / "tune" / "config.json")
     for category, row in result["recommended"].items():
