@@ -18,8 +18,8 @@ DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 # (docs/benchmarks.md); where the kernel cannot run (no AVX2, not bfloat16 on the CPU) the demo
 # drafts in bfloat16
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct:int4"
-# the fastest setting over the 9 benchmark categories with that draft (docs/benchmarks.md); the
-# tuner recommended it too
+# the fastest setting over the 9 benchmark categories in run "floor" and the tuner's pick; within
+# 2% of floor 0.2 in the next run (docs/benchmarks.md)
 DEFAULT_TREE = "dynamic:5,6,2,0.3"
 DEFAULT_K = 4  # the fastest chain k with that draft (`--tree none`)
 QUICK_TARGET = "smollm2-135m-instruct"

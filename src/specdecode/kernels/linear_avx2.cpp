@@ -424,9 +424,9 @@ torch::Tensor linear_int8_packed(torch::Tensor x, torch::Tensor panels, int64_t 
 // at k = 4s + j (low nibble) and row r + 8's (high nibble), so one 32-byte load gives 8 rows x
 // 4 k twice, and one broadcast of 4 activation bytes serves both. Scales and mins are
 // [P][K / 32][16] float16 (F16C widens them): 5 bits per weight read in all, where float32 ones
-// made it 6 (a one-token forward is bound by those bytes). Tiles of 1-4 tokens x 16 rows (more tokens: near-equal blocks). Each
-// output's float32 sum runs over the groups in the same order whatever the tile, and a token's
-// quantization depends on that token alone: batch invariant.
+// made it 6 (a one-token forward is bound by those bytes). Tiles of 1-4 tokens x 16 rows (more
+// tokens: near-equal blocks). Each output's float32 sum runs over the groups in the same order
+// whatever the tile, and a token's quantization depends on that token alone: batch invariant.
 namespace {
 
 constexpr int64_t kInt4Group = 32;
