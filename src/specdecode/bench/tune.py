@@ -14,8 +14,8 @@
    its chain measured there (the model pools costs over categories; what it adds is how the
    speedup moves with k). Candidates that adapt as they run (`--k-policy heuristic,cost`) or
    draft token trees (`--tree`) are calibrated as they are, and their expected speedup is the
-   one they measured on the calibration prompts. The recommendation per category is the best expectation; overall,
-   the candidate with the best geometric mean over categories.
+   one they measured on the calibration prompts. The recommendation per category is the best
+   expectation; overall, the candidate with the best geometric mean over categories.
 4. Validation: `ar` and the overall recommendation on the next `limit` prompts of each category
    (prompts the calibration did not see); measured vs expected speedup, per category and overall.
 Writes DIR/tune.json, DIR/tune.md, DIR/config.json (`--config` for generate/bench/serve) and
