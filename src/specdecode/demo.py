@@ -224,7 +224,7 @@ def main_demo(
     out: TextIO = sys.stdout,
     tree: str | None = None,
 ) -> list[DemoRow]:
-    from specdecode.drafters import QUANT_BITS, resolve_draft
+    from specdecode.drafters import resolve_draft, split_quantization
     from specdecode.models.loading import load_model
 
     shape = f"tree {tree}" if tree else f"k={k}"
@@ -235,8 +235,9 @@ def main_demo(
     except ValueError as err:
         if draft_spec != DEFAULT_DRAFT:
             raise
-        for suffix in QUANT_BITS:  # the default's quantization is an optimization
-            draft_spec = draft_spec.removesuffix(suffix)
+        draft_spec = split_quantization(draft_spec)[
+            0
+        ]  # the default's quantization is an optimization
         print(f"note: {err}; drafting with {draft_spec} in {dtype}", file=sys.stderr)
         draft = resolve_draft(draft_spec, target, dtype=dtype, device=device)
     ar = SpeculativeDecoder(target)
