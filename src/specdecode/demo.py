@@ -235,9 +235,8 @@ def main_demo(
     except ValueError as err:
         if draft_spec != DEFAULT_DRAFT:
             raise
-        draft_spec = split_quantization(draft_spec)[
-            0
-        ]  # the default's quantization is an optimization
+        # the default's quantization is an optimization: draft with the plain model instead
+        draft_spec = split_quantization(draft_spec)[0]
         print(f"note: {err}; drafting with {draft_spec} in {dtype}", file=sys.stderr)
         draft = resolve_draft(draft_spec, target, dtype=dtype, device=device)
     ar = SpeculativeDecoder(target)
