@@ -94,6 +94,10 @@ def test_chain_predictions_are_anchored_on_the_chain_measured_at_k_max():
     assert got[1, "a"] == pytest.approx(plain[1, "a"] * 1.5 / plain[2, "a"])  # same scale
     assert got[1, "b"] == plain[1, "b"] and got[2, "b"] == plain[2, "b"]  # nothing to anchor on
     assert got[2, "all"] == pytest.approx((1.5 * plain[2, "b"]) ** 0.5)  # over categories
+    how = {(r["k"], r["category"]): r["how"] for r in rows}
+    assert how[2, "a"] == "calibration" and how[1, "a"] == "anchored"  # what the report says
+    assert how[1, "b"] == how[2, "b"] == "model"
+    assert how[1, "all"] == how[2, "all"] == "anchored"  # partly measured
 
 
 def test_split_prompts_keeps_calibration_and_validation_apart():
@@ -116,7 +120,12 @@ def test_tune_end_to_end_on_tiny_models(tiny_folders, tmp_path):
     )
     result = run_tune(config, k_max=3, progress=False)
     assert len(result["predictions"]) == 2 * 3 * 3  # drafters x k x (2 categories + overall)
-    assert {r["how"] for r in result["predictions"]} == {"model"}  # fixed-k chains only
+    # fixed-k chains only: k_max measured in calibration, the k below scaled to it (a category
+    # where a chain has no decode rate keeps the model's figures)
+    per_category = [r for r in result["predictions"] if r["category"] != "all"]
+    at_k_max = {r["how"] for r in per_category if r["k"] == 3}
+    assert "calibration" in at_k_max and at_k_max <= {"calibration", "model"}
+    assert {r["how"] for r in per_category if r["k"] < 3} <= {"anchored", "model"}
     assert set(result["v"]) == {1, 2, 3, 4} and result["v"][1] == 1.0
     best = result["recommended"]
     assert set(best) == {"writing", "qa", "all"}
@@ -153,6 +162,8 @@ def test_tune_tries_k_policies_and_trees(tiny_folders, tmp_path):
     assert len(rows) == (2 * 2 + 2 + 1) * 3
     measured = {r["setting"] for r in rows if r["how"] == "calibration"}
     assert measured == {
+        f"spec[{draft}] k=2",  # k_max: the chains' calibration run
+        "spec[ngram] k=2",
         f"spec[{draft}] k=2 cost",
         "spec[ngram] k=2 cost",
         f"spec[{draft}] tree=static:2,1",

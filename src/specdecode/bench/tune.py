@@ -125,7 +125,9 @@ def _candidate(setting: Setting, category: str, predicted: float, how: str) -> d
         "tree": setting.tree,
         "category": category,
         "predicted": predicted,
-        "how": how,  # "model": the chain prediction of step 3; "calibration": measured there
+        # "model": the chain prediction of step 3; "anchored": that prediction scaled to what the
+        # chain measured at k_max; "calibration": measured there
+        "how": how,
     }
 
 
@@ -140,7 +142,9 @@ def _with_overall(rows: list[dict[str, Any]], n_categories: int) -> list[dict[st
     if len(rows) < n_categories or not rows:
         return rows
     overall = metrics.geometric_mean([r["predicted"] for r in rows])
-    return [*rows, {**rows[0], "category": OVERALL, "predicted": overall}]
+    hows = {r["how"] for r in rows}
+    how = hows.pop() if len(hows) == 1 else "anchored"  # partly measured, partly predicted
+    return [*rows, {**rows[0], "category": OVERALL, "predicted": overall, "how": how}]
 
 
 def predictions(
@@ -173,18 +177,21 @@ def predictions(
         ]
         costs = measured_costs(ar, spec)
         speedups = {}  # (k, category) -> predicted speedup
+        how = {}  # (k, category) -> "model", "anchored" or "calibration" (see _candidate)
         for category in categories:
             profile = step_profile([r for r in spec if r["category"] == category], k_max)
             for k in range(1, k_max + 1):
                 speedups[k, category] = predict_speedup(profile, k, v, **costs)
+                how[k, category] = "model"
             measured = _measured(summary, Setting("spec", draft, k_max).label, category)
             if measured is not None and speedups[k_max, category] > 0:
                 scale = measured / speedups[k_max, category]
                 for k in range(1, k_max + 1):
                     speedups[k, category] *= scale
+                    how[k, category] = "calibration" if k == k_max else "anchored"
         for k in range(1, k_max + 1):
             per_category = [
-                _candidate(Setting("spec", draft, k), c, speedups[k, c], "model")
+                _candidate(Setting("spec", draft, k), c, speedups[k, c], how[k, c])
                 for c in categories
             ]
             rows += _with_overall(per_category, len(categories))
@@ -336,7 +343,10 @@ def run_tune(config: BenchConfig, k_max: int, validate: bool = True, progress: b
 
 
 def _how(row: dict[str, Any]) -> str:
-    return "predicted" if row["how"] == "model" else "measured in calibration"
+    return {
+        "model": "predicted",
+        "anchored": "predicted, scaled to the measured k_max",
+    }.get(row["how"], "measured in calibration")
 
 
 def render_tune(result: dict[str, Any]) -> str:
