@@ -1,0 +1,160 @@
+"""Replay greedy chains and token trees against the target's recorded answers: τ, draft forwards
+and verified rows per step, exact, with no target forward.
+
+    python benchmarks/tree_replay.py runs/ar --draft qwen2.5-coder-0.5b-instruct:int4 \
+        --setting k=3 --setting tree=dynamic:5,6,2,0.2 --c 0.14 --v 1,1.04,1.06,1.08,1.12,1.19
+
+Greedy speculative decoding emits exactly the target's greedy answer, and a drafted token is
+accepted iff it is the answer's next token: so the `ar` answers a `specdecode bench` run recorded
+(results.jsonl, any run with `ar`) say what every step of any greedy drafter accepts. This runs
+the real drafters (their draft forwards) and the core's greedy verification on one-hot "target
+logits" built from the answer, and counts per step: tokens emitted (τ), draft forwards and the
+rows the target would verify. With a measured draft cost `--c` (a draft forward / a one-token
+target forward) and verification costs `--v` (v(1), v(2), ... from verify_cost.py or a bench
+report), it also prints the speedup those counts imply: τ / (c · forwards + v(rows)), a model
+(no clock is read), for comparing settings; only `specdecode bench` measures speed. Prompts are
+the bench's (built-in suite or `--prompts`), chat template on, first turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from specdecode import SpeculativeDecoder, load_model
+from specdecode.bench.suites import load_suite
+from specdecode.drafters import resolve_draft
+from specdecode.drafters.tree_shape import parse_tree_spec
+from specdecode.sampling import SamplingParams
+from specdecode.types import ForwardMeter
+from specdecode.verify import verify_greedy
+from specdecode.verify_tree import verify_tree_greedy
+
+
+def recorded_answers(run: Path) -> dict[str, list[int]]:
+    """prompt id -> the token ids `ar` generated in the run's results.jsonl (first turn)."""
+    answers = {}
+    with open(run / "results.jsonl") as f:
+        for line in f:
+            record = json.loads(line)
+            if record["method"] == "ar" and record["turn"] == 0:
+                answers[record["prompt_id"]] = record["token_ids"]
+    if not answers:
+        raise SystemExit(f"{run}/results.jsonl has no `ar` record: bench with --methods ar")
+    return answers
+
+
+def one_hot(rows: list[int]) -> torch.Tensor:
+    """[len(rows), max(rows) + 1] logits whose argmax in row i is rows[i]."""
+    logits = torch.zeros(len(rows), max(rows) + 1)
+    logits[torch.arange(len(rows)), torch.tensor(rows)] = 1.0
+    return logits
+
+
+def replay(engine: SpeculativeDecoder, ids: list[int], answer: list[int], k: int) -> list[tuple]:
+    """Every step of `engine`'s drafter on `answer`: (emitted, draft forwards, verified rows)."""
+    drafter = engine.drafter
+    meter = ForwardMeter()
+    drafter.begin(ids, SamplingParams(temperature=0.0), None, meter)
+    context, pos, steps = list(ids), 0, []
+    while pos < len(answer):
+        forwards = meter.calls.get("draft", 0)
+        left = len(answer) - pos - 1  # the most drafted tokens this step can still use
+        if hasattr(drafter, "propose_tree"):
+            tree = drafter.propose_tree(context, left) if left else None
+            if tree is None or len(tree) == 0:
+                n_rows, path = 1, []
+            else:
+                # row r of the tree asks for the answer's token at its depth
+                depth = [0, *tree.depth.tolist()]
+                targets = [answer[pos + d] for d in depth]
+                path, _ = verify_tree_greedy(tree, one_hot(targets))
+                drafter.observe_path(path)
+                n_rows = len(tree) + 1
+            n_accepted = len(path)
+        else:
+            tokens = drafter.propose(context, min(k, left)).tokens if left else None
+            if tokens is None:
+                n_rows, n_accepted = 1, 0
+            else:
+                targets = answer[pos : pos + len(tokens) + 1]
+                n_accepted, _ = verify_greedy(tokens, one_hot(targets))
+                drafter.observe(n_accepted)
+                n_rows = len(tokens) + 1
+        committed = answer[pos : pos + n_accepted + 1]
+        context += committed
+        pos += len(committed)
+        steps.append((len(committed), meter.calls.get("draft", 0) - forwards, n_rows))
+    return steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run", type=Path, help="a bench output folder with `ar` records")
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct:int4")
+    parser.add_argument("--setting", action="append", required=True, help="k=N or tree=SHAPE")
+    parser.add_argument("--prompts", default=None)
+    parser.add_argument("--limit", type=int, default=None, help="prompts per category")
+    parser.add_argument("--c", type=float, default=None, help="draft / target forward time")
+    parser.add_argument("--v", default=None, help="v(1),v(2),...: verification cost per rows")
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args()
+    try:
+        v = [float(x) for x in args.v.split(",")] if args.v else None
+    except ValueError:
+        raise SystemExit(f"--v {args.v!r}: comma-separated numbers v(1),v(2),...") from None
+    if (v is None) != (args.c is None):
+        raise SystemExit("--c and --v go together (the modeled speedup needs both)")
+
+    for setting in args.setting:  # every typo before the models load
+        kind, _, value = setting.partition("=")
+        if kind == "tree":
+            try:
+                parse_tree_spec(value)
+            except ValueError as err:
+                raise SystemExit(str(err)) from None
+        elif kind != "k" or not value.isdigit() or int(value) < 1:
+            raise SystemExit(f"--setting {setting!r}: k=N or tree=SHAPE")
+    answers = recorded_answers(args.run)
+    prompts = [p for p in load_suite(args.prompts, limit=args.limit) if p.id in answers]
+    target = load_model(args.target, dtype=args.dtype, device="cpu")
+    draft = resolve_draft(args.draft, target, dtype=args.dtype, device="cpu")
+    print(f"{len(prompts)} prompts from {args.run}, draft {args.draft}")
+    print(
+        "\n| setting | τ | draft forwards / step | rows / step | modeled speedup | per category: τ (modeled) |"
+    )
+    print("|---|---|---|---|---|---|")
+    for setting in args.setting:
+        kind, _, value = setting.partition("=")
+        k = int(value) if kind == "k" else 1
+        engine = SpeculativeDecoder(target, draft, k=k, tree=value if kind == "tree" else None)
+        totals: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0, 0, 0.0])
+        for prompt in prompts:
+            ids = engine.encode_prompt([{"role": "user", "content": prompt.turns[0]}], chat=True)
+            for emitted, forwards, rows in replay(engine, ids, answers[prompt.id], k):
+                for key in (prompt.category, "all"):
+                    total = totals[key]
+                    total[0] += emitted
+                    total[1] += 1
+                    total[2] += forwards
+                    total[3] += rows
+                    if v is not None:
+                        if rows > len(v):
+                            raise SystemExit(f"--v gives v(1..{len(v)}); a step verified {rows}")
+                        total[4] += args.c * forwards + v[rows - 1]
+        modeled = {key: f"{t[0] / t[4]:.2f}x" if t[4] else "-" for key, t in totals.items()}
+        emitted, steps, forwards, rows, _ = totals.pop("all")
+        cells = ", ".join(f"{key} {t[0] / t[1]:.2f} ({modeled[key]})" for key, t in totals.items())
+        print(
+            f"| {setting} | {emitted / steps:.2f} | {forwards / steps:.2f} | {rows / steps:.2f} "
+            f"| {modeled['all']} | {cells} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
