@@ -2,7 +2,7 @@
 and verified rows per step, exact, with no target forward.
 
     python benchmarks/tree_replay.py runs/ar --draft qwen2.5-coder-0.5b-instruct:int4 \
-        --setting k=3 --setting tree=dynamic:5,6,2,0.2 --c 0.14 --v 1,1.04,1.06,1.08,1.12,1.19
+        --setting k=3 --setting tree=dynamic:5,6,2,0.2 --c C --v V1,V2,V3,V4,V5,V6
 
 Greedy speculative decoding emits exactly the target's greedy answer, and a drafted token is
 accepted iff it is the answer's next token: so the `ar` answers a `specdecode bench` run recorded
