@@ -4,10 +4,10 @@
 
 Verifying more tokens costs more once the kernel is bound by arithmetic, not by reading the
 weights. This times one linear layer small enough to stay in the last-level cache (27.5 MB by
-default, within the 32 MB L3 of the machine in docs/benchmarks.md; so memory
-is out of the picture) and prints multiply-adds per second: where it stops growing with the
-number of tokens, the kernel is bound by arithmetic (the peak: cores x 2 FMA units x 8 float32
-lanes per cycle on AVX2) and little but fewer multiply-adds would make verification cheaper.
+default, within the 32 MB L3 of the machine in docs/benchmarks.md; so memory is out of the
+picture) and prints multiply-adds per second: where it stops growing with the number of tokens,
+the kernel is bound by arithmetic (the peak: cores x 2 FMA units x 8 float32 lanes per cycle on
+AVX2) and little but fewer multiply-adds would make verification cheaper.
 """
 
 from __future__ import annotations
