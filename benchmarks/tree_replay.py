@@ -4,16 +4,17 @@ and verified rows per step, exact, with no target forward.
     python benchmarks/tree_replay.py runs/ar --draft qwen2.5-coder-0.5b-instruct:int4 \
         --setting k=3 --setting tree=dynamic:5,6,2,0.2 --c C --v V1,V2,V3,V4,V5,V6
 
-Greedy speculative decoding emits exactly the target's greedy answer, and a drafted token is
-accepted iff it is the answer's next token: so the `ar` answers a `specdecode bench` run recorded
+Greedy speculative decoding emits the target's greedy answer (exactly in float32; in bfloat16 up
+to near-ties, where a real run may continue differently), and a drafted token is accepted iff it
+is the answer's next token: so the `ar` answers a `specdecode bench` run recorded
 (results.jsonl, any run with `ar`) say what every step of any greedy drafter accepts. This runs
 the real drafters (their draft forwards) and the core's greedy verification on one-hot "target
 logits" built from the answer, and counts per step: tokens emitted (τ), draft forwards and the
 rows the target would verify. With a measured draft cost `--c` (a draft forward / a one-token
 target forward) and verification costs `--v` (v(1), v(2), ... from verify_cost.py or a bench
 report), it also prints the speedup those counts imply: τ / (c · forwards + v(rows)), a model
-(no clock is read), for comparing settings; only `specdecode bench` measures speed. Prompts are
-the bench's (built-in suite or `--prompts`), chat template on, first turn.
+(no clock is read), for comparing settings; only `specdecode bench` measures speed. The run's
+own prompts, target and chat setting (its run.json), first turns.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import argparse
 import json
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,17 +37,21 @@ from specdecode.verify import verify_greedy
 from specdecode.verify_tree import verify_tree_greedy
 
 
-def recorded_answers(run: Path) -> dict[str, list[int]]:
-    """prompt id -> the token ids `ar` generated in the run's results.jsonl (first turn)."""
+def recorded_answers(run: Path) -> tuple[dict[str, Any], dict[str, tuple[int, list[int]]]]:
+    """The run's bench config and, per prompt id, (prompt tokens, the token ids `ar` generated)
+    in its first turn. SystemExit when the run cannot be replayed."""
+    config = json.loads((run / "run.json").read_text())["config"]
+    if config["temperature"]:
+        raise SystemExit(f"{run} sampled (temperature {config['temperature']}): greedy runs only")
     answers = {}
     with open(run / "results.jsonl") as f:
         for line in f:
             record = json.loads(line)
             if record["method"] == "ar" and record["turn"] == 0:
-                answers[record["prompt_id"]] = record["token_ids"]
+                answers[record["prompt_id"]] = (record["prompt_tokens"], record["token_ids"])
     if not answers:
         raise SystemExit(f"{run}/results.jsonl has no `ar` record: bench with --methods ar")
-    return answers
+    return config, answers
 
 
 def one_hot(rows: list[int]) -> torch.Tensor:
@@ -95,10 +101,9 @@ def replay(engine: SpeculativeDecoder, ids: list[int], answer: list[int], k: int
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", type=Path, help="a bench output folder with `ar` records")
-    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--target", default=None, help="default: the run's")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct:int4")
     parser.add_argument("--setting", action="append", required=True, help="k=N or tree=SHAPE")
-    parser.add_argument("--prompts", default=None)
     parser.add_argument("--limit", type=int, default=None, help="prompts per category")
     parser.add_argument("--c", type=float, default=None, help="draft / target forward time")
     parser.add_argument("--v", default=None, help="v(1),v(2),...: verification cost per rows")
@@ -120,9 +125,9 @@ def main() -> None:
                 raise SystemExit(str(err)) from None
         elif kind != "k" or not value.isdigit() or int(value) < 1:
             raise SystemExit(f"--setting {setting!r}: k=N or tree=SHAPE")
-    answers = recorded_answers(args.run)
-    prompts = [p for p in load_suite(args.prompts, limit=args.limit) if p.id in answers]
-    target = load_model(args.target, dtype=args.dtype, device="cpu")
+    config, answers = recorded_answers(args.run)
+    prompts = [p for p in load_suite(config["prompts_file"], limit=args.limit) if p.id in answers]
+    target = load_model(args.target or config["target"], dtype=args.dtype, device="cpu")
     draft = resolve_draft(args.draft, target, dtype=args.dtype, device="cpu")
     print(f"{len(prompts)} prompts from {args.run}, draft {args.draft}")
     print(
@@ -135,8 +140,13 @@ def main() -> None:
         engine = SpeculativeDecoder(target, draft, k=k, tree=value if kind == "tree" else None)
         totals: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0, 0, 0.0])
         for prompt in prompts:
-            ids = engine.encode_prompt([{"role": "user", "content": prompt.turns[0]}], chat=True)
-            for emitted, forwards, rows in replay(engine, ids, answers[prompt.id], k):
+            text = prompt.turns[0]
+            chat = config["chat"]
+            ids = engine.encode_prompt([{"role": "user", "content": text}] if chat else text, chat)
+            n_prompt, answer = answers[prompt.id]
+            if len(ids) != n_prompt:
+                raise SystemExit(f"{prompt.id}: {len(ids)} prompt tokens, the run had {n_prompt}")
+            for emitted, forwards, rows in replay(engine, ids, answer, k):
                 for key in (prompt.category, "all"):
                     total = totals[key]
                     total[0] += emitted

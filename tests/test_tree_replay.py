@@ -4,6 +4,7 @@ the steps, draft forwards and verified rows a real greedy generation has."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -39,3 +40,22 @@ def test_replay_counts_what_a_real_generation_does(setting):
     else:
         assert rows - len(steps) == stats.drafted
     assert 1 < len(steps) < n  # some steps accepted drafts, not all of them
+
+
+def test_recorded_answers_reads_greedy_ar_records_and_refuses_sampled_runs(tmp_path):
+    def write(temperature, records):
+        (tmp_path / "run.json").write_text(json.dumps({"config": {"temperature": temperature}}))
+        (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    ar = {"method": "ar", "turn": 0, "prompt_id": "p1", "prompt_tokens": 3, "token_ids": [4, 5]}
+    spec = {**ar, "method": "spec", "token_ids": [9]}
+    later_turn = {**ar, "turn": 1, "token_ids": [7]}
+    write(0.0, [ar, spec, later_turn])
+    config, answers = tree_replay.recorded_answers(tmp_path)
+    assert answers == {"p1": (3, [4, 5])} and config["temperature"] == 0.0
+    write(0.7, [ar])
+    with pytest.raises(SystemExit, match="greedy runs only"):
+        tree_replay.recorded_answers(tmp_path)
+    write(0.0, [spec])
+    with pytest.raises(SystemExit, match="no `ar` record"):
+        tree_replay.recorded_answers(tmp_path)
