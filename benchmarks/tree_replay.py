@@ -70,27 +70,21 @@ def replay(engine: SpeculativeDecoder, ids: list[int], answer: list[int], k: int
     while pos < len(answer):
         forwards = meter.calls.get("draft", 0)
         left = len(answer) - pos - 1  # the most drafted tokens this step can still use
-        if hasattr(drafter, "propose_tree"):
-            tree = drafter.propose_tree(context, left) if left else None
-            if tree is None or len(tree) == 0:
-                n_rows, path = 1, []
-            else:
-                # row r of the tree asks for the answer's token at its depth
-                depth = [0, *tree.depth.tolist()]
-                targets = [answer[pos + d] for d in depth]
-                path, _ = verify_tree_greedy(tree, one_hot(targets))
-                drafter.observe_path(path)
-                n_rows = len(tree) + 1
-            n_accepted = len(path)
+        if not left:  # one token to go: a plain target step, as the engine takes it
+            n_rows, n_accepted = 1, 0
+        elif hasattr(drafter, "propose_tree"):
+            tree = drafter.propose_tree(context, left)
+            # row r of the tree asks for the answer's token at its depth
+            targets = [answer[pos + d] for d in [0, *tree.depth.tolist()]]
+            path, _ = verify_tree_greedy(tree, one_hot(targets))
+            drafter.observe_path(path)
+            n_rows, n_accepted = len(tree) + 1, len(path)
         else:
-            tokens = drafter.propose(context, min(k, left)).tokens if left else None
-            if tokens is None:
-                n_rows, n_accepted = 1, 0
-            else:
-                targets = answer[pos : pos + len(tokens) + 1]
-                n_accepted, _ = verify_greedy(tokens, one_hot(targets))
-                drafter.observe(n_accepted)
-                n_rows = len(tokens) + 1
+            tokens = drafter.propose(context, min(k, left)).tokens
+            targets = answer[pos : pos + len(tokens) + 1]
+            n_accepted, _ = verify_greedy(tokens, one_hot(targets))
+            drafter.observe(n_accepted)
+            n_rows = len(tokens) + 1
         committed = answer[pos : pos + n_accepted + 1]
         context += committed
         pos += len(committed)
