@@ -135,3 +135,23 @@ def test_kernel_option_on_the_command_line_and_in_load_model():
         build_parser().parse_args(["bench", "--kernel", "fast"])
     with pytest.raises(ValueError, match="unknown kernel mode"):
         load_model("no-such-model", kernel="fast")  # refused before anything is loaded
+
+
+@pytest.mark.parametrize("kind", ["panels", "row-major", "int8", "int4"])
+def test_direct_linear_computes_what_the_module_does(kind):
+    from specdecode.kernels import quantize_linears
+    from specdecode.kernels.cpu_linear import direct_linear
+
+    k = 37 if kind == "row-major" else 64  # odd K: the row-major kernel; int4 needs 32 | K
+    layer = torch.nn.Linear(k, 24, bias=True).to(torch.bfloat16)
+    model = torch.nn.Sequential(layer)
+    assert direct_linear(layer) is layer  # not on a kernel: the module itself
+    swap_linears(model)
+    if kind in ("int8", "int4"):
+        quantize_linears(model, bits=int(kind[3]))
+    call = direct_linear(layer)
+    assert call is not layer
+    with torch.inference_mode():
+        for m in (1, 3, 6):
+            x, _, _ = linear_case(m, k, 1, seed=m, bias=False)
+            assert torch.equal(call(x), layer(x))

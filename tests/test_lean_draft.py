@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from specdecode.cache import KVCache
 from specdecode.drafters import lean
@@ -228,3 +229,31 @@ def test_memory_estimates_count_the_lean_cache_as_it_is_held():
     target_cache = kv_bytes_per_token(target) * 300
     assert own == models + target_cache + kv_bytes_per_token(draft) * 300
     assert lean_held == models + target_cache + cache_bytes(draft, 300)
+
+
+@needs_kernel()
+def test_silu_mul_rounds_as_pytorch():
+    from specdecode.kernels.cpu_linear import _extension
+
+    ext = _extension()
+    # every bfloat16 value in [-80, 80] as a gate (below about -87 the fused SiLU's e^x flushes
+    # to zero where PyTorch keeps numbers under 1e-36); lengths with and without a tail
+    bits = torch.arange(0, 2**16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    gates = bits[bits.float().abs() <= 80]
+    torch.manual_seed(0)
+    for n in (len(gates), 1, 7, 8, 9, 23):
+        gate = gates[torch.randperm(len(gates))[:n]].reshape(1, n).contiguous()
+        up = (torch.randn(1, n) * 3).bfloat16()
+        assert torch.equal(ext.silu_mul(gate, up), F.silu(gate) * up)
+    special = torch.tensor([[float("nan"), float("inf"), -float("inf"), 0.0, -0.0, -100.0]])
+    gate = special.bfloat16()
+    expected = F.silu(gate)  # nan, inf, nan (-inf / inf), 0, -0, -0
+    out = ext.silu_mul(gate, torch.ones_like(gate))
+    numbers = ~expected.isnan()
+    assert torch.equal(out.isnan(), ~numbers)
+    assert torch.equal(out[numbers], expected[numbers])
+    assert torch.equal(out[numbers].signbit(), expected[numbers].signbit())  # -0 stays -0
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ext.silu_mul(gate.float(), gate.float())
+    with pytest.raises(RuntimeError, match="shape"):
+        ext.silu_mul(gate, gate[:, :2].contiguous())

@@ -5,12 +5,14 @@ Why: a draft forward is paid k times per speculative step. The int8 0.5B draft's
 forward through Hugging Face's code cost about 62 ms here, of which its linear layers (on the CPU
 kernels) took about 30; the rest was a thousand-odd small operations per forward: dtype casts,
 mask building, a cache that grows by concatenation (every step copies it), rotary embedding in
-seven operations per tensor. Here each layer is the model's own linear modules around three
+seven operations per tensor. Here each layer is the model's own linear weights around four
 fused C++ calls (`kernels/draft_ops.cpp`: residual add + RMSNorm twice; rotary embedding, the
-cache write and attention once), with keys/values written in place into a preallocated float32
-cache: 38 ms side by side (docs/benchmarks.md). Where the model's linears are not on the CPU
-kernels (other dtypes, no AVX2, `--kernel off`) and above FUSED_TOKENS tokens (prefill) the same
-maths runs in PyTorch operations.
+cache write and attention once; SiLU times the up projection once), with keys/values written in
+place into a preallocated float32 cache: 38 ms side by side (docs/benchmarks.md). The linears
+are the kernel calls themselves (`direct_linear`): called through their modules, the Python
+around the 169 kernel calls of the 0.5B int4 draft took about a fifth of its one-token forward.
+Where the model's linears are not on the CPU kernels (other dtypes, no AVX2, `--kernel off`) and
+above FUSED_TOKENS tokens (prefill) the same maths runs in PyTorch operations.
 
 Same arithmetic as the model's own forward up to rounding (norms round as its bfloat16 norms do;
 rotary embedding, the cache and attention are float32): drafts need not be bit-exact, the target
@@ -23,12 +25,14 @@ pre-norm, rotary, grouped-query attention, SwiGLU); any other draft keeps Huggin
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from specdecode.cache import KVCache, compaction
+from specdecode.kernels.cpu_linear import direct_linear
 
 FAMILIES = ("llama", "qwen2", "mistral")
 ENV = "SPECDECODE_DRAFT_FORWARD"  # "hf": Hugging Face's forward for every draft; else "lean"
@@ -122,6 +126,10 @@ class LeanCache:
             len(self.layers), 2, self.kv_heads, CAPACITY, self.head_dim, device=self.device
         )
         self._fused = _fused_ops(model, self.dtype, self.device, self.head_dim)
+        # per layer (q, k, v, o, gate, up, down), then the output layer: the kernel calls
+        # themselves where the draft's linears run on specdecode's kernels
+        self._linears = [_layer_linears(layer) for layer in self.layers]
+        self._lm_head = direct_linear(model.lm_head)
         half = self.head_dim // 2
         # rotate_half(x) = roll(x, d/2) * [-1]*d/2 + [1]*d/2: the sign goes into sin
         self._sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device)
@@ -191,17 +199,23 @@ class LeanCache:
         attend = self._attend_fused if fused is not None else self._attend
         delta = None  # the last block's output, added to x by the next norm
         for index, layer in enumerate(self.layers):
-            attn, mlp = layer.self_attn, layer.mlp
+            q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj = self._linears[index]
             x, h = self._add_norm(x, delta, layer.input_layernorm, fused)
-            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-            out = attend(q, k, v, cos, sin, self.kv[index], past, mask)  # [n, H * d]
-            x, h = self._add_norm(x, attn.o_proj(out), layer.post_attention_layernorm, fused)
-            delta = mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+            out = attend(q_proj(h), k_proj(h), v_proj(h), cos, sin, self.kv[index], past, mask)
+            x, h = self._add_norm(x, o_proj(out), layer.post_attention_layernorm, fused)  # [n, D]
+            delta = down_proj(self._silu_mul(gate_proj(h), up_proj(h), fused))
         if last_only:
             x, delta = x[-1:].contiguous(), delta[-1:].contiguous()
         self.length = past + n
         _, h = self._add_norm(x, delta, base.norm, fused)
-        return self.model.lm_head(h)  # [n or 1, V]
+        return self._lm_head(h)  # [n or 1, V]
+
+    @staticmethod
+    def _silu_mul(gate: torch.Tensor, up: torch.Tensor, fused: Any) -> torch.Tensor:
+        """silu(gate) * up for gate, up [n, I], rounded as Hugging Face's MLP rounds it."""
+        if fused is not None:
+            return fused.silu_mul(gate, up)
+        return F.silu(gate) * up
 
     def _mask(self, n: int, past: int, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
         """The additive float32 mask of the n queries over L = past + n keys: [n, L]; None for
@@ -264,6 +278,15 @@ class LeanCache:
         out = torch.bmm(scores.softmax(-1), kv[1, :, :kv_len])  # [Hkv, group * n, d]
         out = out.view(kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, self.heads * d)
         return out.to(self.dtype)
+
+
+def _layer_linears(layer: Any) -> tuple[Callable[[torch.Tensor], torch.Tensor], ...]:
+    """A decoder layer's (q, k, v, o, gate, up, down) projections as `direct_linear` calls."""
+    attn, mlp = layer.self_attn, layer.mlp
+    modules = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
+    return tuple(
+        direct_linear(module) for module in (*modules, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    )
 
 
 def _fused_ops(model: Any, dtype: torch.dtype, device: torch.device, head_dim: int) -> Any:

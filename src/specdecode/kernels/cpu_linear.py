@@ -31,6 +31,7 @@ import os
 import shutil
 import sys
 import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -437,6 +438,31 @@ def _quantize_int8(module: torch.nn.Linear) -> None:
     module.register_buffer(_SCALE, scale, persistent=False)
     module.forward = types.MethodType(_int8_forward, module)
     setattr(module, _FLAG, True)
+
+
+def direct_linear(module: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What computes `module(x)` for x [M, K] contiguous bfloat16 on the CPU with the fewest
+    Python steps: the kernel call itself when `module` runs on one of specdecode's kernels (no
+    nn.Module call, no input checks or reshapes: about 20 us less per call, a fifth of a 0.5B
+    draft's one-token forward), else the module.
+
+    It holds the module's weights as they are now: make it again after quantizing the model,
+    moving it or restoring its linears.
+    """
+    if not getattr(module, _FLAG, False):
+        return module
+    ext, bias, n = _extension(), module.bias, module.weight.shape[0]
+    if _Q4 in module._buffers:
+        panels, scales, mins = (module._buffers[name] for name in (_Q4, _Q4_SCALE, _Q4_MIN))
+        return lambda x: ext.linear_int4_packed(x, panels, n, scales, mins, bias)
+    if _QWEIGHT in module._buffers:
+        panels, scale = module._buffers[_QWEIGHT], module._buffers[_SCALE]
+        return lambda x: ext.linear_int8_packed(x, panels, n, scale, bias)
+    panels = _panels(module)
+    if panels is None:
+        weight = module.weight
+        return lambda x: ext.linear(x, weight, bias)
+    return lambda x: ext.linear_packed(x, panels, n, bias)
 
 
 def resolve_mode(mode: str | None) -> str:

@@ -8,7 +8,8 @@
 // one call of a few microseconds.
 //
 // Rounding follows Hugging Face's bfloat16 forward where it rounds (the residual sum, the
-// normalized row before the norm's weight, the norm's output); rotary embedding and attention
+// normalized row before the norm's weight, the norm's output, SiLU's output and the gated
+// product of the MLP); rotary embedding and attention
 // run in float32 (the cache holds float32 keys and values).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -76,6 +77,43 @@ inline void rope(const uint16_t* x, const float* cos, const float* sin, float fa
     out[i] = (a * cos[i] - b * sin[i]) * factor;
     out[i + half] = (b * cos[i + half] + a * sin[i + half]) * factor;
   }
+}
+
+// 8 bfloat16 -> float32
+inline __m256 load_bf16(const uint16_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// float32 -> bfloat16 bit patterns in the 32-bit lanes, rounded as float_to_bf16 rounds
+inline __m256i bf16_bits(__m256 f) {
+  const __m256i u = _mm256_castps_si256(f);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(rounded, quiet, nan);
+}
+
+inline __m256 round_bf16(__m256 f) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(f), 16));
+}
+
+inline void store_bf16(uint16_t* p, __m256 f) {
+  const __m256i packed = _mm256_packus_epi32(bf16_bits(f), _mm256_setzero_si256());
+  // packus works per 128-bit lane: the 4 + 4 results sit in 64-bit elements 0 and 2
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0b1000)));
+}
+
+// SiLU x / (1 + e^-x) with t = e^-|x| <= 1: x / (1 + t) for x >= 0, x t / (1 + t) below
+inline __m256 silu(__m256 x) {
+  const __m256 negative_abs = _mm256_or_ps(x, _mm256_set1_ps(-0.0f));
+  const __m256 t = exp_nonpositive(negative_abs);
+  const __m256 below = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+  const __m256 numerator = _mm256_blendv_ps(x, _mm256_mul_ps(x, t), below);
+  return _mm256_div_ps(numerator, _mm256_add_ps(_mm256_set1_ps(1.0f), t));
 }
 
 void check_bf16(const torch::Tensor& t, const char* what) {
@@ -212,5 +250,29 @@ torch::Tensor rope_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
       for (int64_t i = 0; i < d; ++i) op[(t * heads + h) * d + i] = float_to_bf16(acc[i] * inv);
     }
   });
+  return out;
+}
+
+// The gated MLP activation silu(gate) * up for gate, up [n, I] bfloat16, rounded as Hugging
+// Face's bfloat16 forward rounds it: SiLU's output to bfloat16, then the product.
+torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
+  check_bf16(gate, "silu_mul gate");
+  check_bf16(up, "silu_mul up");
+  TORCH_CHECK(gate.sizes() == up.sizes(), "silu_mul: gate and up must have one shape");
+  torch::Tensor out = torch::empty_like(gate);
+  const auto* g = reinterpret_cast<const uint16_t*>(gate.data_ptr<at::BFloat16>());
+  const auto* u = reinterpret_cast<const uint16_t*>(up.data_ptr<at::BFloat16>());
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t total = gate.numel();
+  int64_t i = 0;
+  for (; i + 8 <= total; i += 8)
+    store_bf16(o + i, _mm256_mul_ps(round_bf16(silu(load_bf16(g + i))), load_bf16(u + i)));
+  if (i < total) {  // the tail through a padded block
+    uint16_t gt[8] = {}, ut[8] = {}, ot[8];
+    std::memcpy(gt, g + i, (total - i) * 2);
+    std::memcpy(ut, u + i, (total - i) * 2);
+    store_bf16(ot, _mm256_mul_ps(round_bf16(silu(load_bf16(gt))), load_bf16(ut)));
+    std::memcpy(o + i, ot, (total - i) * 2);
+  }
   return out;
 }

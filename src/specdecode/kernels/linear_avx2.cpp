@@ -585,6 +585,7 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x,
 torch::Tensor rope_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos,
                              torch::Tensor sin, torch::Tensor keys, torch::Tensor values,
                              int64_t past, c10::optional<torch::Tensor> mask, double scale);
+torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "bfloat16 linear for few tokens (AVX2 + FMA), batch invariant");
@@ -597,4 +598,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual sum and RMSNorm of a few bfloat16 rows");
   m.def("rope_attention", &rope_attention,
         "rotary embedding, cache write and attention of a few new tokens (float32 cache)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a few bfloat16 rows, rounded as PyTorch does");
 }
