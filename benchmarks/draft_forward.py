@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from specdecode import load_model
 from specdecode.drafters import resolve_draft
-from specdecode.drafters.lean import LeanCache
+from specdecode.drafters.lean import LeanCache, layer_projections
 
 
 class _PyTorchSiluMul:
@@ -40,11 +40,7 @@ class _PyTorchSiluMul:
 
 def through_modules(cache: LeanCache) -> LeanCache:
     """`cache` made to call every linear through its module and SiLU·up through PyTorch."""
-    cache._linears = []
-    for layer in cache.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        attention = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
-        cache._linears.append((*attention, mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+    cache._linears = [layer_projections(layer) for layer in cache.layers]
     cache._lm_head = cache.model.lm_head
     if cache._fused is not None:
         cache._fused = _PyTorchSiluMul(cache._fused)

@@ -280,13 +280,24 @@ class LeanCache:
         return out.to(self.dtype)
 
 
-def _layer_linears(layer: Any) -> tuple[Callable[[torch.Tensor], torch.Tensor], ...]:
-    """A decoder layer's (q, k, v, o, gate, up, down) projections as `direct_linear` calls."""
+def layer_projections(layer: Any) -> tuple[torch.nn.Module, ...]:
+    """A decoder layer's projections in the order the lean forward uses them:
+    (q, k, v, o, gate, up, down)."""
     attn, mlp = layer.self_attn, layer.mlp
-    modules = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
-    return tuple(
-        direct_linear(module) for module in (*modules, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    return (
+        attn.q_proj,
+        attn.k_proj,
+        attn.v_proj,
+        attn.o_proj,
+        mlp.gate_proj,
+        mlp.up_proj,
+        mlp.down_proj,
     )
+
+
+def _layer_linears(layer: Any) -> tuple[Callable[[torch.Tensor], torch.Tensor], ...]:
+    """A decoder layer's projections (`layer_projections`) as `direct_linear` calls."""
+    return tuple(direct_linear(module) for module in layer_projections(layer))
 
 
 def _fused_ops(model: Any, dtype: torch.dtype, device: torch.device, head_dim: int) -> Any:
