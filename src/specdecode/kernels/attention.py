@@ -24,9 +24,9 @@ NAME = "specdecode_cpu"
 MAX_QUERIES = 32  # more query tokens than this: SDPA (prefill, long verifications)
 # more cached positions than this: SDPA, which reads bfloat16 keys/values in place; here they are
 # widened to float32 per call, a copy that grows with the context. Still, at 1500 and 3000 cached
-# positions the 1.5B target's forward over 5 new tokens ran 1.17x and 1.28x faster here than with
-# SDPA (PyTorch's CPU flash attention: about 4 ms per layer for one query over 2000 keys); longer
-# contexts were not measured and keep SDPA.
+# positions the 1.5B target's forward over 5 new tokens ran 1.16x and 1.26x faster here than with
+# SDPA (docs/benchmarks.md; PyTorch's CPU flash attention took about 4 ms per layer for one query
+# over 2000 keys); longer contexts were not measured and keep SDPA.
 MAX_KEYS = 3072
 
 
