@@ -13,8 +13,10 @@ logits" built from the answer, and counts per step: tokens emitted (τ), draft f
 rows the target would verify. With a measured draft cost `--c` (a draft forward / a one-token
 target forward) and verification costs `--v` (v(1), v(2), ... from verify_cost.py or a bench
 report), it also prints the speedup those counts imply: τ / (c · forwards + v(rows)), a model
-(no clock is read), for comparing settings; only `specdecode bench` measures speed. The run's
-own prompts, target and chat setting (its run.json), first turns.
+(no clock is read), for comparing settings; only `specdecode bench` measures speed. `--v` may be
+given several times (`NAME=V1,V2,...`): one replay, a modeled speedup per cost scenario (say,
+measured costs beside a bound on what a faster kernel could reach). The run's own prompts,
+target and chat setting (its run.json), first turns.
 """
 
 from __future__ import annotations
@@ -92,6 +94,16 @@ def replay(engine: SpeculativeDecoder, ids: list[int], answer: list[int], k: int
     return steps
 
 
+def parse_costs(text: str, index: int) -> tuple[str, list[float]]:
+    """`[NAME=]V1,V2,...` -> (NAME, [v(1), v(2), ...]); unnamed scenarios are numbered."""
+    name, _, values = text.rpartition("=")
+    try:
+        v = [float(x) for x in values.split(",")]
+    except ValueError:
+        raise SystemExit(f"--v {text!r}: [NAME=]comma-separated numbers v(1),v(2),...") from None
+    return name or f"v{index + 1}", v
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", type=Path, help="a bench output folder with `ar` records")
@@ -100,15 +112,19 @@ def main() -> None:
     parser.add_argument("--setting", action="append", required=True, help="k=N or tree=SHAPE")
     parser.add_argument("--limit", type=int, default=None, help="prompts per category")
     parser.add_argument("--c", type=float, default=None, help="draft / target forward time")
-    parser.add_argument("--v", default=None, help="v(1),v(2),...: verification cost per rows")
+    parser.add_argument(
+        "--v",
+        action="append",
+        default=[],
+        help="[NAME=]v(1),v(2),...: verification cost per rows; repeatable, one model each",
+    )
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
-    try:
-        v = [float(x) for x in args.v.split(",")] if args.v else None
-    except ValueError:
-        raise SystemExit(f"--v {args.v!r}: comma-separated numbers v(1),v(2),...") from None
-    if (v is None) != (args.c is None):
+    scenarios = dict(parse_costs(text, i) for i, text in enumerate(args.v))
+    if bool(scenarios) != (args.c is not None):
         raise SystemExit("--c and --v go together (the modeled speedup needs both)")
+    if len(scenarios) != len(args.v):
+        raise SystemExit("--v: each scenario needs its own NAME")
 
     for setting in args.setting:  # every typo before the models load
         kind, _, value = setting.partition("=")
@@ -124,6 +140,8 @@ def main() -> None:
     target = load_model(args.target or config["target"], dtype=args.dtype, device="cpu")
     draft = resolve_draft(args.draft, target, dtype=args.dtype, device="cpu")
     print(f"{len(prompts)} prompts from {args.run}, draft {args.draft}")
+    if scenarios:
+        print(f"modeled speedup with c = {args.c}, v: " + " / ".join(scenarios))
     print(
         "\n| setting | τ | draft forwards / step | rows / step | modeled speedup | per category: τ (modeled) |"
     )
@@ -132,7 +150,8 @@ def main() -> None:
         kind, _, value = setting.partition("=")
         k = int(value) if kind == "k" else 1
         engine = SpeculativeDecoder(target, draft, k=k, tree=value if kind == "tree" else None)
-        totals: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0, 0, 0.0])
+        # per category: emitted, steps, draft forwards, rows, then the modeled cost per scenario
+        totals: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0, 0] + [0.0] * len(scenarios))
         for prompt in prompts:
             text = prompt.turns[0]
             chat = config["chat"]
@@ -147,12 +166,15 @@ def main() -> None:
                     total[1] += 1
                     total[2] += forwards
                     total[3] += rows
-                    if v is not None:
+                    for i, (name, v) in enumerate(scenarios.items()):
                         if rows > len(v):
-                            raise SystemExit(f"--v gives v(1..{len(v)}); a step verified {rows}")
-                        total[4] += args.c * forwards + v[rows - 1]
-        modeled = {key: f"{t[0] / t[4]:.2f}x" if t[4] else "-" for key, t in totals.items()}
-        emitted, steps, forwards, rows, _ = totals.pop("all")
+                            raise SystemExit(f"--v {name}: v(1..{len(v)}); a step verified {rows}")
+                        total[4 + i] += args.c * forwards + v[rows - 1]
+        modeled = {
+            key: " / ".join(f"{t[0] / cost:.2f}x" for cost in t[4:]) or "-"
+            for key, t in totals.items()
+        }
+        emitted, steps, forwards, rows = totals.pop("all")[:4]
         cells = ", ".join(f"{key} {t[0] / t[1]:.2f} ({modeled[key]})" for key, t in totals.items())
         print(
             f"| {setting} | {emitted / steps:.2f} | {forwards / steps:.2f} | {rows / steps:.2f} "

@@ -59,3 +59,10 @@ def test_recorded_answers_reads_greedy_ar_records_and_refuses_sampled_runs(tmp_p
     write(0.0, [spec])
     with pytest.raises(SystemExit, match="no `ar` record"):
         tree_replay.recorded_answers(tmp_path)
+
+
+def test_cost_scenarios_are_named_or_numbered_and_bad_numbers_are_refused():
+    assert tree_replay.parse_costs("roofline=1,1,1.1", 0) == ("roofline", [1.0, 1.0, 1.1])
+    assert tree_replay.parse_costs("1,1.13", 1) == ("v2", [1.0, 1.13])
+    with pytest.raises(SystemExit, match="comma-separated numbers"):
+        tree_replay.parse_costs("fast=1,x", 0)
