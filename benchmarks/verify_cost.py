@@ -9,6 +9,8 @@ in alternating rounds in one process, for each of `--kernels`:
   on         specdecode's bfloat16 CPU kernel and its decode attention (what `--kernel on` gives)
   on-sdpa    the kernel's linears with SDPA attention (the decode attention's share)
   on-rows    the kernel with every weight row-major (its row tiles, no packed panels)
+  on-fma     the kernel's bfloat16 panels on AVX2 FMAs where the CPU has AVX-512 BF16 (which
+             `on` uses there)
   int8       int8 weights on the kernel, decode attention (what a `MODEL:int8` draft runs)
   int8-sdpa  int8 weights with SDPA attention
   int4       4-bit weights on the kernel (groups of 32; a tied output layer int8), decode attention
@@ -34,8 +36,10 @@ from specdecode.kernels.cpu_linear import (
     INT8_NAME,
     NAME,
     apply_kernel,
+    panels_isa,
     quantize_linears,
     swap_linears,
+    use_bf16_dot,
 )
 from specdecode.models.loading import load_model
 
@@ -51,7 +55,7 @@ def main() -> None:
     parser.add_argument(
         "--kernels",
         default="off,on",
-        help="modes to compare: off,on,on-sdpa,on-rows,int8,int8-sdpa,int4, MODE-lean",
+        help="modes to compare: off,on,on-sdpa,on-rows,on-fma,int8,int8-sdpa,int4, MODE-lean",
     )
     args = parser.parse_args()
 
@@ -87,19 +91,18 @@ def main() -> None:
 
 def setup(model: torch.nn.Module, mode: str) -> str:
     """Put `model` in `mode` (see the module's doc); returns a name for the table."""
-    if mode not in ("off", "on", "on-sdpa", "on-rows", "int8", "int8-sdpa", "int4"):
-        raise SystemExit(
-            f"unknown mode {mode!r}: off, on, on-sdpa, on-rows, int8, int8-sdpa, int4, or one "
-            "of them + -lean"
-        )
+    modes = ("off", "on", "on-sdpa", "on-rows", "on-fma", "int8", "int8-sdpa", "int4")
+    if mode not in modes:
+        raise SystemExit(f"unknown mode {mode!r}: {', '.join(modes)}, or one of them + -lean")
     apply_kernel(model, "off")  # from a clean model every time (int8 copies are dropped)
     if mode == "off":
         return "eager"
+    use_bf16_dot(mode != "on-fma")  # a process-wide switch: set for every kernel mode
     if mode == "on-rows":
         swap_linears(model, panels=False)
         use_decode_attention(model)
         return NAME + " rows"
-    name = apply_kernel(model, "on")
+    name = f"{apply_kernel(model, 'on')} ({panels_isa()})"
     if mode.startswith("int8"):
         quantize_linears(model)
         name = INT8_NAME

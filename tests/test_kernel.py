@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from specdecode import SpeculativeDecoder
-from specdecode.kernels import apply_kernel, restore_linears, swap_linears
+from specdecode.kernels import apply_kernel, cpu_linear, restore_linears, swap_linears
 from specdecode.kernels.cpu_linear import NAME, _extension
 
 from conftest import linear_case, needs_kernel, noisy_copy, tiny_llama, tiny_qwen2
@@ -115,12 +115,22 @@ def test_speculative_decoding_on_the_kernel_matches_its_own_greedy(factory, seed
             assert margin <= 0.0625, (kwargs, i, margin)  # a few bfloat16 steps at |logit| ~ 2-8
 
 
-def test_auto_leaves_avx512_machines_on_pytorch(monkeypatch):
-    # their bfloat16 instructions serve PyTorch's own path; the kernel is measured on AVX2 only
+def test_auto_leaves_avx512_machines_without_bf16_on_pytorch(monkeypatch):
+    # the kernel was never measured against PyTorch's own AVX-512 path there
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(cpu_linear, "has_avx512_bf16", lambda: False)
     model = tiny_llama(seed=1).to(torch.bfloat16)
     assert apply_kernel(model, "auto") == "eager"
     assert apply_kernel(model, "on") == NAME
+
+
+def test_auto_takes_the_kernel_on_avx512_bf16_machines(monkeypatch):
+    # there its panels run on AVX-512 BF16 (docs/benchmarks.md: faster than PyTorch's path)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(cpu_linear, "has_avx512_bf16", lambda: True)
+    model = tiny_llama(seed=1).to(torch.bfloat16)
+    assert apply_kernel(model, "auto") == NAME
+    apply_kernel(model, "off")
 
 
 def test_kernel_option_on_the_command_line_and_in_load_model():

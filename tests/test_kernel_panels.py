@@ -1,5 +1,6 @@
 """The kernel's bfloat16 packed panels: the layout, the outer-product tiles (same results as
-PyTorch up to rounding, batch invariant for every token count's tiling), and weights packed in
+PyTorch up to rounding, batch invariant for every token count's tiling, on AVX2 FMAs and, where
+the CPU has it, on AVX-512 BF16), and weights packed in
 place that the rest of the world still sees in their usual layout (state dict, loading,
 training, int8). The int8 panels are tested in test_kernel_int8.py."""
 
@@ -14,14 +15,27 @@ from specdecode.kernels.cpu_linear import (
     _extension,
     int8_weights,
     pack_panels,
+    panels_isa,
     quantize_int8,
     row_major,
     unpack_panels,
+    use_bf16_dot,
 )
 
 from conftest import linear_case, needs_kernel, tiny_llama, tiny_qwen2
 
 pytestmark = needs_kernel()
+
+
+@pytest.fixture(params=["avx2-fma", "avx512-bf16"])
+def isa(request):
+    """Run the test with bfloat16 panels on each instruction set this CPU has, then restore."""
+    if use_bf16_dot(request.param == "avx512-bf16") != (request.param == "avx512-bf16"):
+        use_bf16_dot(True)
+        pytest.skip("this CPU has no AVX-512 BF16")
+    assert panels_isa() == request.param
+    yield request.param
+    use_bf16_dot(True)  # the default
 
 
 def packed_linear(x, w, b):
@@ -42,8 +56,8 @@ def test_layout_round_trips_and_pads_with_zeros():
 @pytest.mark.parametrize("k", [2, 16, 38, 100, 256])
 @pytest.mark.parametrize("n", [1, 8, 16, 40, 72])
 @pytest.mark.parametrize("bias", [False, True])
-def test_matches_pytorch_up_to_bfloat16_rounding(k, n, bias):
-    for m in (1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 17):
+def test_matches_pytorch_up_to_bfloat16_rounding(k, n, bias, isa):
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 17, 25):
         x, w, b = linear_case(m, k, n, seed=k * 100 + n + m, bias=bias)
         out = packed_linear(x, w, b)
         reference = F.linear(x.float(), w.float(), None if b is None else b.float())
@@ -51,16 +65,31 @@ def test_matches_pytorch_up_to_bfloat16_rounding(k, n, bias):
         torch.testing.assert_close(out.float(), reference, rtol=2**-8, atol=1e-5)
 
 
-@pytest.mark.parametrize("m", [2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 19])
-def test_batch_invariant_bit_for_bit(m):
-    # every token count tiles differently (pairs of panels, blocks of 4-6, a padded row);
-    # a token's output is the same float whichever
-    x, w, b = linear_case(m, 1536, 72, seed=m, bias=True)
+@pytest.mark.parametrize("m", [2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13, 16, 19, 25])
+@pytest.mark.parametrize("n", [72, 200])
+def test_batch_invariant_bit_for_bit(m, n, isa):
+    # every token count tiles differently (groups of 1, 2 or 4 panels; blocks of 3-12 tokens, or
+    # of 4-6 and a padded row on AVX2); a token's output is the same float whichever
+    x, w, b = linear_case(m, 1536, n, seed=m, bias=True)
     panels = pack_panels(w)
-    together = _extension().linear_packed(x, panels, 72, b)
+    together = _extension().linear_packed(x, panels, n, b)
     for i in range(m):
-        alone = _extension().linear_packed(x[i : i + 1], panels, 72, b)
+        alone = _extension().linear_packed(x[i : i + 1], panels, n, b)
         assert torch.equal(together[i], alone[0]), i
+
+
+def test_the_two_instruction_sets_agree_up_to_rounding():
+    if not use_bf16_dot(True):
+        pytest.skip("this CPU has no AVX-512 BF16")
+    x, w, b = linear_case(9, 1536, 200, seed=0, bias=True)
+    panels = pack_panels(w)
+    dot = _extension().linear_packed(x, panels, 200, b)
+    use_bf16_dot(False)
+    fma = _extension().linear_packed(x, panels, 200, b)
+    use_bf16_dot(True)
+    assert panels_isa() == "avx512-bf16"
+    # two float32 sums in different orders, each rounded once to bfloat16
+    torch.testing.assert_close(dot.float(), fma.float(), rtol=2**-7, atol=1e-4)
 
 
 def test_bad_arguments_are_refused():

@@ -7,9 +7,10 @@ kernel is compiled on first use with PyTorch's C++ extension builder (a C++ comp
 about a minute, once per machine, cached by PyTorch).
 
 Modes (`load_model(kernel=...)`, `--kernel`, or the `SPECDECODE_KERNEL` environment variable):
-  auto  use it for bfloat16 models on an AVX2 CPU without AVX-512 when it builds; otherwise plain
-        PyTorch (default). CPUs with AVX-512 often have bfloat16 instructions that PyTorch's own
-        path uses (oneDNN); the kernel was measured only on AVX2, so there `on` must ask for it.
+  auto  use it for bfloat16 models when it builds, on an AVX2 CPU without AVX-512 and on an
+        AVX-512 CPU with AVX-512 BF16 (its panels then run on `linear_bf16dot.cpp`); otherwise
+        plain PyTorch (default). On AVX-512 without BF16 the kernel was never measured against
+        PyTorch's own path (oneDNN), so there `on` must ask for it.
   on    use it, and fail with the reason when it cannot be used
   off   plain PyTorch
 
@@ -45,7 +46,10 @@ ENV = "SPECDECODE_KERNEL"
 NAME = "bf16-avx2"  # what LoadedModel.kernel reports when the kernel is in use
 INT8_NAME = "int8-avx2"  # ... and after quantize_linears
 QUANT_NAMES = {8: INT8_NAME, 4: "int4-avx2"}  # by quantize_linears' bits
-_SOURCES = [Path(__file__).with_name(name) for name in ("linear_avx2.cpp", "draft_ops.cpp")]
+_SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("linear_avx2.cpp", "linear_bf16dot.cpp", "draft_ops.cpp")
+]
 _HEADER = Path(__file__).with_name("kernel_common.h")
 _FLAG = "_specdecode_kernel"  # set on swapped modules
 _QWEIGHT, _SCALE = "_specdecode_qweight", "_specdecode_scale"  # int8 buffers of quantized ones
@@ -53,6 +57,18 @@ _PANEL = 16  # output rows per packed panel (kPanel in the C++)
 _PACKED = "_specdecode_packed"  # set where the weight's own storage holds its panels
 _PANELS = "_specdecode_panels"  # buffer: the panels of a weight that cannot be packed in place
 _HOOKS = "_specdecode_hooks"  # state-dict hook handles of a packed-in-place weight
+
+
+BF16_DOT_ENV = "SPECDECODE_BF16_DOT"  # "0": bfloat16 panels on AVX2 FMAs even where AVX-512 BF16 is
+
+
+def has_avx512_bf16() -> bool:
+    """Whether the CPU reports AVX-512 BF16 (Linux /proc/cpuinfo; False where unreadable)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " avx512_bf16" in line for line in f)
+    except OSError:
+        return False
 
 
 class KernelUnavailable(RuntimeError):
@@ -95,7 +111,7 @@ def _extension() -> Any:
     header = hashlib.sha256(_HEADER.read_bytes()).hexdigest()[:16]
     flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", f"-DSPECDECODE_HEADER_{header}"]
     try:
-        return cpp_extension.load(
+        ext = cpp_extension.load(
             name=name,
             sources=[str(source) for source in _SOURCES],
             extra_cflags=flags,
@@ -105,6 +121,25 @@ def _extension() -> Any:
     except Exception as err:  # a compiler or linker failure: report it, keep the model usable
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise KernelUnavailable(f"building it failed: {first}") from err
+    ext.set_bf16_dot(os.environ.get(BF16_DOT_ENV, "1") != "0")
+    return ext
+
+
+def use_bf16_dot(on: bool = True) -> bool:
+    """Run bfloat16 panels on AVX-512 BF16 where the CPU has it (the default; `$SPECDECODE_BF16_DOT`
+    = 0 turns it off) or on AVX2 FMAs. Returns whether AVX-512 BF16 is in use now. One switch for
+    the process: the two paths round differently, so decoding and verification must share one."""
+    return bool(_extension().set_bf16_dot(on))
+
+
+def kernel_description(kernel: str) -> str:
+    """A loaded model's `kernel` for a report: with what its bfloat16 panels run on, if any."""
+    return f"{kernel} (panels on {panels_isa()})" if kernel == NAME else kernel
+
+
+def panels_isa() -> str:
+    """What bfloat16 panels run on now: "avx512-bf16" or "avx2-fma"."""
+    return "avx512-bf16" if _extension().bf16_dot_on() else "avx2-fma"
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -491,8 +526,8 @@ def apply_kernel(model: torch.nn.Module, mode: str | None = None) -> str:
             raise ValueError("--kernel on needs a bfloat16 model on the CPU")
         return "eager"
     capability = torch.backends.cpu.get_cpu_capability()
-    if mode == "auto" and "AVX2" not in capability:
-        return "eager"  # AVX-512 machines keep PyTorch's path; others cannot run the kernel
+    if mode == "auto" and "AVX2" not in capability and not has_avx512_bf16():
+        return "eager"  # AVX-512 machines without BF16 keep PyTorch's path; others cannot run it
     try:
         if not swap_linears(model):
             return "eager"

@@ -30,7 +30,19 @@
 
 #include "kernel_common.h"
 
+namespace specdecode_kernels {  // linear_bf16dot.cpp: the bfloat16 panels on AVX-512 BF16
+bool bf16_dot_supported();
+int64_t bf16_dot_width(int64_t M);  // panels per work item for M tokens
+void bf16_dot_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* panels, int64_t N,
+                     const float* bias, uint16_t* out, int64_t p0, int64_t p1);
+}  // namespace specdecode_kernels
+
 namespace {
+
+// Whether bfloat16 panels run on AVX-512 BF16 (linear_bf16dot.cpp) rather than on AVX2 FMAs:
+// where the CPU has it, unless `set_bf16_dot(false)`. One switch for the whole process, so that
+// decoding one token and verifying several round alike.
+bool g_bf16_dot = specdecode_kernels::bf16_dot_supported();
 
 constexpr int64_t kGroup = 8;     // weight rows per parallel work item (24 KB when K = 1536)
 constexpr int64_t kPrefetch = 8;  // prefetch the same place kPrefetch rows ahead (the next group)
@@ -390,7 +402,27 @@ torch::Tensor linear_packed(torch::Tensor x, torch::Tensor panels, int64_t N,
   TORCH_CHECK(N >= 0 && panels.numel() == (N + kPanel - 1) / kPanel * kPanel * x.size(1),
               "linear_packed: panels must hold ceil(N / 16) * 16 * K weights");
   const auto* p = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
-  return run_panels<Bf16Panels>(x, p, N, nullptr, bias);
+  if (!g_bf16_dot) return run_panels<Bf16Panels>(x, p, N, nullptr, bias);
+  const int64_t M = x.size(0), K = x.size(1);
+  const std::vector<float> bias_f = bias_float(bias, N);
+  auto out = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const auto* X = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  auto* O = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const float* B = bias_f.empty() ? nullptr : bias_f.data();
+  const int64_t P = (N + kPanel - 1) / kPanel, width = specdecode_kernels::bf16_dot_width(M);
+  at::parallel_for(0, (P + width - 1) / width, 1, [&](int64_t u0, int64_t u1) {
+    specdecode_kernels::bf16_dot_panels(X, M, K, p, N, B, O, u0 * width,
+                                        std::min(P, u1 * width));
+  });
+  return out;
+}
+
+// Turn the AVX-512 BF16 path for bfloat16 panels on (where the CPU has it) or off; returns
+// whether it is on now.
+bool set_bf16_dot(bool on) {
+  g_bf16_dot = on && specdecode_kernels::bf16_dot_supported();
+  return g_bf16_dot;
 }
 
 // x: [M, K] bfloat16, panels: contiguous int8 holding ceil(N / 16) panels of [K][16] (rows past
@@ -591,6 +623,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "bfloat16 linear for few tokens (AVX2 + FMA), batch invariant");
   m.def("linear_packed", &linear_packed,
         "bfloat16 linear on weights packed in 16-row panels (AVX2 + FMA), batch invariant");
+  m.def("set_bf16_dot", &set_bf16_dot,
+        "bfloat16 panels on AVX-512 BF16 (where the CPU has it) or on AVX2 FMAs; returns which");
+  m.def("bf16_dot_on", [] { return g_bf16_dot; }, "whether bfloat16 panels run on AVX-512 BF16");
   m.def("linear_int8_packed", &linear_int8_packed,
         "int8-weight linear on 16-row panels (one scale per row), batch invariant");
   m.def("linear_int4_packed", &linear_int4_packed,
