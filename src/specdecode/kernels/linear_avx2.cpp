@@ -625,7 +625,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bfloat16 linear on weights packed in 16-row panels (AVX2 + FMA), batch invariant");
   m.def("set_bf16_dot", &set_bf16_dot,
         "bfloat16 panels on AVX-512 BF16 (where the CPU has it) or on AVX2 FMAs; returns which");
-  m.def("bf16_dot_on", [] { return g_bf16_dot; }, "whether bfloat16 panels run on AVX-512 BF16");
+  m.def(
+      "bf16_dot_on", [] { return g_bf16_dot; }, "whether bfloat16 panels run on AVX-512 BF16");
   m.def("linear_int8_packed", &linear_int8_packed,
         "int8-weight linear on 16-row panels (one scale per row), batch invariant");
   m.def("linear_int4_packed", &linear_int4_packed,

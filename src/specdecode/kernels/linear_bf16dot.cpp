@@ -124,10 +124,12 @@ SD_TARGET void bf16_dot_panels(const uint16_t* x, int64_t M, int64_t K, const ui
                                int64_t p1) {
   const int64_t pstride = K * kPanel;
   const Dest d{bias, out, M, N};
-  int64_t p = p0;
+  int64_t p = p0;  // groups of 4 panels (1-2 tokens only), then of 2, then single panels
   if (bf16_dot_width(M) == 4)
-    for (; p + 4 <= p1; p += 4) panels_tokens<4>(panels + p * pstride, K, pstride, x, M, p * kPanel, d);
-  for (; p + 2 <= p1; p += 2) panels_tokens<2>(panels + p * pstride, K, pstride, x, M, p * kPanel, d);
+    for (; p + 4 <= p1; p += 4)
+      panels_tokens<4>(panels + p * pstride, K, pstride, x, M, p * kPanel, d);
+  for (; p + 2 <= p1; p += 2)
+    panels_tokens<2>(panels + p * pstride, K, pstride, x, M, p * kPanel, d);
   for (; p < p1; ++p) panels_tokens<1>(panels + p * pstride, K, pstride, x, M, p * kPanel, d);
 }
 
