@@ -14,6 +14,8 @@ in alternating rounds in one process, for each of `--kernels`:
   int8       int8 weights on the kernel, decode attention (what a `MODEL:int8` draft runs)
   int8-sdpa  int8 weights with SDPA attention
   int4       4-bit weights on the kernel (groups of 32; a tied output layer int8), decode attention
+  int4-avx2  int4 with its tile on AVX2 where the CPU has AVX-512 VNNI (which `int4` uses there;
+             the same results)
   MODE-lean  MODE (on or int8) through the lean draft forward (drafters/lean.py) instead of the
              model's own forward: what a drafter runs
 "/ eager 1" divides by plain PyTorch's one-token forward: the cost that matters against decoding
@@ -40,6 +42,7 @@ from specdecode.kernels.cpu_linear import (
     quantize_linears,
     swap_linears,
     use_bf16_dot,
+    use_int4_vnni,
 )
 from specdecode.models.loading import load_model
 
@@ -55,7 +58,7 @@ def main() -> None:
     parser.add_argument(
         "--kernels",
         default="off,on",
-        help="modes to compare: off,on,on-sdpa,on-rows,on-fma,int8,int8-sdpa,int4, MODE-lean",
+        help="modes: off,on,on-sdpa,on-rows,on-fma,int8,int8-sdpa,int4,int4-avx2, MODE-lean",
     )
     args = parser.parse_args()
 
@@ -91,13 +94,14 @@ def main() -> None:
 
 def setup(model: torch.nn.Module, mode: str) -> str:
     """Put `model` in `mode` (see the module's doc); returns a name for the table."""
-    modes = ("off", "on", "on-sdpa", "on-rows", "on-fma", "int8", "int8-sdpa", "int4")
+    modes = ("off", "on", "on-sdpa", "on-rows", "on-fma", "int8", "int8-sdpa", "int4", "int4-avx2")
     if mode not in modes:
         raise SystemExit(f"unknown mode {mode!r}: {', '.join(modes)}, or one of them + -lean")
     apply_kernel(model, "off")  # from a clean model every time (int8 copies are dropped)
     if mode == "off":
         return "eager"
-    use_bf16_dot(mode != "on-fma")  # a process-wide switch: set for every kernel mode
+    use_bf16_dot(mode != "on-fma")  # process-wide switches: set for every kernel mode
+    use_int4_vnni(mode != "int4-avx2")
     if mode == "on-rows":
         swap_linears(model, panels=False)
         use_decode_attention(model)
@@ -106,9 +110,9 @@ def setup(model: torch.nn.Module, mode: str) -> str:
     if mode.startswith("int8"):
         quantize_linears(model)
         name = INT8_NAME
-    elif mode == "int4":
+    elif mode.startswith("int4"):
         quantize_linears(model, bits=4)
-        name = "int4-avx2"
+        name = "int4-avx2" + (" (vnni)" if use_int4_vnni(mode == "int4") else "")
     if mode.endswith("-sdpa"):
         restore_attention(model)
         name += " + sdpa"

@@ -17,6 +17,7 @@ from specdecode.kernels.cpu_linear import (
     int4_weights,
     pack_int4_panels,
     quantize_int4,
+    use_int4_vnni,
 )
 
 from conftest import linear_case, needs_kernel, noisy_copy, tiny_llama, tiny_qwen2
@@ -101,6 +102,27 @@ def test_int4_kernel_is_batch_invariant_bit_for_bit(m):
     together = int4_linear(x, q, scale, low, b)
     for i in range(m):
         assert torch.equal(together[i], int4_linear(x[i : i + 1], q, scale, low, b)[0])
+
+
+def test_int4_tile_on_avx512_vnni_is_bit_identical_to_avx2():
+    # both builds of the tile sum the same integers exactly; extreme groups (|xq| = 127 against
+    # q = 15) check that neither saturates
+    if not use_int4_vnni(True):
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    x, w, b = linear_case(9, 896, 72, seed=5, bias=True)
+    x[:, :32] = 100.0  # one group of equal, large activations: every xq = 127
+    x[0, 32:64] = -3e4
+    q, scale, low = quantize_int4(w)
+    q[:, :64] = 15
+    try:
+        for m in range(1, 10):
+            vnni = int4_linear(x[:m], q, scale, low, b)
+            use_int4_vnni(False)
+            avx2 = int4_linear(x[:m], q, scale, low, b)
+            use_int4_vnni(True)
+            assert torch.equal(vnni, avx2), m
+    finally:
+        use_int4_vnni(True)
 
 
 def test_int4_kernel_refuses_bad_arguments():

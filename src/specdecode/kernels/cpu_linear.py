@@ -8,7 +8,7 @@ about a minute, once per machine, cached by PyTorch).
 
 Modes (`load_model(kernel=...)`, `--kernel`, or the `SPECDECODE_KERNEL` environment variable):
   auto  use it for bfloat16 models when it builds, on an AVX2 CPU without AVX-512 and on an
-        AVX-512 CPU with AVX-512 BF16 (its panels then run on `linear_bf16dot.cpp`); otherwise
+        AVX-512 CPU with AVX-512 BF16 (its panels then run on `linear_avx512.cpp`); otherwise
         plain PyTorch (default). On AVX-512 without BF16 the kernel was never measured against
         PyTorch's own path (oneDNN), so there `on` must ask for it.
   on    use it, and fail with the reason when it cannot be used
@@ -48,9 +48,9 @@ INT8_NAME = "int8-avx2"  # ... and after quantize_linears
 QUANT_NAMES = {8: INT8_NAME, 4: "int4-avx2"}  # by quantize_linears' bits
 _SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("linear_avx2.cpp", "linear_bf16dot.cpp", "draft_ops.cpp")
+    for name in ("linear_avx2.cpp", "linear_avx512.cpp", "draft_ops.cpp")
 ]
-_HEADER = Path(__file__).with_name("kernel_common.h")
+_HEADERS = [Path(__file__).with_name(name) for name in ("kernel_common.h", "int4_tile.h")]
 _FLAG = "_specdecode_kernel"  # set on swapped modules
 _QWEIGHT, _SCALE = "_specdecode_qweight", "_specdecode_scale"  # int8 buffers of quantized ones
 _PANEL = 16  # output rows per packed panel (kPanel in the C++)
@@ -107,8 +107,8 @@ def _extension() -> Any:
             "specdecode: building the CPU kernels (once per machine, about a minute)...",
             file=sys.stderr,
         )
-    # PyTorch rebuilds when a source or a flag changes, not a header: the header's digest is a flag
-    header = hashlib.sha256(_HEADER.read_bytes()).hexdigest()[:16]
+    # PyTorch rebuilds when a source or a flag changes, not a header: the headers' digest is a flag
+    header = hashlib.sha256(b"".join(h.read_bytes() for h in _HEADERS)).hexdigest()[:16]
     flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", f"-DSPECDECODE_HEADER_{header}"]
     try:
         ext = cpp_extension.load(
@@ -130,6 +130,12 @@ def use_bf16_dot(on: bool = True) -> bool:
     = 0 turns it off) or on AVX2 FMAs. Returns whether AVX-512 BF16 is in use now. One switch for
     the process: the two paths round differently, so decoding and verification must share one."""
     return bool(_extension().set_bf16_dot(on))
+
+
+def use_int4_vnni(on: bool = True) -> bool:
+    """Run the int4 tile on AVX-512 VNNI where the CPU has it (the default) or on AVX2: the same
+    results bit for bit, for comparisons. Returns whether AVX-512 VNNI is in use now."""
+    return bool(_extension().set_int4_vnni(on))
 
 
 def kernel_description(kernel: str) -> str:

@@ -28,21 +28,28 @@
 #include <cstring>
 #include <vector>
 
+#include "int4_tile.h"
 #include "kernel_common.h"
 
-namespace specdecode_kernels {  // linear_bf16dot.cpp: the bfloat16 panels on AVX-512 BF16
+namespace specdecode_kernels {  // linear_avx512.cpp: the bfloat16 panels on AVX-512 BF16
 bool bf16_dot_supported();
 int64_t bf16_dot_width(int64_t M);  // panels per work item for M tokens
 void bf16_dot_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* panels, int64_t N,
                      const float* bias, uint16_t* out, int64_t p0, int64_t p1);
+bool int4_vnni_supported();
+void int4_vnni_tile(int64_t mr, const uint8_t* p, const uint16_t* sc, const uint16_t* mn,
+                    int64_t K, const int8_t* xq, const float* dx, const float* xsum, float* res);
 }  // namespace specdecode_kernels
 
 namespace {
 
-// Whether bfloat16 panels run on AVX-512 BF16 (linear_bf16dot.cpp) rather than on AVX2 FMAs:
+// Whether bfloat16 panels run on AVX-512 BF16 (linear_avx512.cpp) rather than on AVX2 FMAs:
 // where the CPU has it, unless `set_bf16_dot(false)`. One switch for the whole process, so that
 // decoding one token and verifying several round alike.
 bool g_bf16_dot = specdecode_kernels::bf16_dot_supported();
+// Whether the int4 tile runs on AVX-512 VNNI (bit-identical to AVX2, fewer instructions): where
+// the CPU has it, unless `set_int4_vnni(false)` (for comparisons).
+bool g_int4_vnni = specdecode_kernels::int4_vnni_supported();
 
 constexpr int64_t kGroup = 8;     // weight rows per parallel work item (24 KB when K = 1536)
 constexpr int64_t kPrefetch = 8;  // prefetch the same place kPrefetch rows ahead (the next group)
@@ -418,6 +425,12 @@ torch::Tensor linear_packed(torch::Tensor x, torch::Tensor panels, int64_t N,
   return out;
 }
 
+// Turn the AVX-512 VNNI int4 tile on (where the CPU has it) or off; returns whether it is on now.
+bool set_int4_vnni(bool on) {
+  g_int4_vnni = on && specdecode_kernels::int4_vnni_supported();
+  return g_int4_vnni;
+}
+
 // Turn the AVX-512 BF16 path for bfloat16 panels on (where the CPU has it) or off; returns
 // whether it is on now.
 bool set_bf16_dot(bool on) {
@@ -461,7 +474,8 @@ torch::Tensor linear_int8_packed(torch::Tensor x, torch::Tensor panels, int64_t 
 // whatever the tile, and a token's quantization depends on that token alone: batch invariant.
 namespace {
 
-constexpr int64_t kInt4Group = 32;
+using specdecode_kernels::int4_tile;
+using specdecode_kernels::kInt4Group;
 
 // A token's activations at 8 bits: xq [K] int8, per group g dx[g] and the exact sum of x.
 struct QuantizedRows {
@@ -496,55 +510,6 @@ QuantizedRows quantize_rows(const torch::Tensor& x) {
       r.xsum[size_t(t * G + g)] = total;
     }
   return r;
-}
-
-inline __m256 half8(const uint16_t* h) {  // 8 float16 -> float32
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
-}
-
-// MR tokens x 16 rows (one panel). Per group: 8 steps of 4 k, each one 32-byte load unpacked
-// into rows 0-7 and 8-15 (and, shift) and per token one 4-byte broadcast and two vpmaddubsw,
-// summed in 16 bits (8 steps of two products of at most 15 * 127: below 2^15, no saturation);
-// then vpmaddwd by ones gives each row's group sum in a 32-bit lane, and totals (in res, touched
-// once per group) += scale dx sum + min xsum.
-template <int MR>
-inline void int4_tile(const uint8_t* p, const uint16_t* sc, const uint16_t* mn, int64_t K,
-                      const int8_t* xq, const float* dx, const float* xsum, float* res) {
-  const int64_t G = K / kInt4Group;
-  for (int i = 0; i < MR * 16; ++i) res[i] = 0.f;
-  const __m256i low = _mm256_set1_epi8(0xF);
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t g = 0; g < G; ++g) {
-    __m256i acc[MR][2];
-    SD_UNROLL for (int t = 0; t < MR; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_si256();
-    const uint8_t* pg = p + g * (kInt4Group / 2) * 16;
-    SD_UNROLL for (int line = 0; line < 4; ++line)
-      _mm_prefetch(reinterpret_cast<const char*>(pg + 4096 + 64 * line), _MM_HINT_T0);
-    SD_UNROLL for (int s = 0; s < kInt4Group / 4; ++s) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + 32 * s));
-      const __m256i w0 = _mm256_and_si256(raw, low);                         // rows 0-7
-      const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);  // rows 8-15
-      SD_UNROLL for (int t = 0; t < MR; ++t) {
-        int32_t four;
-        std::memcpy(&four, xq + t * K + g * kInt4Group + 4 * s, 4);
-        const __m256i xv = _mm256_set1_epi32(four);
-        acc[t][0] = _mm256_add_epi16(acc[t][0], _mm256_maddubs_epi16(w0, xv));
-        acc[t][1] = _mm256_add_epi16(acc[t][1], _mm256_maddubs_epi16(w1, xv));
-      }
-    }
-    SD_UNROLL for (int v = 0; v < 2; ++v) {
-      const __m256 s = half8(sc + g * 16 + v * 8);
-      const __m256 m = half8(mn + g * 16 + v * 8);
-      SD_UNROLL for (int t = 0; t < MR; ++t) {
-        float* out = res + t * 16 + v * 8;
-        const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[t][v], ones));
-        const __m256 sdx = _mm256_mul_ps(s, _mm256_broadcast_ss(dx + t * G + g));
-        __m256 total = _mm256_fmadd_ps(sdx, sum, _mm256_loadu_ps(out));
-        total = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xsum + t * G + g), total);
-        _mm256_storeu_ps(out, total);
-      }
-    }
-  }
 }
 
 }  // namespace
@@ -592,11 +557,15 @@ torch::Tensor linear_int4_packed(torch::Tensor x, torch::Tensor panels, int64_t 
         const int8_t* xt = xr.xq.data() + t0 * K;
         const float* dt = xr.dx.data() + t0 * G;
         const float* st = xr.xsum.data() + t0 * G;
-        switch (block) {
-          case 4: int4_tile<4>(panel, s, m, K, xt, dt, st, res); break;
-          case 3: int4_tile<3>(panel, s, m, K, xt, dt, st, res); break;
-          case 2: int4_tile<2>(panel, s, m, K, xt, dt, st, res); break;
-          default: int4_tile<1>(panel, s, m, K, xt, dt, st, res); break;
+        if (g_int4_vnni) {
+          specdecode_kernels::int4_vnni_tile(block, panel, s, m, K, xt, dt, st, res);
+        } else {
+          switch (block) {
+            case 4: int4_tile<4>(panel, s, m, K, xt, dt, st, res); break;
+            case 3: int4_tile<3>(panel, s, m, K, xt, dt, st, res); break;
+            case 2: int4_tile<2>(panel, s, m, K, xt, dt, st, res); break;
+            default: int4_tile<1>(panel, s, m, K, xt, dt, st, res); break;
+          }
         }
         for (int64_t t = 0; t < block; ++t)
           for (int64_t i = 0; i < rows; ++i) {
@@ -625,6 +594,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bfloat16 linear on weights packed in 16-row panels (AVX2 + FMA), batch invariant");
   m.def("set_bf16_dot", &set_bf16_dot,
         "bfloat16 panels on AVX-512 BF16 (where the CPU has it) or on AVX2 FMAs; returns which");
+  m.def("set_int4_vnni", &set_int4_vnni,
+        "the int4 tile on AVX-512 VNNI (where the CPU has it; same results) or on AVX2");
   m.def(
       "bf16_dot_on", [] { return g_bf16_dot; }, "whether bfloat16 panels run on AVX-512 BF16");
   m.def("linear_int8_packed", &linear_int8_packed,

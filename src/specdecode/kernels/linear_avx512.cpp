@@ -1,9 +1,12 @@
-// The bfloat16 panels of linear_avx2.cpp on CPUs with AVX-512 BF16 (AMD Zen 4/5, Intel Cooper
-// Lake and later): one `vdpbf16ps` multiplies 16 rows' weights at a pair of k (one 64-byte line
-// of a panel, whose layout [K/2][16][2] is exactly that instruction's operand) by a token's two
-// activations and adds both products to 16 float32 sums: 32 multiply-adds per instruction,
-// against 8 per FMA on the AVX2 path, with no widening of the weights. So verifying a dozen
-// tokens stays bound by reading the weights rather than by arithmetic.
+// Linear-layer paths for CPUs with AVX-512, called from linear_avx2.cpp where the CPU has the
+// instructions: the bfloat16 panels on AVX-512 BF16, and the int4 panel tile on AVX-512 VNNI.
+//
+// bfloat16 panels (AMD Zen 4/5, Intel Cooper Lake and later): one `vdpbf16ps` multiplies 16
+// rows' weights at a pair of k (one 64-byte line of a panel, whose layout [K/2][16][2] is exactly
+// that instruction's operand) by a token's two activations and adds both products to 16 float32
+// sums: 32 multiply-adds per instruction, against 8 per FMA on the AVX2 path, with no widening of
+// the weights. So verifying a dozen tokens stays bound by reading the weights rather than by
+// arithmetic.
 //
 // Batch invariance, as on the AVX2 path: each output is one float32 chain over the pairs of k
 // in order (each step adds the odd k's product, then the even k's, rounded to nearest even,
@@ -11,9 +14,14 @@
 // or the tile that computes it. The chain differs from the AVX2 path's FMA chain (even k first,
 // no flush), so the two paths round differently: a process uses one of them for every forward.
 //
-// This file holds only functions compiled for AVX-512 (per-function target attributes) and
-// includes no PyTorch header, so no inline function shared with the AVX2 file is ever compiled
-// with AVX-512 instructions; linear_avx2.cpp calls in only after `bf16_dot_supported()`.
+// int4 panels (int4_tile.h, built here with SD_INT4_VNNI): `vpdpbusd` adds 4 byte products
+// straight into a 32-bit lane, where AVX2 needs vpmaddubsw, a 16-bit add and a vpmaddwd: about
+// half the instructions per weight and token, and the same exact integer sums, so the results
+// are bit-identical to the AVX2 build's.
+//
+// This file holds only functions compiled for AVX-512 (target attributes and one target pragma
+// region) and includes no PyTorch header, so no inline function shared with the AVX2 file is
+// ever compiled with AVX-512 instructions; linear_avx2.cpp calls in only after a CPU check.
 #include <immintrin.h>
 
 #include <cstdint>
@@ -133,4 +141,31 @@ SD_TARGET void bf16_dot_panels(const uint16_t* x, int64_t M, int64_t K, const ui
   for (; p < p1; ++p) panels_tokens<1>(panels + p * pstride, K, pstride, x, M, p * kPanel, d);
 }
 
+bool int4_vnni_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512vnni");
+}
+
 }  // namespace specdecode_kernels
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")
+#define SD_INT4_VNNI 1
+#include "int4_tile.h"
+
+namespace specdecode_kernels {
+
+// int4_tile<mr> (1 <= mr <= 4) on AVX-512 VNNI: the arguments of int4_tile
+void int4_vnni_tile(int64_t mr, const uint8_t* p, const uint16_t* sc, const uint16_t* mn,
+                    int64_t K, const int8_t* xq, const float* dx, const float* xsum, float* res) {
+  switch (mr) {
+    case 4: int4_tile<4>(p, sc, mn, K, xq, dx, xsum, res); break;
+    case 3: int4_tile<3>(p, sc, mn, K, xq, dx, xsum, res); break;
+    case 2: int4_tile<2>(p, sc, mn, K, xq, dx, xsum, res); break;
+    default: int4_tile<1>(p, sc, mn, K, xq, dx, xsum, res); break;
+  }
+}
+
+}  // namespace specdecode_kernels
+#pragma GCC pop_options
