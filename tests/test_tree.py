@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -18,7 +20,7 @@ from specdecode.drafters.tree_shape import TreeShape, parse_tree_spec
 from specdecode.sampling import SamplingParams
 from specdecode.tree import TokenTree, ancestor_matrix, check_tree_attention, verification_inputs
 from specdecode.tree_decode import tree_step
-from specdecode.types import Stats
+from specdecode.types import ForwardMeter, Stats
 from specdecode.verify_tree import verify_tree_greedy
 
 from conftest import ARCHS, noisy_copy, tiny_llama, tiny_qwen2
@@ -199,6 +201,14 @@ def test_tree_specs():
     assert floored == TreeShape(nodes=5, depth=6, width=2, floor=0.25)
     assert str(floored) == "dynamic:5,6,2,0.25"
     assert str(parse_tree_spec("dynamic:5")) == "dynamic:5,6,4"
+    leafy = parse_tree_spec("dynamic:11,8,3,0.2,0.05")
+    assert leafy == TreeShape(nodes=11, depth=8, width=3, floor=0.2, leaf=0.05)
+    assert str(leafy) == "dynamic:11,8,3,0.2,0.05"
+    unfloored = parse_tree_spec("dynamic:11,8,3,0,0.05")  # FLOOR 0 is allowed before a LEAF
+    assert unfloored.floor == 0.0 and str(unfloored) == "dynamic:11,8,3,0,0.05"
+    for bad, field in (("dynamic:5,6,2,0.2,0", "LEAF"), ("dynamic:5,6,2,0.2,1.5", "LEAF")):
+        with pytest.raises(ValueError, match=f"bad tree .*{field} must be"):
+            parse_tree_spec(bad)
     for bad in ("dynamic:5,6,2,0", "dynamic:5,6,2,1", "dynamic:5,6,2,x", "static:2,2,2,0.5"):
         with pytest.raises(ValueError, match="bad tree"):
             parse_tree_spec(bad)
@@ -231,7 +241,7 @@ def test_cli_accepts_tree():
 # -- greedy identity end to end -------------------------------------------------------------------
 
 SHAPES = ["static:1,1,1", "static:3,2,2,1,1", "static:4,1", "dynamic:8", "dynamic:16"]
-SHAPES += ["dynamic:8,6,2,0.3"]
+SHAPES += ["dynamic:8,6,2,0.3", "dynamic:8,6,2,0.1,0.05", "dynamic:16,6,4,0,0.2"]
 PROMPTS = [[1, 2, 3], [5] * 12, [11]]
 
 
@@ -271,6 +281,42 @@ def test_floor_spares_the_draft_forwards_of_unlikely_levels():
     tree_steps = stats.steps - stats.k_hist.get(0, 0)
     assert stats.draft_forwards == tree_steps and stats.nodes_verified == 2 * tree_steps
     assert free.stats.draft_forwards > 2 * free.stats.steps
+
+
+def test_leaf_floor_verifies_only_likely_nodes():
+    target = tiny_llama(seed=0)
+    draft = tiny_llama(seed=99)  # unrelated: flat-ish distributions, no path near probability 1
+    expected = SpeculativeDecoder(target).generate([1, 2, 3], max_new_tokens=16).token_ids
+    free = SpeculativeDecoder(target, draft, tree="dynamic:8,6,2").generate([1, 2, 3], 16)
+    leafy = SpeculativeDecoder(target, draft, tree="dynamic:8,6,2,0,0.9").generate([1, 2, 3], 16)
+    assert leafy.token_ids == free.token_ids == expected
+    # only the most probable child of the root is left to verify, and none is worth expanding:
+    # one node and one draft forward per tree step (the last step, one token left, drafts none)
+    stats = leafy.stats
+    tree_steps = stats.steps - stats.k_hist.get(0, 0)
+    assert stats.nodes_verified == tree_steps and stats.draft_forwards == tree_steps
+    assert free.stats.nodes_verified > 4 * (free.stats.steps - free.stats.k_hist.get(0, 0))
+
+
+def test_leaf_floor_keeps_the_greedy_tree_below_it_unchanged():
+    target = tiny_llama(seed=0)
+    draft = noisy_copy(target, 0.05, seed=7)
+    shape = parse_tree_spec("dynamic:12,5,3")
+    leaf = 0.0065  # between this draft's path probabilities (0.005-0.12 here)
+    full, leafy = (
+        TreeModelDrafter(draft, s, vocab_size=96)
+        for s in (shape, dataclasses.replace(shape, leaf=leaf))
+    )
+    for drafter in (full, leafy):
+        drafter.begin([1, 2, 3, 4], SamplingParams(temperature=0.0), None, ForwardMeter())
+    a, b = (d.propose_tree([1, 2, 3, 4], max_depth=5) for d in (full, leafy))
+    # the leaf tree is the full tree's nodes whose path probability is at least `leaf`, and
+    # always node 0 (the root's most probable child, drafted first: no node is more probable)
+    probs = [math.exp(full._pool.score[node]) for node in full._kept]
+    kept = [i for i in range(len(a)) if i == 0 or probs[i] >= leaf]
+    assert b.tokens.tolist() == a.tokens[kept].tolist()
+    assert b.parents.tolist() == [kept.index(p) if p >= 0 else -1 for p in a.parents[kept].tolist()]
+    assert 1 < len(b) < len(a)
 
 
 def test_identical_draft_takes_the_full_depth_every_step():

@@ -144,8 +144,10 @@ def test_tree_walk_emits_the_target_joint():
 # -- the drafter's trees ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("spec", ["static:3,2", "dynamic:7,3,2", "dynamic:7,3,2,0.3"])
-def test_sampled_trees_keep_every_draw(spec):
+@pytest.mark.parametrize(
+    "spec", ["static:3,2", "dynamic:7,3,2", "dynamic:7,3,2,0.3", "dynamic:7,3,2,0,0.9"]
+)
+def test_sampled_trees_keep_every_draw(spec):  # a LEAF floor is for greedy trees only
     model = tiny_llama(seed=4, vocab=6)
     shape = parse_tree_spec(spec)
     drafter = TreeModelDrafter(model, shape, vocab_size=6)

@@ -214,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="SHAPE",
         help="draft a token tree with the draft model: static:3,2,2,1,1 or "
-        "dynamic:NODES[,DEPTH,WIDTH[,FLOOR]] (none: a chain, whatever --config says)",
+        "dynamic:NODES[,DEPTH,WIDTH[,FLOOR[,LEAF]]] (none: a chain, whatever --config says)",
     )
     gen.add_argument(
         "--category",
@@ -249,8 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--tree",
         default=None,
         metavar="SHAPE",
-        help="draft a token tree (static:3,2,2,1,1 or dynamic:NODES[,DEPTH,WIDTH[,FLOOR]]) or "
-        "'none' for a chain; default dynamic:5,6,2,0.3 with the default draft and k, else a chain",
+        help="draft a token tree (static:3,2,2,1,1 or "
+        "dynamic:NODES[,DEPTH,WIDTH[,FLOOR[,LEAF]]]) or 'none' for a chain; default "
+        "dynamic:5,6,2,0.3 with the default draft and k, else a chain",
     )
     dem.add_argument("--max-new-tokens", type=int, default=None, help="default 64 (quick: 48)")
     dem.add_argument("--limit", type=int, default=None, help="use only the first N prompts")

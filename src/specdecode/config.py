@@ -14,8 +14,8 @@ One JSON object; every key is optional (a run still needs a target from somewher
 `draft` takes what `--draft` takes: a model (`MODEL:int8` / `MODEL:int4` for int8 / 4-bit
 weights), `early-exit:N` or `ngram[:MIN-MAX]`; null (the default) is autoregressive. `k` is the
 fixed k, the heuristic's starting k or the cost policy's k_max (policies.py). `tree`
-(`static:3,2,1` / `dynamic:NODES[,DEPTH,WIDTH[,FLOOR]]`, drafters/tree_shape.py) drafts a token
-tree instead of a chain; it needs a model draft, and k is then unused.
+(`static:3,2,1` / `dynamic:NODES[,DEPTH,WIDTH[,FLOOR[,LEAF]]]`, drafters/tree_shape.py) drafts a
+token tree instead of a chain; it needs a model draft, and k is then unused.
 
 `per_category` holds a tuner's overrides per prompt category (only the keys in
 `CATEGORY_KEYS`); `RunConfig.for_category(name)` applies them. The server and the bench read

@@ -64,7 +64,7 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="SHAPE",
         help="token tree for each model draft (repeatable): static:3,2,2,1,1 or "
-        "dynamic:NODES[,DEPTH,WIDTH[,FLOOR]]",
+        "dynamic:NODES[,DEPTH,WIDTH[,FLOOR[,LEAF]]]",
     )
     bench.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     bench.add_argument("--top-k", type=int, default=None)
@@ -140,7 +140,7 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="SHAPE",
         help="token tree to try with each model draft (repeatable): static:3,2,1 or "
-        "dynamic:NODES[,DEPTH,WIDTH[,FLOOR]]",
+        "dynamic:NODES[,DEPTH,WIDTH[,FLOOR[,LEAF]]]",
     )
     tune.add_argument(
         "--limit", type=int, default=2, help="prompts per category to calibrate (and validate)"

@@ -5,7 +5,8 @@ draft's q at that node (with replacement), where repeats of one token share one 
 order is kept in `TokenTree.draws`: exactly what `verify_tree_sampling` needs to stay lossless.
 Which nodes get children (dynamic trees) is decided from tokens at their depth or above, before
 their own children are drawn, and no draw is ever dropped afterwards (sampling); a greedy tree is
-deterministic, so it is also pruned to the `nodes` most probable at the end (EAGLE-2's re-rank).
+deterministic, so it is also pruned to the `nodes` most probable at the end (EAGLE-2's re-rank),
+and then of the nodes below the shape's `leaf` probability.
 
 Cache bookkeeping: `propose_tree` first feeds the committed tokens the draft has not seen (causal,
 as ModelDrafter), then each level's expanded nodes in one forward with a tree mask; the cache then
@@ -174,6 +175,11 @@ class TreeModelDrafter(DraftModelState):
         keep = list(range(len(pool)))
         if self.shape.dynamic and self.params.greedy:
             keep = pool.best(keep, self.shape.nodes)  # EAGLE-2's re-rank; ancestor-closed
+            if self.shape.leaf > 0.0 and keep:
+                # verify no unlikely node, but always the most probable one (keep[0], a child of
+                # the root); a path probability never grows along a path, so still a tree
+                least = math.log(self.shape.leaf)
+                keep = keep[:1] + [node for node in keep[1:] if pool.score[node] >= least]
         self._kept = sorted(keep)
         return pool.tree(self._kept, self.device)
 
@@ -186,10 +192,12 @@ class TreeModelDrafter(DraftModelState):
 
     def _worth_expanding(self, frontier: list[int]) -> list[int]:
         """Dynamic trees skip nodes below the shape's path-probability floor and (greedy) nodes
-        whose children could not make the final cut. Both depend on the draft alone."""
+        whose children could not make the final cut: below the `leaf` probability (a child
+        scores at most its parent) or the node budget. All depend on the draft alone."""
         pool, shape = self._pool, self.shape
-        if shape.floor > 0.0:
-            floor = math.log(shape.floor)
+        least = max(shape.floor, shape.leaf if self.params.greedy else 0.0)
+        if least > 0.0:
+            floor = math.log(least)
             frontier = [node for node in frontier if pool.score[node] >= floor]
         if not (shape.dynamic and self.params.greedy) or len(pool) < shape.nodes:
             return frontier
