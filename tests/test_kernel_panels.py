@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from specdecode.kernels import quantize_linears, restore_linears, swap_linears
 from specdecode.kernels.cpu_linear import (
     _extension,
+    bf16_dot_prefetch,
     int8_weights,
     pack_panels,
     panels_isa,
@@ -187,3 +188,22 @@ def test_odd_k_stays_on_the_row_kernel():
             rtol=2**-8,
             atol=1e-5,
         )
+
+
+def test_prefetch_distance_changes_no_result():
+    """The AVX-512 BF16 panels' prefetch distance (a tuning knob) is speed only."""
+    if not use_bf16_dot(True):
+        pytest.skip("this CPU has no AVX-512 BF16")
+    assert bf16_dot_prefetch() == 2048  # the default
+    torch.manual_seed(0)
+    w, b = torch.randn(72, 256).bfloat16(), torch.randn(72).bfloat16()
+    x = torch.randn(12, 256).bfloat16()
+    expected = packed_linear(x, w, b)
+    try:
+        for elements in (1, 64, 8192, 1 << 20):
+            assert bf16_dot_prefetch(elements) == elements
+            assert torch.equal(packed_linear(x, w, b), expected)
+        with pytest.raises(ValueError, match="positive"):
+            bf16_dot_prefetch(0)
+    finally:
+        bf16_dot_prefetch(2048)

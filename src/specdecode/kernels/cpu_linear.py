@@ -143,6 +143,15 @@ def kernel_description(kernel: str) -> str:
     return f"{kernel} (panels on {panels_isa()})" if kernel == NAME else kernel
 
 
+def bf16_dot_prefetch(elements: int | None = None) -> int:
+    """The AVX-512 BF16 panels' software-prefetch distance within a panel, in elements (2048 by
+    default); `elements` sets it first. For tuning on another CPU (benchmarks/kernel_rate.py
+    --prefetch): it changes speed only, never a result."""
+    if elements is not None and elements < 1:
+        raise ValueError(f"a prefetch distance is a positive number of elements (got {elements})")
+    return int(_extension().bf16_dot_prefetch(elements or 0))
+
+
 def panels_isa() -> str:
     """What bfloat16 panels run on now: "avx512-bf16" or "avx2-fma"."""
     return "avx512-bf16" if _extension().bf16_dot_on() else "avx2-fma"

@@ -34,6 +34,7 @@
 namespace specdecode_kernels {  // linear_avx512.cpp: the bfloat16 panels on AVX-512 BF16
 bool bf16_dot_supported();
 int64_t bf16_dot_width(int64_t M);  // panels per work item for M tokens
+int64_t bf16_dot_prefetch(int64_t elements);  // set (> 0) and return the prefetch distance
 void bf16_dot_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* panels, int64_t N,
                      const float* bias, uint16_t* out, int64_t p0, int64_t p1);
 bool int4_vnni_supported();
@@ -598,6 +599,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the int4 tile on AVX-512 VNNI (where the CPU has it; same results) or on AVX2");
   m.def(
       "bf16_dot_on", [] { return g_bf16_dot; }, "whether bfloat16 panels run on AVX-512 BF16");
+  m.def("bf16_dot_prefetch", &specdecode_kernels::bf16_dot_prefetch,
+        "the AVX-512 BF16 panels' prefetch distance in elements: set it (> 0), get it (0)");
   m.def("linear_int8_packed", &linear_int8_packed,
         "int8-weight linear on 16-row panels (one scale per row), batch invariant");
   m.def("linear_int4_packed", &linear_int4_packed,

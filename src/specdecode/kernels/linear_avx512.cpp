@@ -33,8 +33,14 @@ namespace specdecode_kernels {
 
 namespace {
 
-constexpr int64_t kPanel = 16;            // outputs per panel
-constexpr int64_t kPanelPrefetch = 8192;  // elements ahead within a panel (16 KB)
+constexpr int64_t kPanel = 16;  // outputs per panel
+
+// How far ahead within a panel the tile prefetches, in elements: 2048, 4 KB (bf16_dot_prefetch
+// sets it). Over a dozen tokens the tile is nearly as busy multiplying as reading, and 16 KB
+// ahead (the AVX2 path's distance) hid less of the reading: the 1.5B target's 8960 x 1536 layer,
+// out of cache, took 1.13 of its one-token time over 12 tokens against 1.08 at 4 KB, its
+// 1536 x 1536 ones 1.33 against 1.21 (2 and 8 KB in between; benchmarks/kernel_rate.py).
+int64_t g_prefetch = 2048;
 
 #define SD_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
 #define SD_UNROLL _Pragma("GCC unroll 16")
@@ -45,6 +51,7 @@ constexpr int64_t kPanelPrefetch = 8192;  // elements ahead within a panel (16 K
 template <int MR, int V>
 SD_TARGET inline void tile(const uint16_t* p, int64_t K, int64_t pstride, const uint16_t* x,
                            float* res) {
+  const int64_t ahead = g_prefetch;
   __m512 acc[MR][V];
   SD_UNROLL for (int t = 0; t < MR; ++t)
     SD_UNROLL for (int v = 0; v < V; ++v) acc[t][v] = _mm512_setzero_ps();
@@ -52,7 +59,7 @@ SD_TARGET inline void tile(const uint16_t* p, int64_t K, int64_t pstride, const 
     __m512bh w[V];
     SD_UNROLL for (int v = 0; v < V; ++v) {
       const uint16_t* q = p + v * pstride + j * 32;
-      _mm_prefetch(reinterpret_cast<const char*>(q + kPanelPrefetch), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(q + ahead), _MM_HINT_T0);
       w[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q));
     }
     SD_UNROLL for (int t = 0; t < MR; ++t) {
@@ -126,6 +133,11 @@ bool bf16_dot_supported() {
 }
 
 int64_t bf16_dot_width(int64_t M) { return M <= 2 ? 4 : 2; }
+
+int64_t bf16_dot_prefetch(int64_t elements) {
+  if (elements > 0) g_prefetch = elements;
+  return g_prefetch;
+}
 
 SD_TARGET void bf16_dot_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* panels,
                                int64_t N, const float* bias, uint16_t* out, int64_t p0,
