@@ -15,8 +15,11 @@ target forward) and verification costs `--v` (v(1), v(2), ... from verify_cost.p
 report), it also prints the speedup those counts imply: τ / (c · forwards + v(rows)), a model
 (no clock is read), for comparing settings; only `specdecode bench` measures speed. `--v` may be
 given several times (`NAME=V1,V2,...`): one replay, a modeled speedup per cost scenario (say,
-measured costs beside a bound on what a faster kernel could reach). The run's own prompts,
-target and chat setting (its run.json), first turns.
+measured costs beside a bound on what a faster kernel could reach). A draft forward costs c
+whatever it holds unless `--draft-v` gives its cost over n rows in one-row draft forwards (a tree
+level of several nodes costs more than one node on a real kernel): then c · Σ draft-v(rows) per
+step (the draft's first forward, over the prompt, counts one in either case). The run's own
+prompts, target and chat setting (its run.json), first turns.
 """
 
 from __future__ import annotations
@@ -63,14 +66,28 @@ def one_hot(rows: list[int]) -> torch.Tensor:
     return logits
 
 
+class RowMeter(ForwardMeter):
+    """A ForwardMeter that also keeps the rows (new tokens) of every draft forward, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.draft_rows: list[int] = []
+
+    def forward(self, kind: str, n_tokens: int):  # type: ignore[override]
+        if kind == "draft":
+            self.draft_rows.append(n_tokens)
+        return super().forward(kind, n_tokens)
+
+
 def replay(engine: SpeculativeDecoder, ids: list[int], answer: list[int], k: int) -> list[tuple]:
-    """Every step of `engine`'s drafter on `answer`: (emitted, draft forwards, verified rows)."""
+    """Every step of `engine`'s drafter on `answer`: (emitted, the rows of each draft forward,
+    verified rows)."""
     drafter = engine.drafter
-    meter = ForwardMeter()
+    meter = RowMeter()
     drafter.begin(ids, SamplingParams(temperature=0.0), None, meter)
     context, pos, steps = list(ids), 0, []
     while pos < len(answer):
-        forwards = meter.calls.get("draft", 0)
+        forwards = len(meter.draft_rows)
         left = len(answer) - pos - 1  # the most drafted tokens this step can still use
         if not left:  # one token to go: a plain target step, as the engine takes it
             n_rows, n_accepted = 1, 0
@@ -90,7 +107,7 @@ def replay(engine: SpeculativeDecoder, ids: list[int], answer: list[int], k: int
         committed = answer[pos : pos + n_accepted + 1]
         context += committed
         pos += len(committed)
-        steps.append((len(committed), meter.calls.get("draft", 0) - forwards, n_rows))
+        steps.append((len(committed), meter.draft_rows[forwards:], n_rows))
     return steps
 
 
@@ -118,9 +135,15 @@ def main() -> None:
         default=[],
         help="[NAME=]v(1),v(2),...: verification cost per rows; repeatable, one model each",
     )
+    parser.add_argument(
+        "--draft-v",
+        default=None,
+        help="d(1),d(2),...: a draft forward over n rows / over one (default 1 for any n)",
+    )
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
     scenarios = dict(parse_costs(text, i) for i, text in enumerate(args.v))
+    draft_v = parse_costs(args.draft_v, 0)[1] if args.draft_v else None
     if bool(scenarios) != (args.c is not None):
         raise SystemExit("--c and --v go together (the modeled speedup needs both)")
     if len(scenarios) != len(args.v):
@@ -159,12 +182,23 @@ def main() -> None:
             n_prompt, answer = answers[prompt.id]
             if len(ids) != n_prompt:
                 raise SystemExit(f"{prompt.id}: {len(ids)} prompt tokens, the run had {n_prompt}")
-            for emitted, forwards, rows in replay(engine, ids, answer, k):
+            for step, (emitted, draft_rows, rows) in enumerate(replay(engine, ids, answer, k)):
+                forwards = len(draft_rows)
+                if draft_v is not None and scenarios:
+                    priced = draft_rows[1:] if step == 0 else draft_rows  # the prompt: one
+                    if max(priced, default=1) > len(draft_v):
+                        raise SystemExit(
+                            f"--draft-v: d(1..{len(draft_v)}); a draft forward "
+                            f"took {max(priced)} rows"
+                        )
+                    forwards = (step == 0 and bool(draft_rows)) + sum(
+                        draft_v[n - 1] for n in priced
+                    )
                 for key in (prompt.category, "all"):
                     total = totals[key]
                     total[0] += emitted
                     total[1] += 1
-                    total[2] += forwards
+                    total[2] += len(draft_rows)
                     total[3] += rows
                     for i, (name, v) in enumerate(scenarios.items()):
                         if rows > len(v):

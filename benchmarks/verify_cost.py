@@ -18,6 +18,8 @@ in alternating rounds in one process, for each of `--kernels`:
              the same results)
   MODE-lean  MODE (on or int8) through the lean draft forward (drafters/lean.py) instead of the
              model's own forward: what a drafter runs
+  MODE@D     MODE with the AVX-512 BF16 panels prefetching D elements ahead (default 2048;
+             speed only, the same results), e.g. on@2048,on@8192 (on@8192-lean with -lean)
 "/ eager 1" divides by plain PyTorch's one-token forward: the cost that matters against decoding
 without the kernel.
 """
@@ -38,6 +40,7 @@ from specdecode.kernels.cpu_linear import (
     INT8_NAME,
     NAME,
     apply_kernel,
+    bf16_dot_prefetch,
     panels_isa,
     quantize_linears,
     swap_linears,
@@ -58,7 +61,7 @@ def main() -> None:
     parser.add_argument(
         "--kernels",
         default="off,on",
-        help="modes: off,on,on-sdpa,on-rows,on-fma,int8,int8-sdpa,int4,int4-avx2, MODE-lean",
+        help="modes: off,on,on-sdpa,on-rows,on-fma,int8,int8-sdpa,int4,int4-avx2, MODE-lean, MODE@D",
     )
     args = parser.parse_args()
 
@@ -83,7 +86,7 @@ def main() -> None:
     )
     print("| linears | new tokens | forward ms | v = ms / one-token ms | ms / eager one-token ms |")
     print("|---|---|---|---|---|")
-    for mode in modes:
+    for mode in dict.fromkeys(modes):  # a mode given twice (A,B,B,A order) is one row set
         for n in sizes:
             ms = seconds[mode][n]
             print(
@@ -94,12 +97,20 @@ def main() -> None:
 
 def setup(model: torch.nn.Module, mode: str) -> str:
     """Put `model` in `mode` (see the module's doc); returns a name for the table."""
+    mode, at, distance = mode.partition("@")
+    if at:
+        if not distance.isdigit() or int(distance) < 1:
+            raise SystemExit(f"{mode}@{distance}: a prefetch distance in elements, e.g. on@2048")
+        name = setup(model, mode)
+        bf16_dot_prefetch(int(distance))
+        return f"{name} prefetch {distance}"
     modes = ("off", "on", "on-sdpa", "on-rows", "on-fma", "int8", "int8-sdpa", "int4", "int4-avx2")
     if mode not in modes:
         raise SystemExit(f"unknown mode {mode!r}: {', '.join(modes)}, or one of them + -lean")
     apply_kernel(model, "off")  # from a clean model every time (int8 copies are dropped)
     if mode == "off":
         return "eager"
+    bf16_dot_prefetch(2048)  # the default, for every kernel mode without @D
     use_bf16_dot(mode != "on-fma")  # process-wide switches: set for every kernel mode
     use_int4_vnni(mode != "int4-avx2")
     if mode == "on-rows":

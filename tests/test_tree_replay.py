@@ -33,7 +33,8 @@ def test_replay_counts_what_a_real_generation_does(setting):
     steps = tree_replay.replay(engine, prompt, answer, setting.get("k", 1))
     assert sum(emitted for emitted, _, _ in steps) == n
     assert len(steps) == stats.steps
-    assert sum(forwards for _, forwards, _ in steps) == stats.draft_forwards
+    assert sum(len(rows) for _, rows, _ in steps) == stats.draft_forwards
+    assert all(n >= 1 for _, rows, _ in steps for n in rows)
     rows = sum(rows for _, _, rows in steps)
     if "tree" in setting:
         assert rows - len(steps) == stats.nodes_verified
