@@ -72,4 +72,17 @@ def test_the_cli_gives_the_default_pair_its_tree_and_a_chosen_draft_a_chain(monk
     ):
         args = cli.build_parser().parse_args(argv)
         assert args.func(args) == 0
-    assert calls == [demo.DEFAULT_TREE, None, None, None, None, "static:2,1"]
+    assert calls == [demo.default_tree(), None, None, None, None, "static:2,1"]
+
+
+def test_default_tree_follows_what_the_panels_run_on(monkeypatch):
+    from specdecode.kernels import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "has_avx512_bf16", lambda: True)
+    monkeypatch.delenv(cpu_linear.BF16_DOT_ENV, raising=False)
+    assert demo.default_tree() == demo.DEFAULT_TREE_AVX512_BF16 == "dynamic:11,8,3,0.2,0.05"
+    monkeypatch.setenv(cpu_linear.BF16_DOT_ENV, "0")  # panels on AVX2 FMAs
+    assert demo.default_tree() == demo.DEFAULT_TREE
+    monkeypatch.delenv(cpu_linear.BF16_DOT_ENV)
+    monkeypatch.setattr(cpu_linear, "has_avx512_bf16", lambda: False)
+    assert demo.default_tree() == demo.DEFAULT_TREE == "dynamic:5,6,2,0.3"

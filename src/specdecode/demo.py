@@ -5,6 +5,7 @@ Outside the core: it loads models, times whole generations and prints a table.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from typing import TextIO
@@ -21,6 +22,10 @@ DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct:int4"
 # the fastest setting over the 9 benchmark categories in run "floor" and the tuner's pick; within
 # 2% of floor 0.2 in the next run (docs/benchmarks.md)
 DEFAULT_TREE = "dynamic:5,6,2,0.3"
+# where the bfloat16 panels run on AVX-512 BF16, verifying 12 tokens costs about 1.1-1.2
+# one-token forwards (2.1 on AVX2), and a larger tree with a LEAF floor was the fastest over
+# the 9 categories (run "leaf", docs/benchmarks.md)
+DEFAULT_TREE_AVX512_BF16 = "dynamic:11,8,3,0.2,0.05"
 DEFAULT_K = 4  # the fastest chain k with that draft (`--tree none`)
 QUICK_TARGET = "smollm2-135m-instruct"
 # SmolLM2-135M has no smaller sibling with its tokenizer here; prompt lookup measured better than
@@ -49,6 +54,16 @@ DEMO_PROMPTS: list[tuple[str, str]] = [
     ("question answering", "Why is the sky blue? Answer briefly."),
     ("math", "A train covers 180 km in 2 hours 15 minutes. What is its average speed in km/h?"),
 ]
+
+
+def default_tree() -> str:
+    """The demo's tree for the default draft on this CPU: DEFAULT_TREE_AVX512_BF16 where the
+    kernel's panels will run on AVX-512 BF16, else DEFAULT_TREE."""
+    from specdecode.kernels.cpu_linear import BF16_DOT_ENV, has_avx512_bf16
+
+    if has_avx512_bf16() and os.environ.get(BF16_DOT_ENV, "1") != "0":
+        return DEFAULT_TREE_AVX512_BF16
+    return DEFAULT_TREE
 
 
 @dataclass
