@@ -268,34 +268,23 @@ def test_tree_greedy_equals_autoregressive(factory):
                     assert stats.accepted == stats.drafted  # every step takes the full depth
 
 
-def test_floor_spares_the_draft_forwards_of_unlikely_levels():
+@pytest.mark.parametrize(
+    ("spec", "nodes"), [("dynamic:8,6,2,0.9", 2), ("dynamic:8,6,2,0,0.9", 1)], ids=["FLOOR", "LEAF"]
+)
+def test_floors_spare_the_forwards_and_rows_of_unlikely_nodes(spec, nodes):
     target = tiny_llama(seed=0)
     draft = tiny_llama(seed=99)  # unrelated: flat-ish distributions, no path near probability 1
     expected = SpeculativeDecoder(target).generate([1, 2, 3], max_new_tokens=16).token_ids
     free = SpeculativeDecoder(target, draft, tree="dynamic:8,6,2").generate([1, 2, 3], 16)
-    floored = SpeculativeDecoder(target, draft, tree="dynamic:8,6,2,0.9").generate([1, 2, 3], 16)
-    assert floored.token_ids == free.token_ids == expected
-    # the root is always expanded: one draft forward and depth-1 nodes only, every tree step
-    # (the last step, with one token left, drafts nothing)
-    stats = floored.stats
+    pruned = SpeculativeDecoder(target, draft, tree=spec).generate([1, 2, 3], 16)
+    assert pruned.token_ids == free.token_ids == expected
+    # FLOOR: the root is always expanded, its 2 children verified, nothing deeper; LEAF: only the
+    # root's most probable child is verified, and no node is worth expanding. One draft forward
+    # per tree step either way (the last step, with one token left, drafts nothing)
+    stats = pruned.stats
     tree_steps = stats.steps - stats.k_hist.get(0, 0)
-    assert stats.draft_forwards == tree_steps and stats.nodes_verified == 2 * tree_steps
+    assert stats.draft_forwards == tree_steps and stats.nodes_verified == nodes * tree_steps
     assert free.stats.draft_forwards > 2 * free.stats.steps
-
-
-def test_leaf_floor_verifies_only_likely_nodes():
-    target = tiny_llama(seed=0)
-    draft = tiny_llama(seed=99)  # unrelated: flat-ish distributions, no path near probability 1
-    expected = SpeculativeDecoder(target).generate([1, 2, 3], max_new_tokens=16).token_ids
-    free = SpeculativeDecoder(target, draft, tree="dynamic:8,6,2").generate([1, 2, 3], 16)
-    leafy = SpeculativeDecoder(target, draft, tree="dynamic:8,6,2,0,0.9").generate([1, 2, 3], 16)
-    assert leafy.token_ids == free.token_ids == expected
-    # only the most probable child of the root is left to verify, and none is worth expanding:
-    # one node and one draft forward per tree step (the last step, one token left, drafts none)
-    stats = leafy.stats
-    tree_steps = stats.steps - stats.k_hist.get(0, 0)
-    assert stats.nodes_verified == tree_steps and stats.draft_forwards == tree_steps
-    assert free.stats.nodes_verified > 4 * (free.stats.steps - free.stats.k_hist.get(0, 0))
 
 
 def test_leaf_floor_keeps_the_greedy_tree_below_it_unchanged():
