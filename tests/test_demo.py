@@ -79,10 +79,14 @@ def test_default_tree_follows_what_the_panels_run_on(monkeypatch):
     from specdecode.kernels import cpu_linear
 
     monkeypatch.setattr(cpu_linear, "has_avx512_bf16", lambda: True)
+    monkeypatch.setattr(cpu_linear, "unavailable_reason", lambda: None)
     monkeypatch.delenv(cpu_linear.BF16_DOT_ENV, raising=False)
     assert demo.default_tree() == demo.DEFAULT_TREE_AVX512_BF16 == "dynamic:11,8,3,0.2,0.05"
     monkeypatch.setenv(cpu_linear.BF16_DOT_ENV, "0")  # panels on AVX2 FMAs
     assert demo.default_tree() == demo.DEFAULT_TREE
     monkeypatch.delenv(cpu_linear.BF16_DOT_ENV)
+    monkeypatch.setattr(cpu_linear, "unavailable_reason", lambda: "no C++ compiler")
+    assert demo.default_tree() == demo.DEFAULT_TREE  # PyTorch's linears: small trees
+    monkeypatch.setattr(cpu_linear, "unavailable_reason", lambda: None)
     monkeypatch.setattr(cpu_linear, "has_avx512_bf16", lambda: False)
     assert demo.default_tree() == demo.DEFAULT_TREE == "dynamic:5,6,2,0.3"

@@ -58,12 +58,12 @@ DEMO_PROMPTS: list[tuple[str, str]] = [
 
 def default_tree() -> str:
     """The demo's tree for the default draft on this CPU: DEFAULT_TREE_AVX512_BF16 where the
-    kernel's panels will run on AVX-512 BF16, else DEFAULT_TREE."""
-    from specdecode.kernels.cpu_linear import BF16_DOT_ENV, has_avx512_bf16
+    kernel's panels will run on AVX-512 BF16 (the CPU has it, the kernel can be built, and
+    $SPECDECODE_BF16_DOT is not 0), else DEFAULT_TREE. Builds nothing."""
+    from specdecode.kernels.cpu_linear import BF16_DOT_ENV, has_avx512_bf16, unavailable_reason
 
-    if has_avx512_bf16() and os.environ.get(BF16_DOT_ENV, "1") != "0":
-        return DEFAULT_TREE_AVX512_BF16
-    return DEFAULT_TREE
+    on = has_avx512_bf16() and os.environ.get(BF16_DOT_ENV, "1") != "0"
+    return DEFAULT_TREE_AVX512_BF16 if on and unavailable_reason() is None else DEFAULT_TREE
 
 
 @dataclass
