@@ -18,7 +18,7 @@ given several times (`NAME=V1,V2,...`): one replay, a modeled speedup per cost s
 measured costs beside a bound on what a faster kernel could reach). A draft forward costs c
 whatever it holds unless `--draft-v` gives its cost over n rows in one-row draft forwards (a tree
 level of several nodes costs more than one node on a real kernel): then c · Σ draft-v(rows) per
-step (the draft's first forward, over the prompt, counts one in either case). The run's own
+step (the draft's prompt prefill is no draft forward, as in `specdecode bench`). The run's own
 prompts, target and chat setting (its run.json), first turns.
 """
 
@@ -182,18 +182,15 @@ def main() -> None:
             n_prompt, answer = answers[prompt.id]
             if len(ids) != n_prompt:
                 raise SystemExit(f"{prompt.id}: {len(ids)} prompt tokens, the run had {n_prompt}")
-            for step, (emitted, draft_rows, rows) in enumerate(replay(engine, ids, answer, k)):
+            for emitted, draft_rows, rows in replay(engine, ids, answer, k):
                 forwards = len(draft_rows)
-                if draft_v is not None and scenarios:
-                    priced = draft_rows[1:] if step == 0 else draft_rows  # the prompt: one
-                    if max(priced, default=1) > len(draft_v):
+                if draft_v is not None:
+                    if max(draft_rows, default=1) > len(draft_v):
                         raise SystemExit(
-                            f"--draft-v: d(1..{len(draft_v)}); a draft forward "
-                            f"took {max(priced)} rows"
+                            f"--draft-v: d(1..{len(draft_v)}); a draft forward took "
+                            f"{max(draft_rows)} rows"
                         )
-                    forwards = (step == 0 and bool(draft_rows)) + sum(
-                        draft_v[n - 1] for n in priced
-                    )
+                    forwards = sum(draft_v[n - 1] for n in draft_rows)
                 for key in (prompt.category, "all"):
                     total = totals[key]
                     total[0] += emitted
