@@ -144,6 +144,7 @@ def test_tree_walk_emits_the_target_joint():
 # -- the drafter's trees ------------------------------------------------------------------------
 
 
+@pytest.mark.filterwarnings("ignore:.*LEAF applies to greedy trees only")
 @pytest.mark.parametrize(
     "spec", ["static:3,2", "dynamic:7,3,2", "dynamic:7,3,2,0.3", "dynamic:7,3,2,0,0.9"]
 )
@@ -165,6 +166,12 @@ def test_sampled_trees_keep_every_draw(spec):  # a LEAF floor is for greedy tree
         else:
             assert drawn[0] == 3 and all(n == 2 for n in drawn[1:])
         assert tree.q_draft is not None and tree.q_draft.shape == (len(tree), 6)
+
+
+def test_a_leaf_floor_under_sampling_says_it_applies_to_greedy_trees_only():
+    drafter = TreeModelDrafter(tiny_llama(seed=4, vocab=6), parse_tree_spec("dynamic:7,3,2,0,0.9"))
+    with pytest.warns(UserWarning, match="LEAF applies to greedy trees only"):
+        drafter.begin([1, 2, 3], SamplingParams(temperature=1.0), None, ForwardMeter())
 
 
 # -- end to end on a tiny model with a small vocabulary -------------------------------------------

@@ -17,13 +17,14 @@ accepted nodes it holds (an accepted path's expanded nodes are a prefix of it).
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
 
 from specdecode.drafters.model import DraftModelState, ModelDrafter
 from specdecode.drafters.tree_shape import TreeShape, parse_tree_spec
-from specdecode.sampling import logits_to_probs
+from specdecode.sampling import SamplingParams, logits_to_probs
 from specdecode.tree import (
     TokenTree,
     additive_mask,
@@ -31,6 +32,7 @@ from specdecode.tree import (
     check_tree_attention,
     tree_mask,
 )
+from specdecode.types import ForwardMeter
 
 
 class _Pool:
@@ -136,6 +138,21 @@ class TreeModelDrafter(DraftModelState):
         self._pool = _Pool()
         self._kept: list[int] = []  # pool id of each node of the last tree
         self._context_len = 0
+
+    def begin(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        meter: ForwardMeter,
+    ) -> None:
+        if self.shape.leaf > 0.0 and not params.greedy:
+            warnings.warn(
+                f"tree {self.shape}: LEAF applies to greedy trees only; sampled trees verify "
+                "every draw (lossless verification needs them)",
+                stacklevel=2,
+            )
+        super().begin(prompt_ids, params, generator, meter)
 
     def _q(self, logits: torch.Tensor) -> torch.Tensor | None:
         return None if self.params.greedy else logits_to_probs(logits, self.params)

@@ -28,7 +28,7 @@ class TreeShape:
     (greedy only): a node whose path probability is below it is left out of the tree the target
     verifies, so a step where the draft is unsure verifies fewer rows; a path probability never
     grows along a path, so what is left is still a tree. Sampled trees keep every draw (lossless
-    verification needs them) and ignore `leaf`.
+    verification needs them) and ignore `leaf`, with a warning.
     """
 
     branching: tuple[int, ...] = ()  # static
