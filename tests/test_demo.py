@@ -72,7 +72,7 @@ def test_the_cli_gives_the_default_pair_its_tree_and_a_chosen_draft_a_chain(monk
     ):
         args = cli.build_parser().parse_args(argv)
         assert args.func(args) == 0
-    assert calls == [demo.default_tree(), None, None, None, None, "static:2,1"]
+    assert calls == [demo.default_tree("bfloat16"), None, None, None, None, "static:2,1"]
 
 
 def test_default_tree_follows_what_the_panels_run_on(monkeypatch):
@@ -81,6 +81,7 @@ def test_default_tree_follows_what_the_panels_run_on(monkeypatch):
     monkeypatch.setattr(cpu_linear, "has_avx512_bf16", lambda: True)
     monkeypatch.setattr(cpu_linear, "unavailable_reason", lambda: None)
     monkeypatch.delenv(cpu_linear.BF16_DOT_ENV, raising=False)
+    monkeypatch.delenv(cpu_linear.ENV, raising=False)
     assert demo.default_tree() == demo.DEFAULT_TREE_AVX512_BF16 == "dynamic:11,8,3,0.2,0.05"
     monkeypatch.setenv(cpu_linear.BF16_DOT_ENV, "0")  # panels on AVX2 FMAs
     assert demo.default_tree() == demo.DEFAULT_TREE
@@ -88,5 +89,11 @@ def test_default_tree_follows_what_the_panels_run_on(monkeypatch):
     monkeypatch.setattr(cpu_linear, "unavailable_reason", lambda: "no C++ compiler")
     assert demo.default_tree() == demo.DEFAULT_TREE  # PyTorch's linears: small trees
     monkeypatch.setattr(cpu_linear, "unavailable_reason", lambda: None)
+    assert demo.default_tree("float32", "cpu") == demo.DEFAULT_TREE  # no bfloat16 panels
+    assert demo.default_tree("bfloat16", "cuda") == demo.DEFAULT_TREE
+    monkeypatch.setenv(cpu_linear.ENV, "off")  # --kernel off
+    assert demo.default_tree("bfloat16", "cpu") == demo.DEFAULT_TREE
+    monkeypatch.delenv(cpu_linear.ENV)
+    assert demo.default_tree("bfloat16", "cpu") == demo.DEFAULT_TREE_AVX512_BF16
     monkeypatch.setattr(cpu_linear, "has_avx512_bf16", lambda: False)
     assert demo.default_tree() == demo.DEFAULT_TREE == "dynamic:5,6,2,0.3"

@@ -203,7 +203,8 @@ def test_prefetch_distance_changes_no_result():
         for elements in (1, 64, 8192, 1 << 20):
             assert bf16_dot_prefetch(elements) == elements
             assert torch.equal(packed_linear(x, w, b), expected)
-        with pytest.raises(ValueError, match="positive"):
-            bf16_dot_prefetch(0)
+        for bad in (0, (1 << 20) + 1):
+            with pytest.raises(ValueError, match="prefetch distance"):
+                bf16_dot_prefetch(bad)
     finally:
         bf16_dot_prefetch(2048)

@@ -185,7 +185,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         tree = None if args.tree == "none" else args.tree
     else:  # the default tree belongs to the default draft; a chosen draft or k runs a chain
         default = not (quick or args.draft or args.k is not None)
-        tree = demo.default_tree() if default else None
+        tree = demo.default_tree(args.dtype, args.device) if default else None
     demo.main_demo(
         target,
         draft,

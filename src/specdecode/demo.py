@@ -22,8 +22,8 @@ DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct:int4"
 # the fastest setting over the 9 benchmark categories in run "floor" and the tuner's pick; within
 # 2% of floor 0.2 in the next run (docs/benchmarks.md)
 DEFAULT_TREE = "dynamic:5,6,2,0.3"
-# where the bfloat16 panels run on AVX-512 BF16, verifying 12 tokens costs about 1.1-1.2
-# one-token forwards (2.1 on AVX2), and a larger tree with a LEAF floor was the fastest over
+# where the bfloat16 panels run on AVX-512 BF16, verifying 12 tokens costs 1.1-1.35 one-token
+# forwards (2.1 on AVX2), and a larger tree with a LEAF floor was the fastest over
 # the 9 categories (run "leaf", docs/benchmarks.md)
 DEFAULT_TREE_AVX512_BF16 = "dynamic:11,8,3,0.2,0.05"
 DEFAULT_K = 4  # the fastest chain k with that draft (`--tree none`)
@@ -56,14 +56,21 @@ DEMO_PROMPTS: list[tuple[str, str]] = [
 ]
 
 
-def default_tree() -> str:
-    """The demo's tree for the default draft on this CPU: DEFAULT_TREE_AVX512_BF16 where the
-    kernel's panels will run on AVX-512 BF16 (the CPU has it, the kernel can be built, and
-    $SPECDECODE_BF16_DOT is not 0), else DEFAULT_TREE. Builds nothing."""
-    from specdecode.kernels.cpu_linear import BF16_DOT_ENV, has_avx512_bf16, unavailable_reason
+def default_tree(dtype: str = "bfloat16", device: str | None = None) -> str:
+    """The demo's tree for the default draft: DEFAULT_TREE_AVX512_BF16 where the kernel's
+    panels will run on AVX-512 BF16 (a bfloat16 model on the CPU, the kernel not turned off and
+    buildable, the CPU with AVX-512 BF16 and $SPECDECODE_BF16_DOT not 0), else DEFAULT_TREE.
+    Builds nothing."""
+    import torch
 
-    on = has_avx512_bf16() and os.environ.get(BF16_DOT_ENV, "1") != "0"
-    return DEFAULT_TREE_AVX512_BF16 if on and unavailable_reason() is None else DEFAULT_TREE
+    from specdecode.kernels import cpu_linear
+
+    on_cpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
+    panels = dtype == "bfloat16" and on_cpu and cpu_linear.resolve_mode(None) != "off"
+    avx512 = cpu_linear.has_avx512_bf16() and os.environ.get(cpu_linear.BF16_DOT_ENV, "1") != "0"
+    if panels and avx512 and cpu_linear.unavailable_reason() is None:
+        return DEFAULT_TREE_AVX512_BF16
+    return DEFAULT_TREE
 
 
 @dataclass

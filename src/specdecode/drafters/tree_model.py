@@ -6,7 +6,8 @@ order is kept in `TokenTree.draws`: exactly what `verify_tree_sampling` needs to
 Which nodes get children (dynamic trees) is decided from tokens at their depth or above, before
 their own children are drawn, and no draw is ever dropped afterwards (sampling); a greedy tree is
 deterministic, so it is also pruned to the `nodes` most probable at the end (EAGLE-2's re-rank),
-and then of the nodes below the shape's `leaf` probability.
+then rid of the nodes below the shape's `leaf` path probability (the root's most probable child
+always stays).
 
 Cache bookkeeping: `propose_tree` first feeds the committed tokens the draft has not seen (causal,
 as ModelDrafter), then each level's expanded nodes in one forward with a tree mask; the cache then

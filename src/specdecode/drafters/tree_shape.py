@@ -26,7 +26,8 @@ class TreeShape:
     the draft (the product along its path) is below it gets no children, so a level whose
     nodes are all unlikely costs no draft forward; the root is always expanded. `leaf` > 0
     (greedy only): a node whose path probability is below it is left out of the tree the target
-    verifies, so a step where the draft is unsure verifies fewer rows; a path probability never
+    verifies (the root's most probable child always stays), and not expanded, so a step where
+    the draft is unsure verifies fewer rows; a path probability never
     grows along a path, so what is left is still a tree. Sampled trees keep every draw (lossless
     verification needs them) and ignore `leaf`, with a warning.
     """

@@ -143,12 +143,17 @@ def kernel_description(kernel: str) -> str:
     return f"{kernel} (panels on {panels_isa()})" if kernel == NAME else kernel
 
 
+MAX_PREFETCH = 1 << 20  # elements (2 MB) ahead: far past any useful distance, never overflows
+
+
 def bf16_dot_prefetch(elements: int | None = None) -> int:
     """The AVX-512 BF16 panels' software-prefetch distance within a panel, in elements (2048 by
     default); `elements` sets it first. For tuning on another CPU (benchmarks/kernel_rate.py
     --prefetch): it changes speed only, never a result."""
-    if elements is not None and elements < 1:
-        raise ValueError(f"a prefetch distance is a positive number of elements (got {elements})")
+    if elements is not None and not 1 <= elements <= MAX_PREFETCH:
+        raise ValueError(
+            f"a prefetch distance is 1..{MAX_PREFETCH} elements (got {elements}): a few KB ahead"
+        )
     return int(_extension().bf16_dot_prefetch(elements or 0))
 
 

@@ -24,6 +24,7 @@
 // ever compiled with AVX-512 instructions; linear_avx2.cpp calls in only after a CPU check.
 #include <immintrin.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -40,7 +41,7 @@ constexpr int64_t kPanel = 16;  // outputs per panel
 // ahead (the AVX2 path's distance) hid less of the reading: the 1.5B target's 8960 x 1536 layer,
 // out of cache, took 1.13 of its one-token time over 12 tokens against 1.08 at 4 KB, its
 // 1536 x 1536 ones 1.33 against 1.21 (2 and 8 KB in between; benchmarks/kernel_rate.py).
-int64_t g_prefetch = 2048;
+std::atomic<int64_t> g_prefetch{2048};  // set from Python, read by every worker's tile
 
 #define SD_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
 #define SD_UNROLL _Pragma("GCC unroll 16")
@@ -51,7 +52,7 @@ int64_t g_prefetch = 2048;
 template <int MR, int V>
 SD_TARGET inline void tile(const uint16_t* p, int64_t K, int64_t pstride, const uint16_t* x,
                            float* res) {
-  const int64_t ahead = g_prefetch;
+  const int64_t ahead = g_prefetch.load(std::memory_order_relaxed);
   __m512 acc[MR][V];
   SD_UNROLL for (int t = 0; t < MR; ++t)
     SD_UNROLL for (int v = 0; v < V; ++v) acc[t][v] = _mm512_setzero_ps();
@@ -135,8 +136,8 @@ bool bf16_dot_supported() {
 int64_t bf16_dot_width(int64_t M) { return M <= 2 ? 4 : 2; }
 
 int64_t bf16_dot_prefetch(int64_t elements) {
-  if (elements > 0) g_prefetch = elements;
-  return g_prefetch;
+  if (elements > 0) g_prefetch.store(elements, std::memory_order_relaxed);
+  return g_prefetch.load(std::memory_order_relaxed);
 }
 
 SD_TARGET void bf16_dot_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* panels,
