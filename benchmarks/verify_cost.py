@@ -37,6 +37,7 @@ from specdecode.cache import KVCache
 from specdecode.drafters.lean import LeanCache
 from specdecode.kernels.attention import restore_attention, use_decode_attention
 from specdecode.kernels.cpu_linear import (
+    DEFAULT_PREFETCH,
     INT8_NAME,
     NAME,
     apply_kernel,
@@ -110,7 +111,7 @@ def setup(model: torch.nn.Module, mode: str) -> str:
     apply_kernel(model, "off")  # from a clean model every time (int8 copies are dropped)
     if mode == "off":
         return "eager"
-    bf16_dot_prefetch(2048)  # the default, for every kernel mode without @D
+    bf16_dot_prefetch(DEFAULT_PREFETCH)  # for every kernel mode without @D
     use_bf16_dot(mode != "on-fma")  # process-wide switches: set for every kernel mode
     use_int4_vnni(mode != "int4-avx2")
     if mode == "on-rows":

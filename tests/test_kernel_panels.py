@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from specdecode.kernels import quantize_linears, restore_linears, swap_linears
 from specdecode.kernels.cpu_linear import (
+    DEFAULT_PREFETCH,
     _extension,
     bf16_dot_prefetch,
     int8_weights,
@@ -194,7 +195,7 @@ def test_prefetch_distance_changes_no_result():
     """The AVX-512 BF16 panels' prefetch distance (a tuning knob) is speed only."""
     if not use_bf16_dot(True):
         pytest.skip("this CPU has no AVX-512 BF16")
-    assert bf16_dot_prefetch() == 2048  # the default
+    assert bf16_dot_prefetch() == DEFAULT_PREFETCH == 2048  # as linear_avx512.cpp starts
     torch.manual_seed(0)
     w, b = torch.randn(72, 256).bfloat16(), torch.randn(72).bfloat16()
     x = torch.randn(12, 256).bfloat16()
@@ -207,4 +208,4 @@ def test_prefetch_distance_changes_no_result():
             with pytest.raises(ValueError, match="prefetch distance"):
                 bf16_dot_prefetch(bad)
     finally:
-        bf16_dot_prefetch(2048)
+        bf16_dot_prefetch(DEFAULT_PREFETCH)

@@ -144,12 +144,13 @@ def kernel_description(kernel: str) -> str:
 
 
 MAX_PREFETCH = 1 << 20  # elements (2 MB) ahead: far past any useful distance, never overflows
+DEFAULT_PREFETCH = 2048  # the kernel's own default (linear_avx512.cpp), to restore it
 
 
 def bf16_dot_prefetch(elements: int | None = None) -> int:
-    """The AVX-512 BF16 panels' software-prefetch distance within a panel, in elements (2048 by
-    default); `elements` sets it first. For tuning on another CPU (benchmarks/kernel_rate.py
-    --prefetch): it changes speed only, never a result."""
+    """The AVX-512 BF16 panels' software-prefetch distance within a panel, in elements
+    (DEFAULT_PREFETCH until set); `elements` sets it first. For tuning on another CPU
+    (benchmarks/kernel_rate.py --prefetch): it changes speed only, never a result."""
     if elements is not None and not 1 <= elements <= MAX_PREFETCH:
         raise ValueError(
             f"a prefetch distance is 1..{MAX_PREFETCH} elements (got {elements}): a few KB ahead"
