@@ -111,7 +111,7 @@ def run_config_from_args(args: argparse.Namespace):
     given = {key: getattr(args, key) for key in keys if getattr(args, key) is not None}
     if given.get("tree") == "none":  # drops a config file's tree: draft a chain
         given["tree"] = None
-    run = dataclasses.replace(base, **given)  # validates
+    run = dataclasses.replace(base, **given)  # validates, the draft spec included
     if run.target is None:
         raise ValueError('a target is needed: --target, or "target" in the --config file')
     return run
@@ -124,14 +124,14 @@ def engine_from_args(args: argparse.Namespace):
     from specdecode.drafters import resolve_draft
 
     run = run_config_from_args(args)
-    model_draft = run.draft is not None and not run.draft.startswith("ngram")
-    if run.confidence is not None and not model_draft:
+    draft = run.draft_spec
+    if run.confidence is not None and not (draft and draft.is_model_draft):
         raise ValueError("--confidence needs a model draft (a model or early-exit:N)")
 
     target = load_model(run.target, dtype=run.dtype, device=run.device)
-    draft = resolve_draft(run.draft, target, dtype=run.dtype, device=run.device)
+    drafter = resolve_draft(draft, target, dtype=run.dtype, device=run.device)
     return SpeculativeDecoder(
-        target, draft, k=run.k, k_policy=run.k_policy, confidence=run.confidence, tree=run.tree
+        target, drafter, k=run.k, k_policy=run.k_policy, confidence=run.confidence, tree=run.tree
     )
 
 
