@@ -1,11 +1,16 @@
-"""`specdecode generate --json` on folders saved with save_pretrained."""
+"""`specdecode generate --json` on folders saved with save_pretrained; the shared arguments and
+which module imports which."""
 
 from __future__ import annotations
 
+import argparse
 import json
+from pathlib import Path
+
+import pytest
 
 from specdecode import SpeculativeDecoder, load_model
-from specdecode.cli import main
+from specdecode.cli import build_parser, main
 
 from conftest import char_tokenizer, noisy_copy, tiny_llama
 
@@ -58,3 +63,37 @@ def test_generate_text_with_tokenizer(tmp_path, capsys):
     captured = capsys.readouterr()
     assert captured.out.strip() == out["text"].strip()
     assert "tokens/s" in captured.err
+
+
+def test_nothing_but_the_entry_point_imports_the_root_command():
+    # the subcommands' parsers share cli_args.py; the root command imports them, never back
+    src = Path(__file__).resolve().parents[1] / "src" / "specdecode"
+    imports = (
+        "from specdecode.cli import",
+        "from specdecode import cli",
+        "import specdecode.cli\n",
+    )
+    importers = [
+        path.relative_to(src)
+        for path in src.rglob("*.py")
+        if path.name != "cli.py" and any(line in path.read_text() for line in imports)
+    ]
+    assert importers == []
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_generate_and_serve_take_the_same_drafting_arguments(command):
+    given = {"draft": "ngram", "k": 3, "tree": "none", "k_policy": "cost", "kernel": "off"}
+    argv = [command, "--target", "t", *(["--prompt", "hi"] if command == "generate" else [])]
+    for key, value in given.items():
+        argv += [f"--{key.replace('_', '-')}", str(value)]
+    args = build_parser().parse_args(argv)
+    assert {key: getattr(args, key) for key in given} == given
+
+
+def test_the_kernel_help_names_both_instruction_sets():
+    from specdecode.cli_args import add_kernel_arg
+
+    parser = argparse.ArgumentParser()
+    add_kernel_arg(parser)
+    assert "AVX2, or AVX-512 where the CPU has it" in " ".join(parser.format_help().split())

@@ -1,4 +1,5 @@
-"""Command line: argparse -> typed calls into the package. Nothing else lives here."""
+"""Command line: the root `specdecode` command, `generate` and `demo`; argparse -> typed calls
+into the package. The other subcommands add their own parsers; what they share is cli_args.py."""
 
 from __future__ import annotations
 
@@ -7,6 +8,15 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+
+from specdecode.cli_args import (
+    TREE_HELP,
+    add_drafting_args,
+    add_kernel_arg,
+    add_model_args,
+    add_policy_args,
+    engine_from_args,
+)
 
 
 def _positive_int_list(text: str) -> list[int]:
@@ -26,42 +36,7 @@ def _require_positive(args: argparse.Namespace, *names: str) -> None:
             raise ValueError(f"{name} must be an integer >= 1 (got {value})")
 
 
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    # --target, --draft, --dtype, --device and --k default to None: unset, they come from
-    # --config, then from RunConfig's defaults (config.py)
-    parser.add_argument(
-        "--target", default=None, help="preset name, local folder, .gguf or hub id (required)"
-    )
-    parser.add_argument(
-        "--draft",
-        default=None,
-        help="draft: a model (same forms as --target; MODEL:int8 / MODEL:int4 runs it on int8 / "
-        "4-bit weights), early-exit:N or ngram[:MIN-MAX]",
-    )
-    parser.add_argument("--dtype", default=None, help="bfloat16 (default), float32, float16")
-    parser.add_argument(
-        "--device", default=None, help="cpu, cuda, cuda:N (default: cuda if present)"
-    )
-    add_kernel_arg(parser)
-
-
-def add_kernel_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--kernel",
-        choices=("auto", "on", "off"),
-        default=None,
-        help="bfloat16 linear layers on specdecode's AVX2 CPU kernel: auto (default: when it "
-        "builds), on (fail if it cannot), off (plain PyTorch); also $SPECDECODE_KERNEL",
-    )
-
-
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--k",
-        type=int,
-        default=None,
-        help="tokens drafted per step (default 4); the heuristic's start, the cost policy's max",
-    )
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=None)
@@ -69,70 +44,6 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     parser.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
-
-
-def add_policy_args(parser: argparse.ArgumentParser) -> None:
-    from specdecode.policies import K_POLICIES
-
-    parser.add_argument(
-        "--k-policy",
-        choices=K_POLICIES,
-        default=None,
-        help="how k is chosen each step: fixed (default), heuristic (HF's +2/-1), cost (model)",
-    )
-    parser.add_argument(
-        "--confidence",
-        type=float,
-        default=None,
-        metavar="P",
-        help="stop a model draft before a token whose draft top probability is below P",
-    )
-    parser.add_argument(
-        "--config", default=None, metavar="FILE", help="JSON run config; explicit flags win"
-    )
-
-
-def run_config_from_args(args: argparse.Namespace):
-    """--config's values (or RunConfig's defaults) under the flags given explicitly."""
-    import dataclasses
-
-    from specdecode.config import RunConfig, load_config
-
-    base = load_config(args.config) if args.config else RunConfig()
-    category = getattr(args, "category", None)  # generate only: a tuner's per-category choice
-    if category is not None:
-        if not args.config:
-            raise ValueError("--category picks a --config file's per_category entry: no --config")
-        if category not in base.per_category:
-            known = ", ".join(base.per_category) or "none: the config has no per_category"
-            raise ValueError(f"--category {category!r} is not in the config (known: {known})")
-        base = base.for_category(category)
-    keys = ("target", "draft", "k", "k_policy", "confidence", "tree", "dtype", "device")
-    given = {key: getattr(args, key) for key in keys if getattr(args, key) is not None}
-    if given.get("tree") == "none":  # drops a config file's tree: draft a chain
-        given["tree"] = None
-    run = dataclasses.replace(base, **given)  # validates
-    if run.target is None:
-        raise ValueError('a target is needed: --target, or "target" in the --config file')
-    return run
-
-
-def engine_from_args(args: argparse.Namespace):
-    """The engine `generate` and `serve` run: --config under explicit flags, checked before any
-    model is loaded (needs the arguments of add_model_args, add_policy_args and --k, --tree)."""
-    from specdecode import SpeculativeDecoder, load_model
-    from specdecode.drafters import resolve_draft
-
-    run = run_config_from_args(args)
-    model_draft = run.draft is not None and not run.draft.startswith("ngram")
-    if run.confidence is not None and not model_draft:
-        raise ValueError("--confidence needs a model draft (a model or early-exit:N)")
-
-    target = load_model(run.target, dtype=run.dtype, device=run.device)
-    draft = resolve_draft(run.draft, target, dtype=run.dtype, device=run.device)
-    return SpeculativeDecoder(
-        target, draft, k=run.k, k_policy=run.k_policy, confidence=run.confidence, tree=run.tree
-    )
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -207,15 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text for one prompt")
     add_model_args(gen)
+    add_drafting_args(gen)
     _add_sampling_args(gen)
     add_policy_args(gen)
-    gen.add_argument(
-        "--tree",
-        default=None,
-        metavar="SHAPE",
-        help="draft a token tree with the draft model: static:3,2,2,1,1 or "
-        "dynamic:NODES[,DEPTH,WIDTH[,FLOOR[,LEAF]]] (none: a chain, whatever --config says)",
-    )
     gen.add_argument(
         "--category",
         default=None,
@@ -249,8 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tree",
         default=None,
         metavar="SHAPE",
-        help="draft a token tree (static:3,2,2,1,1 or "
-        "dynamic:NODES[,DEPTH,WIDTH[,FLOOR[,LEAF]]]) or 'none' for a chain; default "
+        help=f"draft a token tree ({TREE_HELP}) or 'none' for a chain; default "
         "dynamic:5,6,2,0.3 (dynamic:11,8,3,0.2,0.05 on AVX-512 BF16) with the default draft and k, "
         "else a chain",
     )

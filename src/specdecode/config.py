@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specdecode.draft_spec import DraftSpec
 from specdecode.drafters.model import check_confidence
 from specdecode.policies import K_POLICIES
 
@@ -55,6 +56,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         for key in ("target", "draft", "device"):
             _check_optional_str(key, getattr(self, key))
+        _check_draft(self.draft)
         if not isinstance(self.dtype, str):
             raise ValueError(f"dtype must be a string (got {self.dtype!r})")
         _check_drafting(self.__dict__)
@@ -68,10 +70,16 @@ class RunConfig:
             _check_drafting(overrides, where=f"per_category[{name!r}].")
             if "draft" in overrides:
                 _check_optional_str(f"per_category[{name!r}].draft", overrides["draft"])
+                _check_draft(overrides["draft"], where=f"per_category[{name!r}].")
             merged = {**self.__dict__, **overrides}  # what the category runs
             _check_tree(
                 merged["draft"], merged["tree"], merged["confidence"], f"per_category[{name!r}]."
             )
+
+    @property
+    def draft_spec(self) -> DraftSpec | None:
+        """`draft` parsed (None: autoregressive)."""
+        return None if self.draft is None else DraftSpec.parse(self.draft)
 
     def for_category(self, category: str | None) -> RunConfig:
         """What one category runs: `per_category[category]` applied (nothing for an unknown one
@@ -132,24 +140,21 @@ def to_vllm_speculative_config(config: RunConfig) -> dict[str, Any]:
         raise ValueError(
             f"vLLM's draft-model and n-gram methods draft a chain, not a token tree ({config.tree})"
         )
-    if draft.startswith("early-exit"):
+    spec = DraftSpec.parse(draft)
+    if spec.kind == "early-exit":
         raise ValueError(f"vLLM has no early-exit (self-speculative) drafting: {draft!r}")
-    if draft == "ngram" or draft.startswith("ngram:"):
-        from specdecode.drafters import resolve_draft
-
-        ngram = resolve_draft(draft, target=None)  # validates MIN-MAX
+    if spec.kind == "ngram":
+        low, high = spec.ngram
         return {
             "method": "ngram",
             "num_speculative_tokens": config.k,
-            "prompt_lookup_min": ngram.min_ngram,
-            "prompt_lookup_max": ngram.max_ngram,
+            "prompt_lookup_min": low,
+            "prompt_lookup_max": high,
         }
-    from specdecode.drafters import split_quantization
-
-    # an int8 draft exports its model: int8 is our CPU kernel's, vLLM picks its own quantization
+    # a quantized draft exports its model: int8 / int4 are our CPU kernel's, vLLM picks its own
     return {
         "method": "draft_model",
-        "model": _vllm_model(split_quantization(draft)[0]),
+        "model": _vllm_model(spec.model.name),
         "num_speculative_tokens": config.k,
     }
 
@@ -187,6 +192,16 @@ def _check_optional_str(key: str, value: Any) -> None:
         raise ValueError(f"{key} must be a string or null (got {value!r})")
 
 
+def _check_draft(draft: str | None, where: str = "") -> None:
+    """A draft the command line would take (draft_spec.py), or None."""
+    if draft is None:
+        return
+    try:
+        DraftSpec.parse(draft)
+    except ValueError as err:
+        raise ValueError(f"{where}{err}") from None
+
+
 def _check_tree(draft: Any, tree: Any, confidence: Any, where: str = "") -> None:
     """A tree needs a parseable shape and a model draft (a model or early-exit:N); its width,
     not a confidence cut, bounds what it drafts."""
@@ -200,7 +215,7 @@ def _check_tree(draft: Any, tree: Any, confidence: Any, where: str = "") -> None
         parse_tree_spec(tree)
     except ValueError as err:
         raise ValueError(f"{where}{err}") from None
-    if draft is None or str(draft).startswith("ngram"):
+    if draft is None or not DraftSpec.parse(draft).is_model_draft:
         raise ValueError(
             f"{where}tree needs a model draft (a model or early-exit:N), not {draft!r}; "
             "`--tree none` drafts a chain instead"

@@ -246,7 +246,8 @@ def main_demo(
     out: TextIO = sys.stdout,
     tree: str | None = None,
 ) -> list[DemoRow]:
-    from specdecode.drafters import resolve_draft, split_quantization
+    from specdecode.draft_spec import DraftSpec
+    from specdecode.drafters import resolve_draft
     from specdecode.models.loading import load_model
 
     shape = f"tree {tree}" if tree else f"k={k}"
@@ -258,7 +259,7 @@ def main_demo(
         if draft_spec != DEFAULT_DRAFT:
             raise
         # the default's quantization is an optimization: draft with the plain model instead
-        draft_spec = split_quantization(draft_spec)[0]
+        draft_spec = DraftSpec.parse(draft_spec).model.name
         print(f"note: {err}; drafting with {draft_spec} in {dtype}", file=sys.stderr)
         draft = resolve_draft(draft_spec, target, dtype=dtype, device=device)
     ar = SpeculativeDecoder(target)

@@ -7,6 +7,7 @@ import shlex
 import time
 
 from specdecode.bench.methods import ALL_METHODS
+from specdecode.cli_args import add_kernel_arg
 
 
 def _csv(text: str) -> list[str]:
@@ -23,8 +24,6 @@ def _int_csv(text: str) -> list[int]:
 
 
 def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
-    from specdecode.cli import add_kernel_arg
-
     bench = subparsers.add_parser(
         "bench",
         help="measure methods side by side on prompt suites (acceptance, speed, memory)",

@@ -85,6 +85,7 @@ class BenchConfig:
         for name, ks in (("--k", self.ks), ("--hf-k", self.hf_ks)):
             if ks is not None and (not ks or any(k < 1 for k in ks)):
                 raise ValueError(f"{name} takes look-aheads >= 1 (got {ks})")
+        from specdecode.draft_spec import DraftSpec
         from specdecode.drafters.tree_shape import parse_tree_spec
         from specdecode.policies import K_POLICIES
 
@@ -93,6 +94,8 @@ class BenchConfig:
                 raise ValueError(
                     f"unknown k policy {policy!r}: choose from {', '.join(K_POLICIES)}"
                 )
+        for draft in self.drafts:
+            DraftSpec.parse(draft)  # a bad spec fails before any model is loaded
         for tree in self.trees:
             parse_tree_spec(tree)
         if self.methods is not None:

@@ -37,6 +37,7 @@ from specdecode.bench.methods import Setting, plan_settings
 from specdecode.bench.runner import BenchConfig, load_bench_models, run_settings
 from specdecode.bench.suites import BenchPrompt, interleave_by_category, load_suite
 from specdecode.config import RunConfig, save_config, to_vllm_speculative_config
+from specdecode.draft_spec import DraftSpec
 
 Record = dict[str, Any]
 
@@ -248,7 +249,7 @@ def run_tune(config: BenchConfig, k_max: int, validate: bool = True, progress: b
         raise ValueError("tune needs at least one candidate --draft")
     if config.temperature:
         raise ValueError("tune calibrates greedy decoding: leave --temperature at 0")
-    if config.trees and all(d.split(":")[0] == "ngram" for d in config.drafts):
+    if config.trees and not any(DraftSpec.parse(d).is_model_draft for d in config.drafts):
         raise ValueError(
             "--tree needs a model draft among the candidates (a model or early-exit:N)"
         )

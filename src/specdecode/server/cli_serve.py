@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from specdecode.cli_args import add_drafting_args, add_model_args, add_policy_args, engine_from_args
+
 MISSING_EXTRA = (
     "specdecode serve: error: the server needs fastapi and uvicorn: pip install 'specdecode[serve]'"
 )
@@ -23,23 +25,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
             "(Prometheus). One generation runs at a time; other requests wait in a bounded queue."
         ),
     )
-    from specdecode.cli import add_model_args, add_policy_args
-
-    add_model_args(parser)  # --target, --draft, --dtype, --device
-    parser.add_argument(
-        "--k",
-        type=int,
-        default=None,
-        help="tokens drafted per step (default 4); the heuristic's start, the cost policy's max",
-    )
+    add_model_args(parser)  # --target, --draft, --dtype, --device, --kernel
+    add_drafting_args(parser)  # --k, --tree
     add_policy_args(parser)  # --k-policy, --confidence, --config
-    parser.add_argument(
-        "--tree",
-        default=None,
-        metavar="SHAPE",
-        help="draft a token tree with the draft model: static:3,2,2,1,1 or dynamic:NODES "
-        "(none: a chain, whatever --config says)",
-    )
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)"
     )
@@ -92,7 +80,6 @@ def handle_serve(args: argparse.Namespace) -> int:
     except ImportError:
         print(MISSING_EXTRA, file=sys.stderr)
         return 1
-    from specdecode.cli import engine_from_args
     from specdecode.server.app import create_app
 
     engine = engine_from_args(args)

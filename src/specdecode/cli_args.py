@@ -1,0 +1,132 @@
+"""Arguments every subcommand that runs models shares, and the engine they describe.
+
+`cli.py` (generate, demo), `server/cli_serve.py`, `bench/cli_bench.py` and
+`models/cli_models.py` import from here; nothing here imports them, so the root command imports
+its subcommands one way. Heavy modules are imported inside the functions: building the parser
+loads no model code.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specdecode.config import RunConfig
+    from specdecode.engine import SpeculativeDecoder
+
+TREE_HELP = "static:3,2,2,1,1 or dynamic:NODES[,DEPTH,WIDTH[,FLOOR[,LEAF]]]"
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """--target, --draft, --dtype, --device and --kernel."""
+    # --target, --draft, --dtype, --device and --k default to None: unset, they come from
+    # --config, then from RunConfig's defaults (config.py)
+    parser.add_argument(
+        "--target", default=None, help="preset name, local folder, .gguf or hub id (required)"
+    )
+    parser.add_argument(
+        "--draft",
+        default=None,
+        help="draft: a model (same forms as --target; MODEL:int8 / MODEL:int4 runs it on int8 / "
+        "4-bit weights), early-exit:N or ngram[:MIN-MAX]",
+    )
+    parser.add_argument("--dtype", default=None, help="bfloat16 (default), float32, float16")
+    parser.add_argument(
+        "--device", default=None, help="cpu, cuda, cuda:N (default: cuda if present)"
+    )
+    add_kernel_arg(parser)
+
+
+def add_kernel_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kernel",
+        choices=("auto", "on", "off"),
+        default=None,
+        help="bfloat16 linear layers on specdecode's CPU kernel (AVX2, or AVX-512 where the CPU "
+        "has it): auto (default: when it builds), on (fail if it cannot), off (plain PyTorch); "
+        "also $SPECDECODE_KERNEL",
+    )
+
+
+def add_drafting_args(parser: argparse.ArgumentParser) -> None:
+    """--k and --tree: how much one step drafts."""
+    parser.add_argument(
+        "--k",
+        type=int,
+        default=None,
+        help="tokens drafted per step (default 4); the heuristic's start, the cost policy's max",
+    )
+    parser.add_argument(
+        "--tree",
+        default=None,
+        metavar="SHAPE",
+        help=f"draft a token tree with the draft model: {TREE_HELP} (none: a chain, whatever "
+        "--config says)",
+    )
+
+
+def add_policy_args(parser: argparse.ArgumentParser) -> None:
+    """--k-policy, --confidence and --config."""
+    from specdecode.policies import K_POLICIES
+
+    parser.add_argument(
+        "--k-policy",
+        choices=K_POLICIES,
+        default=None,
+        help="how k is chosen each step: fixed (default), heuristic (HF's +2/-1), cost (model)",
+    )
+    parser.add_argument(
+        "--confidence",
+        type=float,
+        default=None,
+        metavar="P",
+        help="stop a model draft before a token whose draft top probability is below P",
+    )
+    parser.add_argument(
+        "--config", default=None, metavar="FILE", help="JSON run config; explicit flags win"
+    )
+
+
+def run_config_from_args(args: argparse.Namespace) -> RunConfig:
+    """--config's values (or RunConfig's defaults) under the flags given explicitly."""
+    import dataclasses
+
+    from specdecode.config import RunConfig, load_config
+
+    base = load_config(args.config) if args.config else RunConfig()
+    category = getattr(args, "category", None)  # generate only: a tuner's per-category choice
+    if category is not None:
+        if not args.config:
+            raise ValueError("--category picks a --config file's per_category entry: no --config")
+        if category not in base.per_category:
+            known = ", ".join(base.per_category) or "none: the config has no per_category"
+            raise ValueError(f"--category {category!r} is not in the config (known: {known})")
+        base = base.for_category(category)
+    keys = ("target", "draft", "k", "k_policy", "confidence", "tree", "dtype", "device")
+    given = {key: getattr(args, key) for key in keys if getattr(args, key) is not None}
+    if given.get("tree") == "none":  # drops a config file's tree: draft a chain
+        given["tree"] = None
+    run = dataclasses.replace(base, **given)  # validates, the draft spec included
+    if run.target is None:
+        raise ValueError('a target is needed: --target, or "target" in the --config file')
+    return run
+
+
+def engine_from_args(args: argparse.Namespace) -> SpeculativeDecoder:
+    """The engine `generate` and `serve` run: --config under explicit flags, checked before any
+    model is loaded (needs the arguments of add_model_args, add_drafting_args and
+    add_policy_args)."""
+    from specdecode import SpeculativeDecoder, load_model
+    from specdecode.drafters import resolve_draft
+
+    run = run_config_from_args(args)
+    draft = run.draft_spec
+    if run.confidence is not None and not (draft and draft.is_model_draft):
+        raise ValueError("--confidence needs a model draft (a model or early-exit:N)")
+
+    target = load_model(run.target, dtype=run.dtype, device=run.device)
+    drafter = resolve_draft(draft, target, dtype=run.dtype, device=run.device)
+    return SpeculativeDecoder(
+        target, drafter, k=run.k, k_policy=run.k_policy, confidence=run.confidence, tree=run.tree
+    )

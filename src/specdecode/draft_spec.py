@@ -1,0 +1,166 @@
+"""The `--draft` text, parsed once: `MODEL`, `MODEL:int8`, `MODEL:int4`, `ngram`, `ngram:MIN-MAX`
+or `early-exit:N`.
+
+No heavy imports (no torch, no transformers), so the command line and the run config check a
+draft before any model is loaded. `drafters.resolve_draft` builds the drafter from a DraftSpec.
+`ModelSpec` is the model part on its own (`MODEL[:int8|:int4]`), so that a target can carry the
+same quantization suffix.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+Quantization = Literal["int8", "int4"]
+DraftKind = Literal["model", "ngram", "early-exit"]
+
+# MODEL:int8 runs its linears on int8 weights; MODEL:int4 on 4-bit weights (groups of 32, a tied
+# output layer int8); both on the CPU kernel (specdecode.kernels.quantize_linears)
+QUANT_BITS: dict[str, int] = {"int8": 8, "int4": 4}
+DEFAULT_NGRAM = (1, 3)  # `ngram` alone: n-grams of 1 to 3 tokens
+
+MODEL_FORMS = "expected MODEL, MODEL:int8 or MODEL:int4 (int8 / 4-bit weights)"
+DRAFT_FORMS = (
+    "a draft is MODEL, MODEL:int8, MODEL:int4, ngram, ngram:MIN-MAX or early-exit:N (e.g. "
+    "qwen2.5-coder-0.5b-instruct:int4, ngram:1-3, early-exit:8)"
+)
+
+_NUMBER = re.compile(r"[0-9]+")  # ASCII only: str.isdigit() also takes '²', which int() refuses
+_LOOKS_QUANTIZED = re.compile(r"(?i)(int|q|fp|bf)[0-9]+\w*")  # `:int2`, `:INT8`, `:q4_0`, `:fp8`
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model and the weights it runs on: `name` is a preset, local folder, .gguf or hub id;
+    `quantization` None (the --dtype weights), "int8" or "int4"."""
+
+    name: str
+    quantization: Quantization | None = None
+
+    def __post_init__(self) -> None:
+        problem = _name_problem(self.name)
+        if problem:
+            raise ValueError(f"bad model name {self.name!r}: {problem}; {MODEL_FORMS}")
+        if self.quantization is not None and self.quantization not in QUANT_BITS:
+            raise ValueError(f"bad model quantization {self.quantization!r}: {MODEL_FORMS}")
+
+    @property
+    def bits(self) -> int | None:
+        """Weight bits of a quantized model (8 or 4); None for the --dtype weights."""
+        return QUANT_BITS[self.quantization] if self.quantization else None
+
+    def __str__(self) -> str:
+        return f"{self.name}:{self.quantization}" if self.quantization else self.name
+
+    @classmethod
+    def parse(cls, text: str, what: str = "model") -> ModelSpec:
+        """`MODEL`, `MODEL:int8` or `MODEL:int4` -> ModelSpec (ValueError if bad); `what` names
+        the option in the message ("model", "draft", "target")."""
+        name, quantization = _split_quantization(text)
+        problem = _name_problem(name)
+        if problem:
+            raise ValueError(f"bad {what} {text!r}: {problem}; {MODEL_FORMS}")
+        return cls(name, quantization)  # type: ignore[arg-type]
+
+
+def _split_quantization(text: str) -> tuple[str, str | None]:
+    """ "MODEL:int8" -> ("MODEL", "int8"), "MODEL:int4" likewise, anything else -> (text, None)."""
+    name, sep, suffix = text.rpartition(":")
+    return (name, suffix) if sep and suffix in QUANT_BITS else (text, None)
+
+
+def _name_problem(name: str) -> str | None:
+    """Why `name` cannot be a model's name (once its quantization is split off), or None."""
+    if not name:
+        return "no model name"
+    last = name.rpartition(":")[2] if ":" in name else ""
+    if last in QUANT_BITS:
+        return "one quantization at most"
+    if _LOOKS_QUANTIZED.fullmatch(last):  # a mistyped quantization, not part of a name
+        return f"unknown quantization {last!r}"
+    return None
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """What drafts: `kind` "model" (`model` set), "ngram" (`ngram` = (MIN, MAX) n-gram sizes) or
+    "early-exit" (`depth` = the target's layers it runs). `str(spec)` is the canonical text, which
+    `DraftSpec.parse` reads back to an equal spec."""
+
+    kind: DraftKind
+    model: ModelSpec | None = None
+    ngram: tuple[int, int] | None = None
+    depth: int | None = None
+
+    def __post_init__(self) -> None:
+        fields = {"model": "model", "ngram": "ngram", "early-exit": "depth"}  # kind -> its field
+        if self.kind not in fields:
+            raise ValueError(f"bad draft kind {self.kind!r}: {DRAFT_FORMS}")
+        given = [name for name in fields.values() if getattr(self, name) is not None]
+        if given != [fields[self.kind]]:
+            raise ValueError(
+                f"a {self.kind} DraftSpec sets {fields[self.kind]} alone (got {given})"
+            )
+        if self.model is not None and _kind(self.model.name) != "model":  # would not read back
+            raise _bad_draft(str(self.model), f"a model's name reads as {_kind(self.model.name)}")
+        if self.ngram is not None and not 1 <= self.ngram[0] <= self.ngram[1]:
+            raise _bad_draft(str(self), "n-gram sizes need 1 <= min <= max")
+        if self.depth is not None and self.depth < 1:
+            raise _bad_draft(str(self), "an early-exit draft needs a depth >= 1")
+
+    @property
+    def is_model_draft(self) -> bool:
+        """A model or early exit: drafts from a model's distribution, which trees and
+        --confidence need (an n-gram draft proposes tokens without probabilities)."""
+        return self.kind != "ngram"
+
+    def __str__(self) -> str:
+        if self.kind == "ngram":
+            return f"ngram:{self.ngram[0]}-{self.ngram[1]}"  # type: ignore[index]
+        if self.kind == "early-exit":
+            return f"early-exit:{self.depth}"
+        return str(self.model)
+
+    @classmethod
+    def parse(cls, text: str) -> DraftSpec:
+        """A `--draft` value -> DraftSpec (ValueError naming the allowed forms if bad)."""
+        head, quantization = _split_quantization(text)
+        kind = _kind(head)
+        if quantization is not None and (kind != "model" or not head):
+            raise _bad_draft(
+                text,
+                f":{quantization} quantizes a draft model; n-gram drafts have no weights and "
+                "early-exit shares the target's",
+            )
+        if kind == "model":
+            problem = _name_problem(head)
+            if problem:
+                raise _bad_draft(text, problem)
+            return cls("model", model=ModelSpec(head, quantization))  # type: ignore[arg-type]
+        _, sep, rest = text.partition(":")
+        if kind == "ngram":
+            if not sep:
+                return cls("ngram", ngram=DEFAULT_NGRAM)
+            low, dash, high = rest.partition("-")
+            if not (dash and _NUMBER.fullmatch(low) and _NUMBER.fullmatch(high)):
+                raise _bad_draft(text, "an n-gram draft is ngram or ngram:MIN-MAX")
+            return cls("ngram", ngram=(int(low), int(high)))
+        if text.partition(":")[0] != "early-exit" or not _NUMBER.fullmatch(rest):
+            raise _bad_draft(text, "an early-exit draft needs a depth, early-exit:N")
+        return cls("early-exit", depth=int(rest))
+
+
+def _bad_draft(text: str, why: str) -> ValueError:
+    return ValueError(f"bad draft {text!r}: {why}; {DRAFT_FORMS}")
+
+
+def _kind(head: str) -> DraftKind:
+    """The kind a draft text names. Anything starting `early-exit` is meant as one (a missing
+    colon is a typo, not a model's name); `ngram` only alone or before a colon."""
+    if head.startswith("early-exit"):
+        return "early-exit"
+    if head == "ngram" or head.startswith("ngram:"):
+        return "ngram"
+    return "model"
