@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from specdecode.cache import KVCache
-from specdecode.decode import prefill, speculative_step
 from specdecode.drafters.model import ModelDrafter
 from specdecode.sampling import SamplingParams, make_generator
+from specdecode.step import prefill, speculative_step
 from specdecode.types import Stats
 
 from conftest import ARCHS, noisy_copy

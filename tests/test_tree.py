@@ -12,12 +12,12 @@ import torch
 
 from specdecode import SpeculativeDecoder
 from specdecode.cache import KVCache
-from specdecode.decode import prefill
 from specdecode.drafters.early_exit import EarlyExitDrafter
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.tree_model import TreeModelDrafter
 from specdecode.drafters.tree_shape import TreeShape, parse_tree_spec
 from specdecode.sampling import SamplingParams
+from specdecode.step import prefill
 from specdecode.tree import TokenTree, ancestor_matrix, check_tree_attention, verification_inputs
 from specdecode.tree_decode import tree_step
 from specdecode.types import ForwardMeter, Stats

@@ -14,7 +14,7 @@ import torch
 
 from specdecode.cache import KVCache
 from specdecode.decode import decode
-from specdecode.drafters.base import Drafter
+from specdecode.drafter import Drafter
 from specdecode.drafters.model import ModelDrafter, check_confidence
 from specdecode.drafters.tree_model import TreeModelDrafter, make_tree_drafter
 from specdecode.models.compat import common_vocab_size, context_length, logits_size

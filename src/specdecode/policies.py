@@ -296,12 +296,11 @@ def _compute_params(model: Any) -> int:
 
 def prior_cost_ratio(target: Any, drafter: Any) -> float | None:
     """A clock-free guess at c: draft / target parameter count (forwards at batch 1 are
-    memory-bound, so time tracks bytes read). 0 for a drafter without a model (n-gram); None
-    when it cannot tell."""
-    from specdecode.drafters.ngram import NgramDrafter
-
-    if isinstance(drafter, NgramDrafter):
-        return 0.0
+    memory-bound, so time tracks bytes read). A drafter that knows its c says so in a
+    `cost_ratio` attribute (n-gram: 0, no model); None when it cannot tell."""
+    known = getattr(drafter, "cost_ratio", None)
+    if known is not None:
+        return float(known)
     model = getattr(drafter, "model", None)
     if model is None:
         return None
