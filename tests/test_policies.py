@@ -52,7 +52,7 @@ def test_greedy_output_is_the_targets_for_every_policy(policy, confidence):
                 assert result.token_ids == references[tuple(prompt)], (policy, k, prompt)
                 assert stats.new_tokens == 32
                 assert sum(stats.k_hist.values()) == stats.steps
-                assert max(stats.k_hist) <= stats.k
+                assert max(stats.k_hist) <= stats.k_max
                 assert stats.k_policy == engine.k_policy.name
                 ks_seen.update(stats.k_hist)
     if policy != "cost-timed":  # the timed choice depends on this machine's timings
@@ -254,7 +254,7 @@ def test_stats_name_the_policy_and_count_ks():
     target = tiny_llama(seed=0)
     stats = SpeculativeDecoder(target, target, k=2, k_policy="heuristic").generate([1], 20).stats
     out = stats.to_dict()
-    assert out["k_policy"] == "heuristic" and out["k"] == 4
+    assert out["k_policy"] == "heuristic" and out["k_max"] == 4
     # identical draft: 2, then +2 up to the cap (k_max = 4), then 1 to stop at exactly 20 tokens
     assert out["k_hist"] == {1: 1, 2: 1, 4: 3}
     ar = SpeculativeDecoder(target).generate([1], 5).stats.to_dict()

@@ -66,7 +66,7 @@ def decode(
     params = params or SamplingParams()
     stats = stats if stats is not None else Stats()
     policy = k_policy if k_policy is not None else FixedK(k)
-    stats.k = policy.k_max if drafter is not None else 0
+    stats.k_max = policy.k_max if drafter is not None else 0
     stats.k_policy = policy.name if drafter is not None else ""
     stats.prompt_tokens = len(prompt_ids)
     state = prefill(target, prompt_ids, stats, prefilled)
@@ -84,14 +84,14 @@ def decode(
         spent = forward_seconds(stats.meter)
         step = take_step(state, k_step, allowed)
         if drafter is not None:
-            policy.observe(step.drafted, step.accepted, *seconds_since(stats.meter, spent))
+            policy.observe(step.depth, step.accepted, *seconds_since(stats.meter, spent))
         stats.k_hist[k_step] = stats.k_hist.get(k_step, 0) + 1
         committed, n_accepted = step.committed, step.accepted
         eos_at = next((i for i, t in enumerate(committed) if t in eos_token_ids), None)
         if eos_at is not None:
             committed = committed[: eos_at + 1]
             n_accepted = min(n_accepted, eos_at + 1)  # an accepted EOS counts
-        stats.record_step(step.drafted, n_accepted, len(committed))
+        stats.record_step(step.depth, n_accepted, len(committed))
         produced += len(committed)
         stats.new_tokens = produced
         yield committed

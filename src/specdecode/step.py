@@ -91,4 +91,4 @@ def speculative_step(
     cache.rollback(len(state.tokens) - 1)  # keep committed tokens minus the last
     if draft is not None:
         drafter.observe(n_accepted)  # type: ignore[union-attr]
-    return StepResult(committed, len(drafted), n_accepted)
+    return StepResult(committed, depth=len(drafted), nodes=len(drafted), accepted=n_accepted)

@@ -1,8 +1,8 @@
 """One token-tree step: draft a tree, verify every node in one target forward, compact the cache.
 
 The tree counterpart of `step.speculative_step`, with the same state and the same StepResult;
-`drafted` is the tree's depth (the most tokens the step could accept), and `Stats.nodes_verified`
-counts the tree's nodes.
+`depth` is the tree's depth (the most tokens the step could accept), `nodes` its node count, which
+`Stats.nodes_verified` sums.
 """
 
 from __future__ import annotations
@@ -62,5 +62,6 @@ def tree_step(
     path_rows = torch.tensor(path, dtype=torch.long) + past + 1
     cache.compact(torch.cat([torch.arange(past + 1), path_rows]))
     drafter.observe_path(path)
-    stats.nodes_verified += len(tree)
-    return StepResult(committed, tree.max_depth, len(path))
+    result = StepResult(committed, depth=tree.max_depth, nodes=len(tree), accepted=len(path))
+    stats.nodes_verified += result.nodes  # a chain's nodes are its depth: counted for trees only
+    return result
