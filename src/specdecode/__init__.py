@@ -13,12 +13,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from specdecode.engine import SpeculativeDecoder
     from specdecode.models.loading import LoadedModel, load_model
+    from specdecode.request import GenerationRequest
     from specdecode.sampling import SamplingParams
     from specdecode.types import Draft, GenerationResult, Stats
 
 # public name -> the module defining it
 _EXPORTS = {
     "Draft": "specdecode.types",
+    "GenerationRequest": "specdecode.request",
     "GenerationResult": "specdecode.types",
     "LoadedModel": "specdecode.models.loading",
     "SamplingParams": "specdecode.sampling",
@@ -29,6 +31,7 @@ _EXPORTS = {
 
 __all__ = [
     "Draft",
+    "GenerationRequest",
     "GenerationResult",
     "LoadedModel",
     "SamplingParams",
