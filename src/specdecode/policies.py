@@ -5,8 +5,9 @@ Choosing k only from past steps keeps decoding lossless: k never depends on the 
 randomness in the step it is used for. (Stopping a draft early when the drafter is unsure is the
 drafter's job: `ModelDrafter(confidence=...)`, combinable with any policy.)
 
-Costs (DESIGN.md glossary, metrics.py): the cost ratio c = draft forward time / target
-single-token forward time, the verify cost v(k) = target forward time over k+1 tokens / over 1.
+Costs (docs/architecture.md, Vocabulary; metrics.py): the cost ratio c = draft forward time /
+target single-token forward time, the verify cost v(k) = target forward time over k+1 tokens /
+over 1.
 `CostK` maximises expected emitted tokens per unit of time,
 
     E[emitted](k) / (k·c + v(k)),   E[emitted](k) = 1 + sum_{i=1..k} prod_{j<=i} a_j,

@@ -1,4 +1,7 @@
-"""The data the decoding core passes around and returns (vocabulary: DESIGN.md / metrics.py)."""
+"""The data the decoding core passes around and returns.
+
+Vocabulary: docs/architecture.md, Vocabulary; metrics.py.
+"""
 
 from __future__ import annotations
 
