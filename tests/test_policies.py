@@ -3,12 +3,21 @@ policy chooses the k its rule says."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from specdecode import SpeculativeDecoder, metrics
 from specdecode.drafters import ModelDrafter, NgramDrafter
-from specdecode.policies import CostK, FixedK, HeuristicK, KPolicy, make_k_policy
+from specdecode.policies import (
+    CostK,
+    FixedK,
+    HeuristicK,
+    KPolicy,
+    make_k_policy,
+    prior_cost_ratio,
+)
 from specdecode.sampling import SamplingParams
 from specdecode.types import ForwardMeter
 from test_sampling_lossless import PROMPT, VOCAB, _exact_joint, chi_square, chi_square_limit
@@ -259,3 +268,12 @@ def test_stats_name_the_policy_and_count_ks():
     assert out["k_hist"] == {1: 1, 2: 1, 4: 3}
     ar = SpeculativeDecoder(target).generate([1], 5).stats.to_dict()
     assert ar["k_policy"] == "" and ar["k_hist"] == {0: 5}
+
+
+def test_the_cost_prior_asks_the_drafter_not_its_type():
+    target = tiny_llama(seed=0)
+    assert prior_cost_ratio(target, NgramDrafter()) == 0.0  # no model: drafting costs nothing
+    assert prior_cost_ratio(target, SimpleNamespace(cost_ratio=0.25)) == 0.25
+    assert prior_cost_ratio(target, SimpleNamespace()) is None  # no model, no stated c
+    same = prior_cost_ratio(target, ModelDrafter(target))  # parameter counts: the same model
+    assert same == pytest.approx(1.0)
