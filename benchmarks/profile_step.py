@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from specdecode import SpeculativeDecoder, decode, load_model, tree_decode
+from specdecode import step as chain_step
 from specdecode.cache import KVCache
 from specdecode.demo import DEMO_PROMPTS
 from specdecode.drafters import resolve_draft
@@ -71,11 +72,12 @@ def main() -> None:
     for cache in (KVCache, LeanCache):
         cache.rollback = timed("cache moves", cache.rollback)
         cache.compact = timed("cache moves", cache.compact)
-    for module, step_fn in ((decode, "speculative_step"), (tree_decode, "tree_step")):
+    for module in (chain_step, tree_decode):
         for name in dir(module):
             if name.startswith("verify_"):
                 setattr(module, name, timed("verification", getattr(module, name)))
-        setattr(module, step_fn, timed("step", getattr(module, step_fn), step=True))
+    for step_fn in ("speculative_step", "tree_step"):  # the names decode.py's loop calls
+        setattr(decode, step_fn, timed("step", getattr(decode, step_fn), step=True))
 
     tokens = steps = 0
     for _, prompt in DEMO_PROMPTS[: args.limit]:

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from specdecode.cache import KVCache
-from specdecode.decode import prefill, speculative_step
 from specdecode.drafters.model import ModelDrafter
 from specdecode.sampling import SamplingParams, make_generator
+from specdecode.step import prefill, speculative_step
 from specdecode.types import Stats
 
 from conftest import ARCHS, noisy_copy
@@ -43,7 +43,7 @@ def test_caches_match_a_fresh_prefill_after_every_step(arch, temperature):
     for step in range(12):
         k = 1 + step % 6
         step = speculative_step(state, drafter, k, params, generator, stats)
-        assert step.drafted == k and len(step.committed) == step.accepted + 1
+        assert step.depth == step.nodes == k and len(step.committed) == step.accepted + 1
         accepted_counts.add(step.accepted == k)
         tokens = state.tokens
         assert len(state.target_cache) == len(tokens) - 1

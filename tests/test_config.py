@@ -141,7 +141,7 @@ def test_generate_with_k_policy_and_confidence(saved, capsys):
     ar = _generate(capsys, *models)
     cost = _generate(capsys, *models, "--draft", str(saved / "draft"), "--k-policy", "cost")
     assert cost["token_ids"] == ar["token_ids"]
-    assert cost["stats"]["k_policy"] == "cost" and cost["stats"]["k"] == 4
+    assert cost["stats"]["k_policy"] == "cost" and cost["stats"]["k_max"] == 4
     assert sum(cost["stats"]["k_hist"].values()) == cost["stats"]["steps"]
     cut = _generate(
         capsys, *models, "--draft", str(saved / "draft"), "--k", "6", "--confidence", "0.1"
@@ -162,10 +162,10 @@ def test_generate_with_config_file(saved, tmp_path, capsys):
     ar = _generate(capsys, "--target", str(saved / "target"), "--dtype", "float32")
     from_file = _generate(capsys, "--config", str(tmp_path / "run.json"))
     assert from_file["token_ids"] == ar["token_ids"]
-    assert from_file["stats"]["k_policy"] == "heuristic" and from_file["stats"]["k"] == 6
+    assert from_file["stats"]["k_policy"] == "heuristic" and from_file["stats"]["k_max"] == 6
     # explicit flags win over the file
     flags = _generate(capsys, "--config", str(tmp_path / "run.json"), "--k-policy", "fixed")
-    assert flags["stats"]["k_policy"] == "fixed" and flags["stats"]["k"] == 3
+    assert flags["stats"]["k_policy"] == "fixed" and flags["stats"]["k_max"] == 3
     assert flags["token_ids"] == ar["token_ids"]
 
 
@@ -183,7 +183,7 @@ def test_generate_with_a_category_of_a_tuned_config(saved, tmp_path, capsys):
     code = _generate(capsys, "--config", str(tmp_path / "run.json"), "--category", "code")
     assert chat["token_ids"] == code["token_ids"] == ar["token_ids"]
     assert chat["stats"]["nodes_verified"] > 0  # drafted a tree
-    assert code["stats"]["k"] == 5 and not code["stats"]["nodes_verified"]
+    assert code["stats"]["k_max"] == 5 and not code["stats"]["nodes_verified"]
     chain = _generate(
         capsys, "--config", str(tmp_path / "run.json"), "--category", "chat", "--tree", "none"
     )  # a flag drops the file's tree

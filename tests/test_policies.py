@@ -3,12 +3,21 @@ policy chooses the k its rule says."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from specdecode import SpeculativeDecoder, metrics
 from specdecode.drafters import ModelDrafter, NgramDrafter
-from specdecode.policies import CostK, FixedK, HeuristicK, KPolicy, make_k_policy
+from specdecode.policies import (
+    CostK,
+    FixedK,
+    HeuristicK,
+    KPolicy,
+    make_k_policy,
+    prior_cost_ratio,
+)
 from specdecode.sampling import SamplingParams
 from specdecode.types import ForwardMeter
 from test_sampling_lossless import PROMPT, VOCAB, _exact_joint, chi_square, chi_square_limit
@@ -52,7 +61,7 @@ def test_greedy_output_is_the_targets_for_every_policy(policy, confidence):
                 assert result.token_ids == references[tuple(prompt)], (policy, k, prompt)
                 assert stats.new_tokens == 32
                 assert sum(stats.k_hist.values()) == stats.steps
-                assert max(stats.k_hist) <= stats.k
+                assert max(stats.k_hist) <= stats.k_max
                 assert stats.k_policy == engine.k_policy.name
                 ks_seen.update(stats.k_hist)
     if policy != "cost-timed":  # the timed choice depends on this machine's timings
@@ -254,8 +263,17 @@ def test_stats_name_the_policy_and_count_ks():
     target = tiny_llama(seed=0)
     stats = SpeculativeDecoder(target, target, k=2, k_policy="heuristic").generate([1], 20).stats
     out = stats.to_dict()
-    assert out["k_policy"] == "heuristic" and out["k"] == 4
+    assert out["k_policy"] == "heuristic" and out["k_max"] == 4
     # identical draft: 2, then +2 up to the cap (k_max = 4), then 1 to stop at exactly 20 tokens
     assert out["k_hist"] == {1: 1, 2: 1, 4: 3}
     ar = SpeculativeDecoder(target).generate([1], 5).stats.to_dict()
     assert ar["k_policy"] == "" and ar["k_hist"] == {0: 5}
+
+
+def test_the_cost_prior_asks_the_drafter_not_its_type():
+    target = tiny_llama(seed=0)
+    assert prior_cost_ratio(target, NgramDrafter()) == 0.0  # no model: drafting costs nothing
+    assert prior_cost_ratio(target, SimpleNamespace(cost_ratio=0.25)) == 0.25
+    assert prior_cost_ratio(target, SimpleNamespace()) is None  # no model, no stated c
+    same = prior_cost_ratio(target, ModelDrafter(target))  # parameter counts: the same model
+    assert same == pytest.approx(1.0)

@@ -12,12 +12,12 @@ import torch
 
 from specdecode import SpeculativeDecoder
 from specdecode.cache import KVCache
-from specdecode.decode import prefill
 from specdecode.drafters.early_exit import EarlyExitDrafter
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.tree_model import TreeModelDrafter
 from specdecode.drafters.tree_shape import TreeShape, parse_tree_spec
 from specdecode.sampling import SamplingParams
+from specdecode.step import prefill
 from specdecode.tree import TokenTree, ancestor_matrix, check_tree_attention, verification_inputs
 from specdecode.tree_decode import tree_step
 from specdecode.types import ForwardMeter, Stats
@@ -374,3 +374,25 @@ def test_caches_match_a_fresh_prefill_after_every_tree_step(spec, temperature):
                 fresh = model(torch.tensor([tokens[: cached + 1]])).logits[0, -1]
             torch.testing.assert_close(got, fresh, rtol=1e-4, atol=1e-4)
     assert len(accepted) > 1, "steps accepted different path lengths"
+
+
+def test_a_tree_step_reports_its_depth_and_its_nodes():
+    target = tiny_llama(seed=0)
+    draft = noisy_copy(target, 0.15)
+    drafter = TreeModelDrafter(draft, parse_tree_spec("static:3,2,1"), vocab_size=96)
+    proposed: list[TokenTree] = []
+    propose = drafter.propose_tree
+
+    def noted(context: list[int], max_depth: int) -> TokenTree:
+        proposed.append(propose(context, max_depth))
+        return proposed[-1]
+
+    drafter.propose_tree = noted
+    params, stats, prompt = SamplingParams(), Stats(), [3, 1, 4, 1, 5]
+    state = prefill(target, prompt, stats)
+    drafter.begin(prompt, params, None, stats.meter)
+    steps = [tree_step(state, drafter, params, None, stats) for _ in range(3)]
+    for step, tree in zip(steps, proposed, strict=True):
+        assert step.depth == tree.max_depth == 3  # positions offered along one path
+        assert step.nodes == len(tree) > step.depth  # every node the target verified
+    assert stats.nodes_verified == sum(step.nodes for step in steps)

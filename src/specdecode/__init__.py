@@ -1,12 +1,37 @@
-"""specdecode: lossless speculative decoding for Hugging Face causal language models."""
+"""specdecode: lossless speculative decoding for Hugging Face causal language models.
 
-from specdecode.engine import SpeculativeDecoder
-from specdecode.models.loading import LoadedModel, load_model
-from specdecode.sampling import SamplingParams
-from specdecode.types import Draft, GenerationResult, Stats
+The public names load on first use (module `__getattr__`), so that importing one submodule, e.g.
+the decoding core `specdecode.decode`, does not import the engine, the drafters and the kernels
+(docs/architecture.md, Invariants 5).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from specdecode.engine import SpeculativeDecoder
+    from specdecode.models.loading import LoadedModel, load_model
+    from specdecode.request import GenerationRequest
+    from specdecode.sampling import SamplingParams
+    from specdecode.types import Draft, GenerationResult, Stats
+
+# public name -> the module defining it
+_EXPORTS = {
+    "Draft": "specdecode.types",
+    "GenerationRequest": "specdecode.request",
+    "GenerationResult": "specdecode.types",
+    "LoadedModel": "specdecode.models.loading",
+    "SamplingParams": "specdecode.sampling",
+    "SpeculativeDecoder": "specdecode.engine",
+    "Stats": "specdecode.types",
+    "load_model": "specdecode.models.loading",
+}
 
 __all__ = [
     "Draft",
+    "GenerationRequest",
     "GenerationResult",
     "LoadedModel",
     "SamplingParams",
@@ -15,3 +40,15 @@ __all__ = [
     "load_model",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -1,7 +1,8 @@
 """`SpeculativeDecoder`: the public API around the decoding core.
 
 Validates input, turns prompts into ids, applies stop strings, times the run and decodes text. The
-algorithm itself lives in decode.py; this module only prepares its input and reads its output.
+algorithm itself lives in decode.py; this module only prepares its input and reads its output. One
+generation's options travel as one `GenerationRequest` (request.py).
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ import torch
 
 from specdecode.cache import KVCache
 from specdecode.decode import decode
-from specdecode.drafters.base import Drafter
+from specdecode.drafter import Drafter
 from specdecode.drafters.model import ModelDrafter, check_confidence
 from specdecode.drafters.tree_model import TreeModelDrafter, make_tree_drafter
 from specdecode.models.compat import common_vocab_size, context_length, logits_size
 from specdecode.models.loading import LoadedModel, wrap_model
 from specdecode.policies import KPolicy, make_k_policy, prior_cost_ratio
+from specdecode.request import GenerationRequest
 from specdecode.sampling import SamplingParams, make_generator
 from specdecode.tree import TreeDrafter
 from specdecode.types import ForwardMeter, GenerationResult, Stats
@@ -154,8 +156,6 @@ class SpeculativeDecoder:
         return models
 
     def _check_length(self, n_prompt: int, max_new_tokens: int) -> None:
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1 (got {max_new_tokens!r})")
         for role, model in self.context_models():
             limit = context_length(model)
             if limit is not None and n_prompt + max_new_tokens > limit:
@@ -182,31 +182,47 @@ class SpeculativeDecoder:
     ) -> Iterator[list[int]]:
         """Yield each step's committed new token ids; `self.last_stats` holds the counters.
 
-        Input is validated here, before the first token (ValueError on bad input).
+        The options are `GenerationRequest`'s (`stream_request` takes one whole). Input is
+        validated here, before the first token (ValueError on bad input).
         `prefilled`: the target's cache over the prompt ids but the last, computed once
         elsewhere (`KVCache.copy()` of it per run); the run then skips the target's prefill.
         """
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-        prompt_ids = self.encode_prompt(prompt, chat=chat)
-        self._check_length(len(prompt_ids), max_new_tokens)
-        stops = _as_list(stop)
-        if any(not s for s in stops):
-            raise ValueError("stop strings must be non-empty")
-        if stops and self.tokenizer is None:
+        request = GenerationRequest(max_new_tokens, params, seed, stop, eos_token_ids, chat)
+        return self.stream_request(prompt, request, stats=stats, prefilled=prefilled)
+
+    def stream_request(
+        self,
+        prompt: Prompt,
+        request: GenerationRequest,
+        *,
+        stats: Stats | None = None,
+        prefilled: KVCache | None = None,
+    ) -> Iterator[list[int]]:
+        """`stream` with its options as one `GenerationRequest`: yield each step's committed new
+        token ids, validated before the first token; `self.last_stats` holds the counters."""
+        prompt_ids = self.encode_prompt(prompt, chat=request.chat)
+        return self._start(prompt_ids, request, stats, prefilled)
+
+    def _start(
+        self,
+        prompt_ids: list[int],
+        request: GenerationRequest,
+        stats: Stats | None,
+        prefilled: KVCache | None = None,
+    ) -> Iterator[list[int]]:
+        """Check what the request needs of the models (eagerly), then start the run."""
+        self._check_length(len(prompt_ids), request.max_new_tokens)
+        if request.stops and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
-        eos = self.eos_token_ids if eos_token_ids is None else set(eos_token_ids)
         stats = stats if stats is not None else Stats()
         self.last_stats = stats
-        return self._run(prompt_ids, max_new_tokens, params, seed, stops, eos, stats, prefilled)
+        return self._run(prompt_ids, request, stats, prefilled)
 
     def _run(
         self,
         prompt_ids: list[int],
-        max_new_tokens: int,
-        params: SamplingParams,
-        seed: int | None,
-        stops: list[str],
-        eos: set[int],
+        request: GenerationRequest,
         stats: Stats,
         prefilled: KVCache | None = None,
     ) -> Iterator[list[int]]:
@@ -214,12 +230,14 @@ class SpeculativeDecoder:
         clock = clock_for(device)
         if self.time_forwards:
             stats.meter = ForwardMeter(clock)
-        generator = None if params.greedy else make_generator(device, seed)
+        params = request.params
+        generator = None if params.greedy else make_generator(device, request.seed)
+        eos = self.eos_token_ids if request.eos_token_ids is None else request.eos_token_ids
         start = clock()
         steps = decode(
             self.target.model,
             prompt_ids,
-            max_new_tokens,
+            request.max_new_tokens,
             drafter=self.drafter,
             k=self.k,
             k_policy=self.k_policy,
@@ -229,6 +247,7 @@ class SpeculativeDecoder:
             stats=stats,
             prefilled=prefilled,
         )
+        stops = list(request.stops)
         stop_check = _StopStrings(self.tokenizer, stops) if stops else None
         try:
             for committed in steps:
@@ -260,36 +279,30 @@ class SpeculativeDecoder:
         eos_token_ids: Sequence[int] | None = None,
         chat: bool = False,
     ) -> GenerationResult:
-        """Generate and return the new token ids, their text and the stats of the run."""
+        """Generate and return the new token ids, their text and the stats of the run (the
+        options are `GenerationRequest`'s; `generate_request` takes one whole)."""
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        request = GenerationRequest(max_new_tokens, params, seed, stop, eos_token_ids, chat)
+        return self.generate_request(prompt, request)
+
+    def generate_request(self, prompt: Prompt, request: GenerationRequest) -> GenerationResult:
+        """`generate` with its options as one `GenerationRequest`: the new token ids, their
+        text and the stats of the run."""
         stats = Stats()
-        prompt_ids = self.encode_prompt(prompt, chat=chat)
-        chunks = self.stream(
-            prompt_ids,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
-            stop=stop,
-            eos_token_ids=eos_token_ids,
-            stats=stats,
-        )
+        prompt_ids = self.encode_prompt(prompt, chat=request.chat)
+        chunks = self._start(prompt_ids, request, stats)
         token_ids = [t for chunk in chunks for t in chunk]
         text = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
             if stats.stop_reason == "stop":
-                text = _cut_at_stop(text, stop)
+                text = _cut_at_stop(text, request.stops)
         return GenerationResult(token_ids, text, stats, prompt_ids)
 
 
-def _as_list(stop: str | Sequence[str] | None) -> list[str]:
-    return [stop] if isinstance(stop, str) else list(stop or [])
-
-
-def _cut_at_stop(text: str, stop: str | Sequence[str] | None) -> str:
+def _cut_at_stop(text: str, stops: Sequence[str]) -> str:
     """The text before the earliest stop string (OpenAI semantics: the stop is not returned)."""
-    cuts = [text.find(s) for s in _as_list(stop) if s in text]
+    cuts = [text.find(s) for s in stops if s in text]
     return text[: min(cuts)] if cuts else text
 
 

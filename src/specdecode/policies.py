@@ -5,8 +5,9 @@ Choosing k only from past steps keeps decoding lossless: k never depends on the 
 randomness in the step it is used for. (Stopping a draft early when the drafter is unsure is the
 drafter's job: `ModelDrafter(confidence=...)`, combinable with any policy.)
 
-Costs (DESIGN.md glossary, metrics.py): the cost ratio c = draft forward time / target
-single-token forward time, the verify cost v(k) = target forward time over k+1 tokens / over 1.
+Costs (docs/architecture.md, Vocabulary; metrics.py): the cost ratio c = draft forward time /
+target single-token forward time, the verify cost v(k) = target forward time over k+1 tokens /
+over 1.
 `CostK` maximises expected emitted tokens per unit of time,
 
     E[emitted](k) / (k·c + v(k)),   E[emitted](k) = 1 + sum_{i=1..k} prod_{j<=i} a_j,
@@ -296,12 +297,11 @@ def _compute_params(model: Any) -> int:
 
 def prior_cost_ratio(target: Any, drafter: Any) -> float | None:
     """A clock-free guess at c: draft / target parameter count (forwards at batch 1 are
-    memory-bound, so time tracks bytes read). 0 for a drafter without a model (n-gram); None
-    when it cannot tell."""
-    from specdecode.drafters.ngram import NgramDrafter
-
-    if isinstance(drafter, NgramDrafter):
-        return 0.0
+    memory-bound, so time tracks bytes read). A drafter that knows its c says so in a
+    `cost_ratio` attribute (n-gram: 0, no model); None when it cannot tell."""
+    known = getattr(drafter, "cost_ratio", None)
+    if known is not None:
+        return float(known)
     model = getattr(drafter, "model", None)
     if model is None:
         return None

@@ -1,8 +1,8 @@
 """One token-tree step: draft a tree, verify every node in one target forward, compact the cache.
 
-The tree counterpart of `decode.speculative_step`, with the same state and the same StepResult;
-`drafted` is the tree's depth (the most tokens the step could accept), and `Stats.nodes_verified`
-counts the tree's nodes.
+The tree counterpart of `step.speculative_step`, with the same state and the same StepResult;
+`depth` is the tree's depth (the most tokens the step could accept), `nodes` its node count, which
+`Stats.nodes_verified` sums.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specdecode.decode import DecodeState, speculative_step
 from specdecode.sampling import SamplingParams, logits_to_probs
+from specdecode.step import DecodeState, speculative_step
 from specdecode.tree import TreeDrafter, verification_inputs
 from specdecode.types import Stats, StepResult
 from specdecode.verify_tree import verify_tree_greedy, verify_tree_sampling
@@ -40,7 +40,7 @@ def tree_step(
 
     # one target forward over the root (last committed token) and every node, each row seeing
     # the prefix and its ancestors only
-    past = len(cache)  # == len(state.tokens) - 1 (invariant 2)
+    past = len(cache)  # == len(state.tokens) - 1 (docs/architecture.md, Invariants 2)
     dtype = next(model.parameters()).dtype
     inputs, positions, mask = verification_inputs(tree, state.tokens[-1], past, dtype)
     with stats.meter.forward("target", inputs.shape[0]):
@@ -62,5 +62,6 @@ def tree_step(
     path_rows = torch.tensor(path, dtype=torch.long) + past + 1
     cache.compact(torch.cat([torch.arange(past + 1), path_rows]))
     drafter.observe_path(path)
-    stats.nodes_verified += len(tree)
-    return StepResult(committed, tree.max_depth, len(path))
+    result = StepResult(committed, depth=tree.max_depth, nodes=len(tree), accepted=len(path))
+    stats.nodes_verified += result.nodes  # a chain's nodes are its depth: counted for trees only
+    return result

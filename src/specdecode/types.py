@@ -1,4 +1,7 @@
-"""The data the decoding core passes around and returns (vocabulary: DESIGN.md / metrics.py)."""
+"""The data the decoding core passes around and returns.
+
+Vocabulary: docs/architecture.md, Vocabulary; metrics.py.
+"""
 
 from __future__ import annotations
 
@@ -30,7 +33,10 @@ class StepResult:
     """What one speculative step committed."""
 
     committed: list[int]  # accepted drafts + the recovered or bonus token
-    drafted: int  # tokens the drafter proposed (may be fewer than k, e.g. no n-gram match)
+    # positions offered for acceptance along one path: k' for a chain (may be fewer than k, e.g.
+    # no n-gram match), the tree's depth for a tree
+    depth: int
+    nodes: int  # tokens the target verified besides the root: k' for a chain, a tree's node count
     accepted: int
 
 
@@ -63,18 +69,18 @@ class ForwardMeter:
 class Stats:
     """Raw counters of one generation, filled by the core; rates are derived (metrics.py)."""
 
-    k: int = 0  # look-ahead asked for (0 = autoregressive); an adaptive policy's k_max
+    k_max: int = 0  # the most tokens any step may draft (0 = autoregressive); a policy's k_max
     k_policy: str = ""  # the policy choosing each step's k ("fixed", "heuristic", "cost")
     k_hist: dict[int, int] = field(default_factory=dict)  # steps per k asked for
     steps: int = 0  # target forwards after prefill (verification steps)
-    drafted: int = 0
+    drafted: int = 0  # positions offered for acceptance: the steps' depths summed
     accepted: int = 0
     emitted: int = 0  # tokens committed by steps (accepted + recovered/bonus, after stops)
     new_tokens: int = 0  # tokens returned to the caller
     prompt_tokens: int = 0
     drafted_at: list[int] = field(default_factory=list)  # [k] drafts at position i
     accepted_at: list[int] = field(default_factory=list)  # [k] acceptances at position i
-    nodes_verified: int = 0  # token-tree nodes the target verified (trees only; drafted = depth)
+    nodes_verified: int = 0  # token-tree nodes the target verified: the steps' nodes (trees only)
     stop_reason: str = ""  # "length", "eos" or "stop"
     # measured by the caller around the core (engine), never inside it
     wall_time_s: float = 0.0  # from the call to the last token
@@ -126,7 +132,7 @@ class Stats:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "k": self.k,
+            "k_max": self.k_max,
             "k_policy": self.k_policy,
             "k_hist": dict(sorted(self.k_hist.items())),
             "steps": self.steps,

@@ -24,6 +24,8 @@ from specdecode.config import RunConfig
 from specdecode.drafters.model import ModelDrafter
 from specdecode.engine import SpeculativeDecoder, clock_for
 from specdecode.models.loading import LoadedModel
+from specdecode.request import GenerationRequest
+from specdecode.sampling import SamplingParams
 from specdecode.types import Stats
 
 OUR_METHODS = ("ar", "spec")
@@ -161,7 +163,7 @@ class MethodRunner:
     ) -> None:
         self.target = target
         self.drafts = drafts
-        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        self.params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         self.seed = seed
         self._engines: dict[Setting, SpeculativeDecoder] = {}
         self.ar_engine = SpeculativeDecoder(target)
@@ -210,14 +212,9 @@ class MethodRunner:
     ) -> RunOutput:
         engine = self.engine(setting)
         stats = Stats()
-        chunks = engine.stream(
-            ids,
-            max_new_tokens=max_new_tokens,
-            seed=self.seed,
-            stats=stats,
-            prefilled=prefilled.copy() if prefilled is not None else None,
-            **self.sampling,
-        )
+        request = GenerationRequest(max_new_tokens, self.params, self.seed)
+        prefilled = prefilled.copy() if prefilled is not None else None
+        chunks = engine.stream_request(ids, request, stats=stats, prefilled=prefilled)
         blocks = list(chunks)
         tokens = [t for block in blocks for t in block]
         first = len(blocks[0]) if blocks else 0
@@ -229,13 +226,13 @@ class MethodRunner:
         from transformers import GenerationConfig
 
         model = self.target.model
-        greedy = not self.sampling["temperature"]
+        greedy = self.params.greedy
         config = GenerationConfig(
             max_new_tokens=max_new_tokens,
             do_sample=not greedy,
-            temperature=None if greedy else self.sampling["temperature"],
-            top_k=None if greedy else (self.sampling["top_k"] or 0),
-            top_p=None if greedy else self.sampling["top_p"],
+            temperature=None if greedy else self.params.temperature,
+            top_k=None if greedy else (self.params.top_k or 0),
+            top_p=None if greedy else self.params.top_p,
             eos_token_id=self.eos_token_ids or None,
             pad_token_id=self.eos_token_ids[0] if self.eos_token_ids else 0,
         )

@@ -1,34 +1,6 @@
-"""The drafter protocol: whatever proposes tokens for the target to verify."""
+"""The drafter protocols, re-exported for drafter implementations (they live in the core:
+specdecode/drafter.py, so that the core imports no drafter; docs/architecture.md, Invariants 5)."""
 
-from __future__ import annotations
+from specdecode.drafter import BaseDrafter, Drafter
 
-from typing import Protocol, runtime_checkable
-
-from specdecode.sampling import SamplingParams
-from specdecode.types import Draft, ForwardMeter
-
-
-class BaseDrafter(Protocol):
-    """What every drafter, chain or tree, does: a name and a start per sequence."""
-
-    name: str
-
-    def begin(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        generator: object,
-        meter: ForwardMeter,
-    ) -> None:
-        """Start a new sequence (reset state; may prefill over prompt_ids[:-1])."""
-
-
-@runtime_checkable
-class Drafter(BaseDrafter, Protocol):
-    """A drafter proposing one chain of tokens."""
-
-    def propose(self, context: list[int], k: int) -> Draft:
-        """Draft k tokens following the committed tokens `context`."""
-
-    def observe(self, n_accepted: int) -> None:
-        """Learn how many of the last proposal's tokens the target kept (and roll back)."""
+__all__ = ["BaseDrafter", "Drafter"]

@@ -15,6 +15,10 @@ from specdecode.types import Draft, ForwardMeter
 
 
 class NgramDrafter:
+    # c, the draft's cost per token next to the target's (policies.prior_cost_ratio): no model
+    # forward, so next to nothing
+    cost_ratio = 0.0
+
     def __init__(self, min_ngram: int = 1, max_ngram: int = 3) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(

@@ -33,7 +33,7 @@ def usage(stats: Stats) -> dict[str, Any]:
             "rejected_prediction_tokens": stats.drafted - stats.accepted,
         },
         "speculative": {
-            "k": stats.k,
+            "k_max": stats.k_max,
             "steps": stats.steps,
             "drafted": stats.drafted,
             "accepted": stats.accepted,

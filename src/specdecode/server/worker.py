@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 from specdecode.engine import SpeculativeDecoder
 from specdecode.models.compat import context_length
+from specdecode.request import GenerationRequest
+from specdecode.sampling import SamplingParams
 from specdecode.server.errors import APIError
 from specdecode.server.telemetry import ServerMetrics
 from specdecode.server.textstream import IncrementalText
@@ -42,6 +44,12 @@ class GenerationParams:
     seed: int | None
     stops: list[str]
     prompt_param: str = "prompt"  # how the request names the prompt ("prompt" or "messages")
+
+    def request(self, max_new_tokens: int) -> GenerationRequest:
+        """The engine's request for the encoded prompt (the chat template is applied already);
+        ValueError on bad sampling settings."""
+        sampling = SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        return GenerationRequest(max_new_tokens, sampling, self.seed, self.stops)
 
 
 @dataclass
@@ -249,16 +257,7 @@ class GenerationWorker:
         stats = Stats()
         try:
             prompt_ids, max_new = self._plan(params)
-            chunks = engine.stream(
-                prompt_ids,
-                max_new_tokens=max_new,
-                temperature=params.temperature,
-                top_k=params.top_k,
-                top_p=params.top_p,
-                seed=params.seed,
-                stop=params.stops,
-                stats=stats,
-            )
+            chunks = engine.stream_request(prompt_ids, params.request(max_new), stats=stats)
         except APIError as err:
             job.deliver(Failed(err))
             return

@@ -1,0 +1,94 @@
+"""One sequence's state, its prefill, and one chain step: draft, verify, commit, roll back.
+
+Pure data in, data out: no printing, no clock (docs/architecture.md, Invariants 4). Counters go
+into `Stats`; forward times only through the caller's `ForwardMeter` clock. The tree step
+(tree_decode.py) shares this state; decode.py's loop runs either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from specdecode.cache import KVCache
+from specdecode.drafter import Drafter
+from specdecode.sampling import SamplingParams, logits_to_probs
+from specdecode.types import Stats, StepResult
+from specdecode.verify import verify_greedy, verify_sampling
+
+
+@dataclass
+class DecodeState:
+    """One sequence being generated."""
+
+    tokens: list[int]  # committed ids: prompt + generated
+    target_cache: KVCache  # covers tokens[:-1] between steps (docs/architecture.md, Invariants 2)
+
+
+@torch.inference_mode()
+def prefill(
+    target: Any, prompt_ids: list[int], stats: Stats, prefilled: KVCache | None = None
+) -> DecodeState:
+    """Fill the target's cache with all prompt tokens but the last (the first step's input).
+
+    `prefilled`: a cache that already covers prompt_ids[:-1] (a prompt prefilled once and
+    reused); it is used as is, and the decode then owns it.
+    """
+    if prefilled is not None:
+        if len(prefilled) != len(prompt_ids) - 1:
+            raise ValueError(
+                f"a prefilled cache must cover the prompt but its last token "
+                f"({len(prompt_ids) - 1} positions), not {len(prefilled)}"
+            )
+        return DecodeState(tokens=list(prompt_ids), target_cache=prefilled)
+    cache = KVCache(target)
+    if len(prompt_ids) > 1:
+        device = next(target.parameters()).device
+        with stats.meter.forward("prefill", len(prompt_ids) - 1):
+            cache.forward(torch.tensor(prompt_ids[:-1], device=device), last_only=True)
+    return DecodeState(tokens=list(prompt_ids), target_cache=cache)
+
+
+@torch.inference_mode()
+def speculative_step(
+    state: DecodeState,
+    drafter: Drafter | None,
+    k: int,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    stats: Stats,
+) -> StepResult:
+    """Draft up to k tokens, verify them in one target forward, commit, roll back.
+
+    k == 0, no drafter, or an empty draft is one plain autoregressive step.
+    """
+    cache = state.target_cache
+    device = next(cache.model.parameters()).device
+    draft = drafter.propose(state.tokens, k) if drafter is not None and k > 0 else None
+    drafted = draft.tokens if draft is not None else torch.empty(0, dtype=torch.long)
+    drafted = drafted.to(device)  # [k'], k' <= k
+
+    # one target forward over the last committed token and the drafts
+    inputs = torch.cat([torch.tensor(state.tokens[-1:], device=device), drafted])  # [k'+1]
+    with stats.meter.forward("target", inputs.shape[0]):
+        logits = cache.forward(inputs)  # [k'+1, V]
+
+    if params.greedy:
+        n_accepted, next_token = verify_greedy(drafted, logits)
+    else:
+        p_target = logits_to_probs(logits, params)  # [k'+1, V]
+        q_draft = draft.q_draft if draft is not None else None
+        if q_draft is not None and q_draft.shape[-1] < p_target.shape[-1]:
+            # the drafter samples from the common vocabulary: zero mass beyond it
+            q_draft = F.pad(q_draft, (0, p_target.shape[-1] - q_draft.shape[-1]))
+        n_accepted, next_token = verify_sampling(drafted, q_draft, p_target, generator)
+
+    committed = [*drafted[:n_accepted].tolist(), next_token]
+    state.tokens.extend(committed)
+    cache.rollback(len(state.tokens) - 1)  # keep committed tokens minus the last
+    if draft is not None:
+        drafter.observe(n_accepted)  # type: ignore[union-attr]
+    return StepResult(committed, depth=len(drafted), nodes=len(drafted), accepted=n_accepted)
