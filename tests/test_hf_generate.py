@@ -99,8 +99,9 @@ def test_streamer_gets_each_steps_ids(llama_pair):
     out = target.generate(
         PROMPT, max_new_tokens=16, custom_generate=speculative(draft, 3, streamer=streamer)
     )
-    assert streamer.ended and len(streamer.puts) > 1
-    assert [t for ids in streamer.puts for t in ids] == out[0, PROMPT.shape[1] :].tolist()
+    assert streamer.ended and len(streamer.puts) > 2
+    assert streamer.puts[0] == PROMPT[0].tolist()  # the prompt first, as transformers does
+    assert [t for ids in streamer.puts[1:] for t in ids] == out[0, PROMPT.shape[1] :].tolist()
 
 
 @pytest.mark.parametrize(

@@ -95,6 +95,8 @@ class SpeculativeGenerate:
         if self.streamer is None:
             return engine.generate(prompt, **args).token_ids
         new_ids: list[int] = []
+        # the prompt first, as transformers does (TextStreamer(skip_prompt=True) skips this put)
+        self.streamer.put(torch.tensor([prompt], dtype=torch.long))
         for committed in engine.stream(prompt, **args):
             new_ids.extend(committed)
             self.streamer.put(torch.tensor(committed, dtype=torch.long))
