@@ -13,6 +13,7 @@ Ctrl-C a third time quits at once.
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import socket
 import threading
@@ -24,6 +25,8 @@ import uvicorn
 
 # after the drain: time for the last chunks to reach their clients before uvicorn cancels them
 FLUSH_TIMEOUT_S = 5
+
+logger = logging.getLogger("uvicorn.error")  # uvicorn's own: its log config prints it
 
 
 class DrainingServer(uvicorn.Server):
@@ -52,6 +55,7 @@ class DrainingServer(uvicorn.Server):
         self._drain_task = asyncio.ensure_future(self._drain_then_exit())
 
     async def _drain_then_exit(self) -> None:
+        logger.info("Draining: new and queued requests get 503 (a second signal skips the drain)")
         try:
             await self._drain()
         finally:
