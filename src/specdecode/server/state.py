@@ -1,0 +1,114 @@
+"""What the routes share (`ServerState`): the options, the worker, the metrics, the prompt limits
+known before tokenizing, and the drain that ends the server gracefully."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from specdecode.engine import SpeculativeDecoder
+from specdecode.server.errors import APIError
+from specdecode.server.limits import DEFAULT_MAX_BODY_BYTES, prompt_char_limit
+from specdecode.server.telemetry import ServerMetrics
+from specdecode.server.worker import GenerationWorker, context_limit
+
+DRAIN_POLL_S = 0.05
+# after the graceful timeout, how long the step in progress may take to end (one step: a
+# model's forward passes; a large model on a CPU takes seconds)
+STEP_GRACE_S = 5.0
+
+log = logging.getLogger("specdecode.server")
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """`queue_size`: requests allowed to wait while one generates (more get 429). `timeout_s`:
+    the limit per request from its arrival, queueing included (None: none). `max_prompt_tokens`:
+    a limit below the model's context (None: the context only). `max_prompt_chars`: a limit in
+    characters, checked before tokenizing (None: derived from the token limit, see limits.py).
+    `max_body_bytes`: larger bodies get 413. `api_key`: required as `Authorization: Bearer` on
+    /v1/* (and /metrics with `metrics_auth`)."""
+
+    queue_size: int = 16
+    timeout_s: float | None = 600.0
+    max_prompt_tokens: int | None = None
+    max_prompt_chars: int | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    api_key: str | None = None
+    metrics_auth: bool = False
+
+    def check(self) -> None:
+        if self.queue_size < 0:
+            raise ValueError(f"queue_size must be >= 0 (got {self.queue_size})")
+        if self.timeout_s is not None and self.timeout_s <= 0:
+            raise ValueError(f"timeout must be > 0 seconds (got {self.timeout_s})")
+        for name in ("max_prompt_tokens", "max_prompt_chars"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 (got {value})")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1 (got {self.max_body_bytes})")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("the API key must not be empty")
+        if self.metrics_auth and self.api_key is None:
+            raise ValueError("metrics_auth needs an API key")
+
+
+def _smallest(*limits: int | None) -> int | None:
+    known = [n for n in limits if n is not None]
+    return min(known) if known else None
+
+
+class ServerState:
+    """What the routes share: the worker, the metrics, the limits, and whether the server drains."""
+
+    def __init__(self, engine: SpeculativeDecoder, model_name: str, options: ServerOptions) -> None:
+        self.options, self.model_name = options, model_name
+        self.worker = GenerationWorker(
+            engine, queue_size=options.queue_size, max_prompt_tokens=options.max_prompt_tokens
+        )
+        self.metrics = ServerMetrics(
+            model_name, lambda: self.worker.queue_depth, lambda: self.worker.running
+        )
+        self.worker.metrics = self.metrics
+        # the prompt limits known without tokenizing (the worker checks the exact count)
+        self.max_prompt_tokens = _smallest(options.max_prompt_tokens, context_limit(engine))
+        derived = prompt_char_limit(self.max_prompt_tokens, engine.tokenizer)
+        self.max_prompt_chars = _smallest(options.max_prompt_chars, derived)
+        self.draining = False
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist: this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "specdecode"}
+
+    async def drain(self, timeout_s: float) -> None:
+        """Shut down gracefully: new generation requests and queued ones get 503 and /health
+        says "draining" at once; the running generation may finish within `timeout_s`, then it
+        is ended at its next step like one cut by max_tokens (a stream gets its last chunk and
+        `[DONE]`). Returns once the worker is idle (or STEP_GRACE_S after the timeout)."""
+        self.draining = True
+        self.worker.drain()
+        loop = asyncio.get_running_loop()
+        if await self._until_idle(loop.time() + timeout_s):
+            return
+        log.warning("graceful timeout of %s s passed: ending the running generation", timeout_s)
+        self.worker.interrupt_running("shutdown")
+        await self._until_idle(loop.time() + STEP_GRACE_S)
+
+    async def _until_idle(self, deadline: float) -> bool:
+        loop = asyncio.get_running_loop()
+        while not self.worker.idle:
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(DRAIN_POLL_S)
+        return True
