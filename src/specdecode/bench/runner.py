@@ -30,7 +30,7 @@ from specdecode.bench.methods import (
     takes_prefill,
     tuned_setting,
 )
-from specdecode.bench.records import make_record, mark_identity, top2_margin
+from specdecode.bench.records import Record, make_record, mark_identity, top2_margin
 from specdecode.bench.suites import BenchPrompt, interleave_by_category, load_suite
 from specdecode.config import load_config
 from specdecode.drafters.lean import LeanCache
@@ -177,7 +177,7 @@ def run_settings(
     settings: list[Setting],
     prompts: list[BenchPrompt],
     progress: bool = True,
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+) -> tuple[list[Record], dict[str, Any]]:
     """Run `settings` on `prompts` with loaded models; write and return records and summary."""
     from tqdm import tqdm
 
@@ -261,10 +261,10 @@ class _TurnRunner:
         order: list[Setting],
         conversations: dict[Setting, _Conversation],
         bar: Any,
-    ) -> dict[Setting, dict[str, Any]]:
+    ) -> dict[Setting, Record]:
         """Turn `turn` of `prompt` under every setting, in `order`; greedy records are marked
         against `ar`. Returns the records by setting."""
-        done: dict[Setting, dict[str, Any]] = {}
+        done: dict[Setting, Record] = {}
         ids_of: dict[Setting, list[int]] = {}
         shared: dict[tuple[int, ...], tuple[Any, float]] = {}  # ids -> prefilled cache, s
         for setting in order:
@@ -285,7 +285,7 @@ class _TurnRunner:
         setting: Setting,
         conversation: _Conversation,
         shared: dict[tuple[int, ...], tuple[Any, float]],
-    ) -> tuple[dict[str, Any], list[int]]:
+    ) -> tuple[Record, list[int]]:
         """One prompt x setting x repeat (at one turn): its record and the prompt ids it ran on.
         With `share_prefill`, the first method that can take a prefilled cache fills `shared`."""
         config, runner = self.config, self.runner
@@ -314,7 +314,7 @@ class _TurnRunner:
             shared_prefill_s=prefill_s,
         )
         if setting.per_category:  # one column for the tuned config
-            record.update(setting=setting.label, tuned=True, ran=runs.label)
+            record.setting, record.tuned, record.ran = setting.label, True, runs.label
         return record, ids
 
 
@@ -323,7 +323,7 @@ class _ResultsWriter:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.records: list[dict[str, Any]] = []
+        self.records: list[Record] = []
 
     def __enter__(self) -> _ResultsWriter:
         self.file = self.path.open("w")
@@ -332,9 +332,9 @@ class _ResultsWriter:
     def __exit__(self, *exc: object) -> None:
         self.file.close()
 
-    def write(self, records: list[dict[str, Any]]) -> None:
+    def write(self, records: list[Record]) -> None:
         for record in records:
-            self.file.write(json.dumps(record) + "\n")
+            self.file.write(json.dumps(record.to_dict()) + "\n")
             self.records.append(record)
         self.file.flush()
 
@@ -351,18 +351,18 @@ def _decode(engine: Any, ids: list[int]) -> str | None:
 
 
 def _check_identity(
-    target: LoadedModel, done: dict[Setting, dict[str, Any]], ids_of: dict[Setting, list[int]]
+    target: LoadedModel, done: dict[Setting, Record], ids_of: dict[Setting, list[int]]
 ) -> None:
     """Mark every greedy record against `ar` of the same prompt; margins computed once."""
     ar_setting = next(s for s in done if s.method == "ar")
     ar_record = done[ar_setting]
-    ar_record["identical_to_ar"] = True
+    ar_record.identical_to_ar = True
     margins: dict[int, float] = {}
 
     def margin(position: int) -> float:
         if position not in margins:
             margins[position] = top2_margin(
-                target.model, ids_of[ar_setting], ar_record["token_ids"], position
+                target.model, ids_of[ar_setting], ar_record.token_ids, position
             )
         return margins[position]
 
@@ -429,7 +429,7 @@ def _read_run_info(out_dir: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def load_results(out_dir: str | Path) -> list[dict[str, Any]]:
+def load_results(out_dir: str | Path) -> list[Record]:
     """The records of a saved run (results.jsonl), with a clear error when there are none."""
     path = Path(out_dir) / RESULTS
     if not path.exists():
@@ -438,9 +438,12 @@ def load_results(out_dir: str | Path) -> list[dict[str, Any]]:
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if line.strip():
             try:
-                records.append(json.loads(line))
+                data = json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{number}: not JSON ({err.msg})") from None
+            if not isinstance(data, dict):
+                raise ValueError(f"{path}:{number}: not a record (a JSON object)")
+            records.append(Record.from_dict(data))
     if not records:
         raise ValueError(f"{path} holds no records")
     return records

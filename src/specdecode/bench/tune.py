@@ -34,11 +34,10 @@ from specdecode import metrics
 from specdecode.bench.aggregate import OVERALL, row_for
 from specdecode.bench.costs import verify_costs
 from specdecode.bench.methods import Setting, plan_settings
+from specdecode.bench.records import Record
 from specdecode.bench.runner import BenchConfig, load_bench_models, run_settings
 from specdecode.bench.suites import BenchPrompt, interleave_by_category, load_suite
 from specdecode.config import RunConfig, save_config, to_vllm_speculative_config
-
-Record = dict[str, Any]
 
 
 def split_prompts(
@@ -60,7 +59,7 @@ def split_prompts(
 def _pooled(records: list[Record], field: str) -> list[int]:
     total: list[int] = []
     for r in records:
-        for i, value in enumerate(r.get(field) or []):
+        for i, value in enumerate(getattr(r, field) or []):
             if i == len(total):
                 total.append(0)
             total[i] += value
@@ -69,7 +68,7 @@ def _pooled(records: list[Record], field: str) -> list[int]:
 
 def step_profile(records: list[Record], k_max: int) -> dict[str, list[float]]:
     """P(L >= i) and P(D >= i), i = 1..k_max, over every step of `records` (one drafter)."""
-    steps = sum(r["steps"] for r in records)
+    steps = sum(r.steps for r in records)
     accepted = _pooled(records, "accepted_at") + [0] * k_max
     drafted = _pooled(records, "drafted_at") + [0] * k_max
     return {
@@ -102,10 +101,10 @@ def measured_costs(ar: list[Record], spec: list[Record]) -> dict[str, float]:
     """t_1, o_ar from `ar` records; t_draft, o_step from one drafter's spec records (seconds)."""
 
     def total(records: list[Record], field: str) -> float:
-        return sum(r[field] or 0 for r in records)
+        return sum(getattr(r, field) or 0 for r in records)
 
     def decode_time(records: list[Record]) -> float:
-        return sum(r["wall_time_s"] - (r["prefill_s"] or 0.0) for r in records)
+        return sum(r.wall_time_s - (r.prefill_s or 0.0) for r in records)
 
     t_1 = total(ar, "target_forward_s") / total(ar, "target_forwards")
     o_ar = decode_time(ar) / total(ar, "steps") - t_1
@@ -162,24 +161,24 @@ def predictions(
     the trees and k policies beside it (their figures are measured), and the model carries only
     what it is for, how the speedup moves with k. (The model pools draft time and step overhead
     over categories, which put its k_max figure 10-25% off the measured one in some categories.)"""
-    ar = [r for r in records if r["method"] == "ar"]
-    categories = list(dict.fromkeys(r["category"] for r in records))
+    ar = [r for r in records if r.method == "ar"]
+    categories = list(dict.fromkeys(r.category for r in records))
     rows = []
     for draft in drafts:
         spec = [
             r
             for r in records
-            if r["method"] == "spec"
-            and r["draft"] == draft
-            and r["k"] == k_max
-            and r["k_policy"] == "fixed"
-            and r.get("tree") is None
+            if r.method == "spec"
+            and r.draft == draft
+            and r.k == k_max
+            and r.k_policy == "fixed"
+            and r.tree is None
         ]
         costs = measured_costs(ar, spec)
         speedups = {}  # (k, category) -> predicted speedup
         how = {}  # (k, category) -> "model", "anchored" or "calibration" (see _candidate)
         for category in categories:
-            profile = step_profile([r for r in spec if r["category"] == category], k_max)
+            profile = step_profile([r for r in spec if r.category == category], k_max)
             for k in range(1, k_max + 1):
                 speedups[k, category] = predict_speedup(profile, k, v, **costs)
                 how[k, category] = "model"
