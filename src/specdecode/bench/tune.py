@@ -38,6 +38,7 @@ from specdecode.bench.records import Record
 from specdecode.bench.runner import BenchConfig, load_bench_models, run_settings
 from specdecode.bench.suites import BenchPrompt, interleave_by_category, load_suite
 from specdecode.config import RunConfig, save_config, to_vllm_speculative_config
+from specdecode.models.loading import LoadedModel
 
 
 def split_prompts(
@@ -240,7 +241,9 @@ def _drafting(row: dict[str, Any]) -> dict[str, Any]:
     return {"draft": row["draft"], "k": k, "k_policy": row["policy"], "tree": row["tree"]}
 
 
-def run_tune(config: BenchConfig, k_max: int, validate: bool = True, progress: bool = True):
+def run_tune(
+    config: BenchConfig, k_max: int, validate: bool = True, progress: bool = True
+) -> dict[str, Any]:
     """Calibrate, predict, recommend and (optionally) validate; write the files in config.out."""
     config.validate()
     if not config.drafts:
@@ -251,38 +254,16 @@ def run_tune(config: BenchConfig, k_max: int, validate: bool = True, progress: b
         raise ValueError(
             "--tree needs a model draft among the candidates (a model or early-exit:N)"
         )
-    limit = config.limit or 2
-    prompts = load_suite(config.prompts_file, categories=config.categories, limit=2 * limit)
-    calibration, validation = split_prompts(prompts, limit)
-    if validate and not validation:
-        raise ValueError(
-            f"no prompts left to validate on: each category needs more than {limit} prompts "
-            "(lower --limit or pass --no-validate)"
-        )
+    calibration, validation = _tune_prompts(config, validate)
     # the tuner predicts decode speedups, which exclude the prefill: one target prefill per
     # prompt, shared by every candidate, saves that time and changes no figure it uses
     config = replace(config, share_prefill=True)
-    out = Path(config.out)
     target, drafts = load_bench_models(config)
-
-    # fixed-k chains at k_max (extrapolated to every k), then the adaptive policies and trees
-    policies = ["fixed", *(p for p in config.policies if p != "fixed")]
-    candidates = plan_settings(["spec"], drafts, [k_max], policies, config.trees)
-    direct = [s for s in candidates if s.policy != "fixed" or s.tree is not None]
-    cal_config = replace(config, out=str(out / "calibration"))
-    records, cal_summary = run_settings(
-        cal_config,
-        target,
-        drafts,
-        [Setting("ar"), *candidates],
-        interleave_by_category(calibration),
-        progress,
-    )
-    v = verify_costs(target.model, k_max + 1)
-    rows = predictions(records, config.drafts, k_max, v, cal_summary)
-    rows += calibrated(cal_summary, direct)
+    records, cal_summary, direct = _calibrate(config, target, drafts, k_max, calibration, progress)
+    v = verify_costs(target.model, k_max + 1)  # step 2 (the other costs come from the records)
+    rows = predictions(records, config.drafts, k_max, v, cal_summary)  # step 3: chains
+    rows += calibrated(cal_summary, direct)  # ... and what adapts as it runs
     best = recommend(rows)
-    overall = best[OVERALL]
     result: dict[str, Any] = {
         "command": config.command,
         "k_max": k_max,
@@ -291,45 +272,105 @@ def run_tune(config: BenchConfig, k_max: int, validate: bool = True, progress: b
         "recommended": best,
         "validation": None,
     }
-
     if validate:
-        chosen = setting_of(overall)
-        val_config = replace(config, out=str(out / "validation"))
-        _, summary = run_settings(
-            val_config,
-            target,
-            drafts,
-            [Setting("ar"), chosen],
-            interleave_by_category(validation),
-            progress,
-        )
-        per_category = {}
-        for category in [*summary["categories"], OVERALL]:
-            if category == OVERALL:  # averaged like the prediction: over categories
-                measured = metrics.geometric_mean(
-                    [row["measured"] for row in per_category.values() if row["measured"]]
-                )
-            else:
-                measured = row_for(summary, chosen.label, category)["speedup"]
-            predicted = next(
-                r["predicted"]
-                for r in rows
-                if r["setting"] == chosen.label and r["category"] == category
-            )
-            per_category[category] = {
-                "predicted": predicted,
-                "measured": measured,
-                "error": measured / predicted - 1 if measured else None,
-            }
-        result["validation"] = {"setting": chosen.label, "per_category": per_category}
+        chosen = setting_of(best[OVERALL])
+        result["validation"] = _validate(config, target, drafts, chosen, rows, validation, progress)
+    _write_tune(config, result)
+    return result
 
+
+def _tune_prompts(
+    config: BenchConfig, validate: bool
+) -> tuple[list[BenchPrompt], list[BenchPrompt]]:
+    """The calibration prompts and the validation ones (`split_prompts` on `config.limit`)."""
+    limit = config.limit or 2
+    prompts = load_suite(config.prompts_file, categories=config.categories, limit=2 * limit)
+    calibration, validation = split_prompts(prompts, limit)
+    if validate and not validation:
+        raise ValueError(
+            f"no prompts left to validate on: each category needs more than {limit} prompts "
+            "(lower --limit or pass --no-validate)"
+        )
+    return calibration, validation
+
+
+def _calibrate(
+    config: BenchConfig,
+    target: LoadedModel,
+    drafts: dict[str, Any],
+    k_max: int,
+    prompts: list[BenchPrompt],
+    progress: bool,
+) -> tuple[list[Record], dict[str, Any], list[Setting]]:
+    """Step 1: `ar` and every candidate on the calibration prompts (in DIR/calibration).
+    Returns the records, their summary and the candidates measured rather than extrapolated."""
+    # fixed-k chains at k_max (extrapolated to every k), then the adaptive policies and trees
+    policies = ["fixed", *(p for p in config.policies if p != "fixed")]
+    candidates = plan_settings(["spec"], drafts, [k_max], policies, config.trees)
+    direct = [s for s in candidates if s.policy != "fixed" or s.tree is not None]
+    records, summary = run_settings(
+        replace(config, out=str(Path(config.out) / "calibration")),
+        target,
+        drafts,
+        [Setting("ar"), *candidates],
+        interleave_by_category(prompts),
+        progress,
+    )
+    return records, summary, direct
+
+
+def _validate(
+    config: BenchConfig,
+    target: LoadedModel,
+    drafts: dict[str, Any],
+    chosen: Setting,
+    rows: list[dict[str, Any]],
+    prompts: list[BenchPrompt],
+    progress: bool,
+) -> dict[str, Any]:
+    """Step 4: `ar` and `chosen` on the validation prompts (in DIR/validation); the measured
+    speedup beside the predicted one (`rows`), per category and over categories."""
+    _, summary = run_settings(
+        replace(config, out=str(Path(config.out) / "validation")),
+        target,
+        drafts,
+        [Setting("ar"), chosen],
+        interleave_by_category(prompts),
+        progress,
+    )
+    per_category: dict[str, dict[str, Any]] = {}
+    for category in [*summary["categories"], OVERALL]:
+        if category == OVERALL:  # averaged like the prediction: over categories
+            measured = metrics.geometric_mean(
+                [row["measured"] for row in per_category.values() if row["measured"]]
+            )
+        else:
+            measured = row_for(summary, chosen.label, category)["speedup"]
+        predicted = next(
+            r["predicted"]
+            for r in rows
+            if r["setting"] == chosen.label and r["category"] == category
+        )
+        per_category[category] = {
+            "predicted": predicted,
+            "measured": measured,
+            "error": measured / predicted - 1 if measured else None,
+        }
+    return {"setting": chosen.label, "per_category": per_category}
+
+
+def _write_tune(config: BenchConfig, result: dict[str, Any]) -> None:
+    """DIR/config.json and vllm.json from the recommendation (a note in `result` where vLLM has
+    no counterpart), then tune.json and tune.md."""
+    best = result["recommended"]
     run_config = RunConfig(
         target=config.target,
-        **_drafting(overall),
+        **_drafting(best[OVERALL]),
         dtype=config.dtype,
         device=config.device,
         per_category={c: _drafting(r) for c, r in best.items() if c != OVERALL},
     )
+    out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     save_config(run_config, out / "config.json")
     try:
@@ -338,7 +379,6 @@ def run_tune(config: BenchConfig, k_max: int, validate: bool = True, progress: b
         result["vllm"] = str(err)
     (out / "tune.json").write_text(json.dumps(result, indent=1))
     (out / "tune.md").write_text(render_tune(result))
-    return result
 
 
 def _how(row: dict[str, Any]) -> str:
