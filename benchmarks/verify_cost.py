@@ -36,18 +36,15 @@ from specdecode.bench.costs import forward_seconds
 from specdecode.cache import KVCache
 from specdecode.drafters.lean import LeanCache
 from specdecode.kernels.attention import restore_attention, use_decode_attention
-from specdecode.kernels.cpu_linear import (
+from specdecode.kernels.build import (
     DEFAULT_PREFETCH,
-    INT8_NAME,
-    NAME,
-    apply_kernel,
     bf16_dot_prefetch,
     panels_isa,
-    quantize_linears,
-    swap_linears,
     use_bf16_dot,
     use_int4_vnni,
 )
+from specdecode.kernels.cpu import BF16_AVX2, INT8_NAME
+from specdecode.kernels.cpu_linear import apply_kernel, quantize_linears, swap_linears
 from specdecode.models.loading import load_model
 
 
@@ -117,7 +114,7 @@ def setup(model: torch.nn.Module, mode: str) -> str:
     if mode == "on-rows":
         swap_linears(model, panels=False)
         use_decode_attention(model)
-        return NAME + " rows"
+        return BF16_AVX2 + " rows"
     name = f"{apply_kernel(model, 'on')} ({panels_isa()})"
     if mode.startswith("int8"):
         quantize_linears(model)

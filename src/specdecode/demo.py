@@ -5,7 +5,6 @@ Outside the core: it loads models, times whole generations and prints a table.
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 from typing import TextIO
@@ -63,12 +62,11 @@ def default_tree(dtype: str = "bfloat16", device: str | None = None) -> str:
     Builds nothing."""
     import torch
 
-    from specdecode.kernels import cpu_linear
+    from specdecode.kernels import build, cpu, cpu_linear
 
     on_cpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
     panels = dtype == "bfloat16" and on_cpu and cpu_linear.resolve_mode(None) != "off"
-    avx512 = cpu_linear.has_avx512_bf16() and os.environ.get(cpu_linear.BF16_DOT_ENV, "1") != "0"
-    if panels and avx512 and cpu_linear.unavailable_reason() is None:
+    if panels and cpu.bf16_dot_expected() and build.unavailable_reason() is None:
         return DEFAULT_TREE_AVX512_BF16
     return DEFAULT_TREE
 

@@ -305,12 +305,13 @@ def _fused_ops(model: Any, dtype: torch.dtype, device: torch.device, head_dim: i
     linears already run on specdecode's kernels (`--kernel off` is respected), else None."""
     if dtype != torch.bfloat16 or device.type != "cpu" or head_dim % 2:
         return None
-    from specdecode.kernels.cpu_linear import _FLAG, KernelUnavailable, _extension
+    from specdecode.kernels.build import KernelUnavailable, extension
+    from specdecode.kernels.panels import on_kernel
 
-    if not any(getattr(module, _FLAG, False) for module in model.modules()):
+    if not any(on_kernel(module) for module in model.modules()):
         return None
 
     try:
-        return _extension()
+        return extension()
     except KernelUnavailable:
         return None
