@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from specdecode import SpeculativeDecoder
 from specdecode.drafters import resolve_draft
 from specdecode.kernels import quantize_linears, restore_linears
-from specdecode.kernels.build import extension, use_int4_vnni
+from specdecode.kernels.build import extension, int4_vnni_on, use_int4_vnni
 from specdecode.kernels.quantize import int4_weights, pack_int4_panels, quantize_int4
 
 from conftest import linear_case, needs_kernel, noisy_copy, tiny_llama, tiny_qwen2
@@ -177,7 +177,9 @@ def test_int4_draft_spec(tmp_path):
     folder = tmp_path / "tiny"
     tiny_llama(seed=0).to(torch.bfloat16).save_pretrained(folder)
     draft = resolve_draft(f"{folder}:int4", None, dtype="bfloat16", device="cpu")
-    assert draft.kernel == "int4-avx2" and draft.name.endswith(":int4")
+    # which path its tile runs on (tests/test_kernel_names.py: where the CPU has AVX-512 VNNI)
+    assert draft.kernel == ("int4-avx512vnni" if int4_vnni_on() else "int4-avx2")
+    assert draft.name.endswith(":int4")
     assert any(hasattr(m, "_specdecode_q4") for m in draft.model.modules())
     with pytest.raises(ValueError, match="int4 drafts run on the CPU kernel"):
         resolve_draft(f"{folder}:int4", None, dtype="float32", device="cpu")

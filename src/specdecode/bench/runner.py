@@ -34,7 +34,6 @@ from specdecode.bench.records import Record, make_record, mark_identity, top2_ma
 from specdecode.bench.suites import BenchPrompt, interleave_by_category, load_suite
 from specdecode.config import load_config
 from specdecode.drafters.lean import LeanCache
-from specdecode.kernels.cpu_linear import kernel_description
 from specdecode.models.loading import LoadedModel
 
 QUICK_TARGET = "smollm2-135m-instruct"
@@ -410,7 +409,7 @@ def _write_run_info(
         "tuned": {c: v.label for s in settings for c, v in s.per_category},  # bench --config
         "run_config": load_config(config.config_file).to_dict() if config.config_file else None,
         "target_dtype": str(target.dtype),
-        "kernel": kernel_description(target.kernel),
+        "kernel": target.kernel,  # which path its linears run on (kernels/cpu.py)
         "attention": getattr(target.model.config, "_attn_implementation", None),
         "device": str(target.device),
         "machine": f"{platform.processor() or platform.machine()}, "

@@ -92,10 +92,22 @@ def bf16_dot_on() -> bool:
     return bool(extension().bf16_dot_on())
 
 
+_int4_vnni: bool | None = None  # the int4 tile's switch as last set here (None: never set)
+
+
 def use_int4_vnni(on: bool = True) -> bool:
     """Run the int4 tile on AVX-512 VNNI where the CPU has it (the default) or on AVX2: the same
     results bit for bit, for comparisons. Returns whether AVX-512 VNNI is in use now."""
-    return bool(extension().set_int4_vnni(on))
+    global _int4_vnni
+    _int4_vnni = bool(extension().set_int4_vnni(on))
+    return _int4_vnni
+
+
+def int4_vnni_on() -> bool:
+    """Whether the int4 tile runs on AVX-512 VNNI now. The extension has no getter for it: until
+    `use_int4_vnni` is called the switch is at its default, on where the CPU has it, which
+    setting it on again leaves as it is."""
+    return use_int4_vnni(True) if _int4_vnni is None else _int4_vnni
 
 
 MAX_PREFETCH = 1 << 20  # elements (2 MB) ahead: far past any useful distance, never overflows

@@ -13,7 +13,8 @@ Modes (`load_model(kernel=...)`, `--kernel`, or the `SPECDECODE_KERNEL` environm
   off   plain PyTorch
 
 With the kernel, a model on SDPA attention also switches to `kernels/attention.py`'s attention
-for few query tokens (`off` switches it back).
+for few query tokens (`off` switches it back). The kernel name `apply_kernel` returns (and
+`LoadedModel.kernel` shows) says which path the panels run on: cpu.BF16_AVX2 or cpu.BF16_AVX512.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from collections.abc import Callable
 import torch
 
 from specdecode.kernels.attention import restore_attention, use_decode_attention
-from specdecode.kernels.build import KernelUnavailable, extension, panels_isa
-from specdecode.kernels.cpu import BF16_AVX2, has_avx512_bf16
+from specdecode.kernels.build import KernelUnavailable, bf16_dot_on, extension
+from specdecode.kernels.cpu import bf16_name, has_avx512_bf16
 from specdecode.kernels.panels import (
     clear_forward,
     eligible,
@@ -98,11 +99,6 @@ def direct_linear(module: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Ten
     return quantized_call(module, ext) or panels_call(module, ext)
 
 
-def kernel_description(kernel: str) -> str:
-    """A loaded model's `kernel` for a report: with what its bfloat16 panels run on, if any."""
-    return f"{kernel} (panels on {panels_isa()})" if kernel == BF16_AVX2 else kernel
-
-
 def resolve_mode(mode: str | None) -> str:
     mode = (mode or os.environ.get(ENV) or "auto").lower()
     if mode not in KERNEL_MODES:
@@ -116,7 +112,8 @@ _warned: set[str] = set()
 def apply_kernel(model: torch.nn.Module, mode: str | None = None) -> str:
     """Apply the kernel policy `mode` (None: $SPECDECODE_KERNEL, else auto) to a loaded model.
 
-    Returns the kernel its linears now run on: "bf16-avx2" or "eager".
+    Returns the kernel its linears now run on: "bf16-avx2" or "bf16-avx512" (the panels on AVX2
+    FMAs or on AVX-512 BF16, as build.use_bf16_dot stands now), or "eager".
     """
     mode = resolve_mode(mode)
     if mode == "off":
@@ -135,7 +132,7 @@ def apply_kernel(model: torch.nn.Module, mode: str | None = None) -> str:
         if not swap_linears(model):
             return "eager"
         use_decode_attention(model)  # the same switch: decoding's other hot spot on CPU
-        return BF16_AVX2
+        return bf16_name(bf16_dot_on())
     except KernelUnavailable as err:
         if mode == "on":
             raise ValueError(f"the bfloat16 CPU kernel cannot be used: {err}") from err

@@ -8,14 +8,14 @@ verifies every drafted token, so the output stays the target's own, and the draf
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from specdecode.kernels.build import extension
-from specdecode.kernels.cpu import INT4_AVX2, INT8_NAME
+from specdecode.kernels.build import extension, int4_vnni_on
+from specdecode.kernels.cpu import INT8_NAME, int4_name
 from specdecode.kernels.panels import (
     PANEL,
     PANELS_BUFFER,
@@ -28,7 +28,27 @@ from specdecode.kernels.panels import (
 _QWEIGHT, _SCALE = "_specdecode_qweight", "_specdecode_scale"  # int8 buffers of quantized ones
 _INT4_GROUP = 32  # k per scale and min (kInt4Group in the C++)
 _Q4, _Q4_SCALE, _Q4_MIN = "_specdecode_q4", "_specdecode_q4_scale", "_specdecode_q4_min"
-QUANT_NAMES = {8: INT8_NAME, 4: INT4_AVX2}  # by quantize_linears' bits
+
+
+class _QuantNames(Mapping[int, str]):
+    """quantize_linears' bits -> the kernel name (LoadedModel.kernel) of the model it leaves:
+    the 4-bit one says whether its tile runs on AVX-512 VNNI now (build.use_int4_vnni)."""
+
+    def __getitem__(self, bits: int) -> str:
+        if bits == 8:
+            return INT8_NAME
+        if bits == 4:
+            return int4_name(int4_vnni_on())
+        raise KeyError(bits)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter((8, 4))
+
+    def __len__(self) -> int:
+        return 2
+
+
+QUANT_NAMES: Mapping[int, str] = _QuantNames()
 
 
 def quantize_int8(weight: torch.Tensor, rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,7 +30,9 @@ class LoadedModel:
     tokenizer: Any | None = None  # transformers tokenizer, or None for models saved without one
     name: str = "model"
     extra: dict[str, Any] = field(default_factory=dict)
-    kernel: str = "eager"  # what its linear layers run on: "eager" (PyTorch) or "bf16-avx2"
+    # what its linear layers run on: "eager" (PyTorch) or a kernel name (kernels/cpu.py), e.g.
+    # "bf16-avx2" / "bf16-avx512" (the panels on AVX2 FMAs / AVX-512 BF16), "int4-avx512vnni"
+    kernel: str = "eager"
 
     @property
     def device(self) -> torch.device:
