@@ -161,7 +161,8 @@ def predictions(
     k_max's equals the speedup its chain measured there: the chain then stands on the footing of
     the trees and k policies beside it (their figures are measured), and the model carries only
     what it is for, how the speedup moves with k. (The model pools draft time and step overhead
-    over categories, which put its k_max figure 10-25% off the measured one in some categories.)"""
+    over categories, which put its k_max figure well off the measured one in some categories:
+    docs/benchmarks.md, "The tuner, its chains now anchored on what they measured".)"""
     ar = [r for r in records if r.method == "ar"]
     categories = list(dict.fromkeys(r.category for r in records))
     rows = []

@@ -87,8 +87,9 @@ def restore_linears(model: torch.nn.Module) -> int:
 def direct_linear(module: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
     """What computes `module(x)` for x [M, K] contiguous bfloat16 on the CPU with the fewest
     Python steps: the kernel call itself when `module` runs on one of specdecode's kernels (no
-    nn.Module call, no input checks or reshapes: about 20 us less per call, a fifth of a 0.5B
-    draft's one-token forward), else the module.
+    nn.Module call, no input checks or reshapes: over a small draft's hundred-odd linears, a large
+    share of its one-token forward; docs/benchmarks.md, "The draft forward without Python around
+    its linears"), else the module.
 
     It holds the module's weights as they are now: make it again after quantizing the model,
     moving it or restoring its linears.

@@ -101,9 +101,9 @@ def load_model(
 ) -> LoadedModel:
     """Load a causal LM from a preset name, a `.gguf` file, a local folder or a hub id.
 
-    Default dtype is bfloat16 (about 2x faster than float32 on CPU for these models); exact-identity
-    tests use float32. `kernel` ("auto", "on", "off"; None: $SPECDECODE_KERNEL, else "auto") puts
-    a bfloat16 model's linear layers on the AVX2 CPU kernel (`specdecode.kernels`).
+    Default dtype is bfloat16 (faster than float32 on CPU for these models: docs/benchmarks.md);
+    exact-identity tests use float32. `kernel` ("auto", "on", "off"; None: $SPECDECODE_KERNEL,
+    else "auto") puts a bfloat16 model's linear layers on the CPU kernels (`specdecode.kernels`).
     """
     from specdecode.kernels.cpu_linear import apply_kernel, resolve_mode
 
