@@ -25,7 +25,8 @@ import time
 
 import torch
 
-from specdecode.kernels.cpu_linear import bf16_dot_prefetch, panels_isa, swap_linears
+from specdecode.kernels.build import bf16_dot_prefetch, panels_isa
+from specdecode.kernels.cpu_linear import swap_linears
 
 
 def seconds(layers: list[torch.nn.Linear], x: torch.Tensor, repeats: int) -> float:

@@ -36,18 +36,14 @@ from specdecode.bench.costs import forward_seconds
 from specdecode.cache import KVCache
 from specdecode.drafters.lean import LeanCache
 from specdecode.kernels.attention import restore_attention, use_decode_attention
-from specdecode.kernels.cpu_linear import (
+from specdecode.kernels.build import (
     DEFAULT_PREFETCH,
-    INT8_NAME,
-    NAME,
-    apply_kernel,
     bf16_dot_prefetch,
-    panels_isa,
-    quantize_linears,
-    swap_linears,
     use_bf16_dot,
     use_int4_vnni,
 )
+from specdecode.kernels.cpu import BF16_AVX2, INT8_NAME, int4_name
+from specdecode.kernels.cpu_linear import apply_kernel, quantize_linears, swap_linears
 from specdecode.models.loading import load_model
 
 
@@ -117,14 +113,14 @@ def setup(model: torch.nn.Module, mode: str) -> str:
     if mode == "on-rows":
         swap_linears(model, panels=False)
         use_decode_attention(model)
-        return NAME + " rows"
-    name = f"{apply_kernel(model, 'on')} ({panels_isa()})"
+        return BF16_AVX2 + " rows"  # the row tiles run on AVX2 only
+    name = apply_kernel(model, "on")  # says what the panels run on
     if mode.startswith("int8"):
         quantize_linears(model)
         name = INT8_NAME
     elif mode.startswith("int4"):
         quantize_linears(model, bits=4)
-        name = "int4-avx2" + (" (vnni)" if use_int4_vnni(mode == "int4") else "")
+        name = int4_name(use_int4_vnni(mode == "int4"))
     if mode.endswith("-sdpa"):
         restore_attention(model)
         name += " + sdpa"

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+from pathlib import Path
 
 import pytest
 
 from specdecode import metrics
 from specdecode.bench.aggregate import row_for, summarize
 from specdecode.bench.methods import plan_settings
-from specdecode.bench.records import first_divergence, mark_identity
-from specdecode.bench.runner import BenchConfig, run_bench
+from specdecode.bench.records import Record, first_divergence, make_record, mark_identity
+from specdecode.bench.runner import BenchConfig, load_results, rerender, run_bench
 from specdecode.cli import main
 from specdecode.models.loading import LoadedModel
 
@@ -79,18 +81,95 @@ def test_first_divergence_and_identity_marks():
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
     assert first_divergence([1, 2, 3], [1, 2]) == 2  # an early stop is a divergence too
-    ar = {"token_ids": [7, 8, 9]}
-    same, other = {"token_ids": [7, 8, 9]}, {"token_ids": [7, 4, 9]}
+    ar = Record(token_ids=[7, 8, 9])
+    same, other = Record(token_ids=[7, 8, 9]), Record(token_ids=[7, 4, 9])
     mark_identity(ar, same, margin=lambda p: 1 / 0)  # never asked for identical outputs
-    assert same["identical_to_ar"] is True and same["first_divergence"] is None
+    assert same.identical_to_ar is True and same.first_divergence is None
     mark_identity(ar, other, margin=lambda p: 0.25 * p)
-    assert other["identical_to_ar"] is False
-    assert other["first_divergence"] == {
+    assert other.identical_to_ar is False
+    assert other.first_divergence == {
         "position": 1,
         "ar_token": 8,
         "spec_token": 4,
         "top2_margin": 0.25,
     }
+
+
+# keys of a record in results.jsonl, in order, as every saved run has them
+RECORD_KEYS = [
+    *("prompt_id", "category", "turn", "repeat", "method", "setting", "draft", "k", "k_policy"),
+    *("tree", "dtype", "temperature", "prompt_tokens", "new_tokens", "wall_time_s", "prefill_s"),
+    *("shared_prefill_s", "ttft_s", "decode_s", "first_chunk", "tokens_per_s"),
+    *("decode_tokens_per_s", "peak_memory_bytes", "memory_source", "identical_to_ar"),
+    *("first_divergence", "token_ids", "steps", "drafted", "accepted", "emitted"),
+    *("acceptance_rate", "mean_acceptance_length", "drafted_at", "accepted_at"),
+    *("per_position_acceptance", "target_forwards", "target_forward_s", "draft_forwards"),
+    "draft_forward_s",
+]
+SAVED_RUN = Path(__file__).parent / "data" / "saved_run"  # written by the code before `Record`
+
+
+def test_record_keeps_the_json_keys_and_round_trips():
+    from specdecode.bench.methods import RunOutput, Setting
+    from specdecode.bench.suites import BenchPrompt
+    from specdecode.types import Stats
+
+    stats = Stats(k=2, steps=3, drafted=6, accepted=4, drafted_at=[3, 3], accepted_at=[3, 1])
+    stats.meter.calls.update(target=4, draft=6)
+    out = RunOutput([1, 2, 3], wall_time_s=0.5, ttft_s=0.25, first_chunk=2, stats=stats)
+    prompt = BenchPrompt("p", "code", ["hi"])
+    record = make_record(
+        prompt,
+        0,
+        0,
+        Setting("spec", "d", 2),
+        [9, 9],
+        out,
+        dtype="float32",
+        temperature=0.0,
+        memory_bytes=1,
+        memory_source="computed",
+    )
+    line = record.to_dict()
+    stats_only = [k for k in stats.to_dict() if k not in RECORD_KEYS and k != "forward_s"]
+    assert list(line) == RECORD_KEYS + stats_only  # Stats' other fields ride along, at the end
+    assert (record.target_forwards, record.draft_forward_s) == (4, 0.0)
+    assert Record.from_dict(json.loads(json.dumps(line))).to_dict() == json.loads(json.dumps(line))
+    # HF's methods have no Stats: the same keys, None
+    hf = make_record(
+        prompt,
+        0,
+        0,
+        Setting("hf-ar"),
+        [9, 9],
+        RunOutput([1], 0.5, 0.25, 1),
+        dtype="float32",
+        temperature=0.0,
+        memory_bytes=1,
+        memory_source="computed",
+    )
+    assert list(hf.to_dict()) == RECORD_KEYS and hf.steps is None
+    # a tuned config's record alone carries `tuned` and `ran`, last
+    record.setting, record.tuned, record.ran = "spec[tuned]", True, "spec[d] k=2"
+    assert list(record.to_dict())[-2:] == ["tuned", "ran"]
+    assert Record.from_dict(record.to_dict()) == record
+
+
+def test_a_saved_run_loads_and_renders_as_before(tmp_path):
+    # results.jsonl, report.md and summary.json as the code before `Record` wrote them
+    run = tmp_path / "run"
+    shutil.copytree(SAVED_RUN, run)
+    lines = (SAVED_RUN / "results.jsonl").read_text().splitlines()
+    records = load_results(run)
+    assert [json.dumps(r.to_dict()) for r in records] == lines  # byte for byte
+    assert [r.tuned for r in records].count(True) == 2
+    (run / "report.md").unlink()
+    (run / "summary.json").unlink()
+    rerender(run)
+    assert (run / "report.md").read_text() == (SAVED_RUN / "report.md").read_text()
+    assert json.loads((run / "summary.json").read_text()) == json.loads(
+        (SAVED_RUN / "summary.json").read_text()
+    )
 
 
 # -- aggregates from hand-made records ----------------------------------------------------------
@@ -129,7 +208,7 @@ def _record(prompt, category, setting, method, decode_rate, **extra):
     base["drafted_at"] = extra.pop("drafted_at", None)
     base["accepted_at"] = extra.pop("accepted_at", None)
     assert not extra
-    return base
+    return Record.from_dict(base)
 
 
 def _hand_made_records():
@@ -231,7 +310,7 @@ def test_theory_against_known_values():
 
 
 def test_summarize_needs_the_baseline():
-    records = [r for r in _hand_made_records() if r["method"] != "ar"]
+    records = [r for r in _hand_made_records() if r.method != "ar"]
     with pytest.raises(ValueError, match="no `ar` baseline"):
         summarize(records)
 
@@ -378,16 +457,15 @@ def test_identity_is_not_judged_between_different_conversations():
     from conftest import tiny_llama
 
     ar, same, other = Setting("ar"), Setting("spec", "d", 2), Setting("spec", "d", 4)
-    blank = {"identical_to_ar": None, "first_divergence": None}
     done = {
-        ar: {"token_ids": [1, 2]},
-        same: {"token_ids": [1, 3], **blank},
-        other: {"token_ids": [1, 3], **blank},
+        ar: Record(token_ids=[1, 2]),
+        same: Record(token_ids=[1, 3]),  # identical_to_ar and first_divergence: None
+        other: Record(token_ids=[1, 3]),
     }
     # `other` answered an earlier turn differently, so its prompt here is not ar's
     target = LoadedModel(model=tiny_llama(0))  # gives the top-2 margin of the divergence
     _check_identity(target, done, {ar: [5, 6], same: [5, 6], other: [5, 7]})
-    assert done[same]["identical_to_ar"] is False
-    assert done[same]["first_divergence"]["position"] == 1
-    assert done[same]["first_divergence"]["top2_margin"] >= 0
-    assert done[other]["identical_to_ar"] is None and done[other]["first_divergence"] is None
+    assert done[same].identical_to_ar is False
+    assert done[same].first_divergence["position"] == 1
+    assert done[same].first_divergence["top2_margin"] >= 0
+    assert done[other].identical_to_ar is None and done[other].first_divergence is None

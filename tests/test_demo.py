@@ -76,24 +76,24 @@ def test_the_cli_gives_the_default_pair_its_tree_and_a_chosen_draft_a_chain(monk
 
 
 def test_default_tree_follows_what_the_panels_run_on(monkeypatch):
-    from specdecode.kernels import cpu_linear
+    from specdecode.kernels import build, cpu, cpu_linear
 
-    monkeypatch.setattr(cpu_linear, "has_avx512_bf16", lambda: True)
-    monkeypatch.setattr(cpu_linear, "unavailable_reason", lambda: None)
-    monkeypatch.delenv(cpu_linear.BF16_DOT_ENV, raising=False)
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    monkeypatch.setattr(build, "unavailable_reason", lambda: None)
+    monkeypatch.delenv(cpu.BF16_DOT_ENV, raising=False)
     monkeypatch.delenv(cpu_linear.ENV, raising=False)
     assert demo.default_tree() == demo.DEFAULT_TREE_AVX512_BF16 == "dynamic:11,8,3,0.2,0.05"
-    monkeypatch.setenv(cpu_linear.BF16_DOT_ENV, "0")  # panels on AVX2 FMAs
+    monkeypatch.setenv(cpu.BF16_DOT_ENV, "0")  # panels on AVX2 FMAs
     assert demo.default_tree() == demo.DEFAULT_TREE
-    monkeypatch.delenv(cpu_linear.BF16_DOT_ENV)
-    monkeypatch.setattr(cpu_linear, "unavailable_reason", lambda: "no C++ compiler")
+    monkeypatch.delenv(cpu.BF16_DOT_ENV)
+    monkeypatch.setattr(build, "unavailable_reason", lambda: "no C++ compiler")
     assert demo.default_tree() == demo.DEFAULT_TREE  # PyTorch's linears: small trees
-    monkeypatch.setattr(cpu_linear, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(build, "unavailable_reason", lambda: None)
     assert demo.default_tree("float32", "cpu") == demo.DEFAULT_TREE  # no bfloat16 panels
     assert demo.default_tree("bfloat16", "cuda") == demo.DEFAULT_TREE
     monkeypatch.setenv(cpu_linear.ENV, "off")  # --kernel off
     assert demo.default_tree("bfloat16", "cpu") == demo.DEFAULT_TREE
     monkeypatch.delenv(cpu_linear.ENV)
     assert demo.default_tree("bfloat16", "cpu") == demo.DEFAULT_TREE_AVX512_BF16
-    monkeypatch.setattr(cpu_linear, "has_avx512_bf16", lambda: False)
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512bw"}))
     assert demo.default_tree() == demo.DEFAULT_TREE == "dynamic:5,6,2,0.3"

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from specdecode import SpeculativeDecoder
-from specdecode.kernels import apply_kernel, cpu_linear, restore_linears, swap_linears
-from specdecode.kernels.cpu_linear import NAME, _extension
+from specdecode.kernels import apply_kernel, cpu, restore_linears, swap_linears
+from specdecode.kernels.build import extension, panels_isa
 
 from conftest import linear_case, needs_kernel, noisy_copy, tiny_llama, tiny_qwen2
 
@@ -23,7 +23,7 @@ pytestmark = needs_kernel()
 def test_matches_pytorch_up_to_bfloat16_rounding(k, n, bias):
     for m in (1, 2, 3, 4, 5, 7, 9, 17):
         x, w, b = linear_case(m, k, n, seed=k * 100 + n + m, bias=bias)
-        out = _extension().linear(x, w, b)
+        out = extension().linear(x, w, b)
         reference = F.linear(x.float(), w.float(), None if b is None else b.float())
         assert out.dtype == torch.bfloat16 and out.shape == (m, n)
         # one bfloat16 rounding of the float32 result: relative error at most 2^-8
@@ -34,9 +34,9 @@ def test_matches_pytorch_up_to_bfloat16_rounding(k, n, bias):
 def test_batch_invariant_bit_for_bit(m):
     # a token's output is the same float whether it is computed alone or among m tokens
     x, w, b = linear_case(m, 1536, 72, seed=m, bias=True)
-    together = _extension().linear(x, w, b)
+    together = extension().linear(x, w, b)
     for i in range(m):
-        alone = _extension().linear(x[i : i + 1], w, b)
+        alone = extension().linear(x[i : i + 1], w, b)
         assert torch.equal(together[i], alone[0]), i
 
 
@@ -67,7 +67,7 @@ def test_training_falls_back_to_pytorch():
 
 def test_modes():
     model = tiny_llama(seed=1).to(torch.bfloat16)
-    assert apply_kernel(model, "on") == NAME
+    assert apply_kernel(model, "on") == _bf16_kernel()
     assert apply_kernel(model, "off") == "eager"
     assert not any(hasattr(m, "_specdecode_kernel") for m in model.modules())
     float32 = tiny_llama(seed=1)
@@ -83,7 +83,12 @@ def test_environment_variable_sets_the_default(monkeypatch):
     monkeypatch.setenv("SPECDECODE_KERNEL", "off")
     assert apply_kernel(model) == "eager"
     monkeypatch.setenv("SPECDECODE_KERNEL", "on")
-    assert apply_kernel(model) == NAME
+    assert apply_kernel(model) == _bf16_kernel()
+
+
+def _bf16_kernel() -> str:
+    """A bfloat16 model's kernel name here: what its panels run on now."""
+    return "bf16-avx512" if panels_isa() == "avx512-bf16" else "bf16-avx2"
 
 
 def _top2_margin(model, ids: list[int]) -> float:
@@ -118,18 +123,18 @@ def test_speculative_decoding_on_the_kernel_matches_its_own_greedy(factory, seed
 def test_auto_leaves_avx512_machines_without_bf16_on_pytorch(monkeypatch):
     # the kernel was never measured against PyTorch's own AVX-512 path there
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    monkeypatch.setattr(cpu_linear, "has_avx512_bf16", lambda: False)
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512bw"}))
     model = tiny_llama(seed=1).to(torch.bfloat16)
     assert apply_kernel(model, "auto") == "eager"
-    assert apply_kernel(model, "on") == NAME
+    assert apply_kernel(model, "on") == _bf16_kernel()
 
 
 def test_auto_takes_the_kernel_on_avx512_bf16_machines(monkeypatch):
     # there its panels run on AVX-512 BF16 (docs/benchmarks.md: faster than PyTorch's path)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    monkeypatch.setattr(cpu_linear, "has_avx512_bf16", lambda: True)
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx512f", "avx512bw", "avx512_bf16"}))
     model = tiny_llama(seed=1).to(torch.bfloat16)
-    assert apply_kernel(model, "auto") == NAME
+    assert apply_kernel(model, "auto") == _bf16_kernel()
     apply_kernel(model, "off")
 
 

@@ -12,13 +12,8 @@ import torch.nn.functional as F
 from specdecode import SpeculativeDecoder
 from specdecode.drafters import resolve_draft
 from specdecode.kernels import quantize_linears, restore_linears
-from specdecode.kernels.cpu_linear import (
-    _extension,
-    int4_weights,
-    pack_int4_panels,
-    quantize_int4,
-    use_int4_vnni,
-)
+from specdecode.kernels.build import extension, int4_vnni_on, use_int4_vnni
+from specdecode.kernels.quantize import int4_weights, pack_int4_panels, quantize_int4
 
 from conftest import linear_case, needs_kernel, noisy_copy, tiny_llama, tiny_qwen2
 
@@ -57,7 +52,7 @@ def test_activation_quantization_stays_close_to_the_float_product():
 def int4_linear(x, q, scale, low, b):
     """The kernel call a 4-bit layer makes, on `q` packed into panels first."""
     panels, scales, mins = pack_int4_panels(q, scale, low)
-    return _extension().linear_int4_packed(x, panels, q.shape[0], scales, mins, b)
+    return extension().linear_int4_packed(x, panels, q.shape[0], scales, mins, b)
 
 
 def test_quantize_int4_round_trip_and_exact_on_its_grid():
@@ -128,7 +123,7 @@ def test_int4_tile_on_avx512_vnni_is_bit_identical_to_avx2():
 def test_int4_kernel_refuses_bad_arguments():
     x, w, _ = linear_case(2, 64, 8, seed=0, bias=False)
     panels, scales, mins = pack_int4_panels(*quantize_int4(w))
-    kernel = _extension().linear_int4_packed
+    kernel = extension().linear_int4_packed
     with pytest.raises(RuntimeError, match="multiple of 32"):
         kernel(x[:, :48].contiguous(), panels, 8, scales, mins, None)
     with pytest.raises(RuntimeError, match="uint8 panels"):
@@ -182,7 +177,9 @@ def test_int4_draft_spec(tmp_path):
     folder = tmp_path / "tiny"
     tiny_llama(seed=0).to(torch.bfloat16).save_pretrained(folder)
     draft = resolve_draft(f"{folder}:int4", None, dtype="bfloat16", device="cpu")
-    assert draft.kernel == "int4-avx2" and draft.name.endswith(":int4")
+    # which path its tile runs on (tests/test_kernel_names.py: where the CPU has AVX-512 VNNI)
+    assert draft.kernel == ("int4-avx512vnni" if int4_vnni_on() else "int4-avx2")
+    assert draft.name.endswith(":int4")
     assert any(hasattr(m, "_specdecode_q4") for m in draft.model.modules())
     with pytest.raises(ValueError, match="int4 drafts run on the CPU kernel"):
         resolve_draft(f"{folder}:int4", None, dtype="float32", device="cpu")

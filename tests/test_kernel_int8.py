@@ -11,13 +11,10 @@ import torch.nn.functional as F
 from specdecode import SpeculativeDecoder
 from specdecode.drafters import resolve_draft
 from specdecode.kernels import quantize_int8, quantize_linears, restore_linears
-from specdecode.kernels.cpu_linear import (
-    INT8_NAME,
-    _extension,
-    int8_weights,
-    pack_int8_panels,
-    pack_panels,
-)
+from specdecode.kernels.build import extension
+from specdecode.kernels.cpu import INT8_NAME
+from specdecode.kernels.panels import pack_panels
+from specdecode.kernels.quantize import int8_weights, pack_int8_panels
 
 from conftest import linear_case, needs_kernel, noisy_copy, tiny_llama, tiny_qwen2
 
@@ -30,7 +27,7 @@ def _dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def int8_linear(x, q, scale, b):
     """The kernel call a quantized layer makes: q [N, K] packed into panels first."""
-    return _extension().linear_int8_packed(x, pack_int8_panels(q), q.shape[0], scale, b)
+    return extension().linear_int8_packed(x, pack_int8_panels(q), q.shape[0], scale, b)
 
 
 def test_quantize_int8_round_trip():
@@ -73,11 +70,11 @@ def test_int8_kernel_refuses_bad_arguments():
     q, scale = quantize_int8(w)
     panels = pack_int8_panels(q)
     with pytest.raises(RuntimeError, match="int8 CPU panels"):
-        _extension().linear_int8_packed(x, pack_panels(w), 8, scale, None)
+        extension().linear_int8_packed(x, pack_panels(w), 8, scale, None)
     with pytest.raises(RuntimeError, match="scale"):
-        _extension().linear_int8_packed(x, panels, 8, scale[:4], None)
+        extension().linear_int8_packed(x, panels, 8, scale[:4], None)
     with pytest.raises(RuntimeError, match="ceil"):  # x's K does not match the panels'
-        _extension().linear_int8_packed(x[:, :16].contiguous(), panels, 8, scale, None)
+        extension().linear_int8_packed(x[:, :16].contiguous(), panels, 8, scale, None)
 
 
 def test_quantize_linears_keeps_the_state_dict_and_restores():

@@ -11,18 +11,15 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.kernels import quantize_linears, restore_linears, swap_linears
-from specdecode.kernels.cpu_linear import (
+from specdecode.kernels.build import (
     DEFAULT_PREFETCH,
-    _extension,
     bf16_dot_prefetch,
-    int8_weights,
-    pack_panels,
+    extension,
     panels_isa,
-    quantize_int8,
-    row_major,
-    unpack_panels,
     use_bf16_dot,
 )
+from specdecode.kernels.panels import pack_panels, row_major, unpack_panels
+from specdecode.kernels.quantize import int8_weights, quantize_int8
 
 from conftest import linear_case, needs_kernel, tiny_llama, tiny_qwen2
 
@@ -41,7 +38,7 @@ def isa(request):
 
 
 def packed_linear(x, w, b):
-    return _extension().linear_packed(x, pack_panels(w), w.shape[0], b)
+    return extension().linear_packed(x, pack_panels(w), w.shape[0], b)
 
 
 def test_layout_round_trips_and_pads_with_zeros():
@@ -74,9 +71,9 @@ def test_batch_invariant_bit_for_bit(m, n, isa):
     # of 4-6 and a padded row on AVX2); a token's output is the same float whichever
     x, w, b = linear_case(m, 1536, n, seed=m, bias=True)
     panels = pack_panels(w)
-    together = _extension().linear_packed(x, panels, n, b)
+    together = extension().linear_packed(x, panels, n, b)
     for i in range(m):
-        alone = _extension().linear_packed(x[i : i + 1], panels, n, b)
+        alone = extension().linear_packed(x[i : i + 1], panels, n, b)
         assert torch.equal(together[i], alone[0]), i
 
 
@@ -85,9 +82,9 @@ def test_the_two_instruction_sets_agree_up_to_rounding():
         pytest.skip("this CPU has no AVX-512 BF16")
     x, w, b = linear_case(9, 1536, 200, seed=0, bias=True)
     panels = pack_panels(w)
-    dot = _extension().linear_packed(x, panels, 200, b)
+    dot = extension().linear_packed(x, panels, 200, b)
     use_bf16_dot(False)
-    fma = _extension().linear_packed(x, panels, 200, b)
+    fma = extension().linear_packed(x, panels, 200, b)
     use_bf16_dot(True)
     assert panels_isa() == "avx512-bf16"
     # two float32 sums in different orders, each rounded once to bfloat16
@@ -97,9 +94,9 @@ def test_the_two_instruction_sets_agree_up_to_rounding():
 def test_bad_arguments_are_refused():
     x, w, _ = linear_case(2, 16, 16, seed=0, bias=False)
     with pytest.raises(RuntimeError, match="K even"):
-        _extension().linear_packed(x[:, :15].contiguous(), pack_panels(w), 16, None)
+        extension().linear_packed(x[:, :15].contiguous(), pack_panels(w), 16, None)
     with pytest.raises(RuntimeError, match="ceil"):
-        _extension().linear_packed(x, pack_panels(w), 17, None)
+        extension().linear_packed(x, pack_panels(w), 17, None)
 
 
 def _weights(model):

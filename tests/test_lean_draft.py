@@ -171,9 +171,9 @@ def test_fused_ops_match_the_pytorch_path_in_bfloat16(arch):
 
 @needs_kernel()
 def test_add_rms_norm_rounds_as_the_models_norm():
-    from specdecode.kernels.cpu_linear import _extension
+    from specdecode.kernels.build import extension
 
-    ext = _extension()
+    ext = extension()
     torch.manual_seed(0)
     x, delta = torch.randn(3, 40).bfloat16(), torch.randn(3, 40).bfloat16()
     weight = torch.randn(40).bfloat16()
@@ -192,9 +192,9 @@ def test_add_rms_norm_rounds_as_the_models_norm():
 
 @needs_kernel()
 def test_rope_attention_refuses_bad_shapes():
-    from specdecode.kernels.cpu_linear import _extension
+    from specdecode.kernels.build import extension
 
-    ext = _extension()
+    ext = extension()
     q, k = torch.zeros(2, 4 * 8).bfloat16(), torch.zeros(2, 2 * 8).bfloat16()
     cos, sin = torch.ones(2, 8), torch.zeros(2, 8)
     cache = torch.zeros(2, 2, 4, 8)
@@ -233,9 +233,9 @@ def test_memory_estimates_count_the_lean_cache_as_it_is_held():
 
 @needs_kernel()
 def test_silu_mul_rounds_as_pytorch():
-    from specdecode.kernels.cpu_linear import _extension
+    from specdecode.kernels.build import extension
 
-    ext = _extension()
+    ext = extension()
     # every bfloat16 value in [-80, 80] as a gate (below about -87 the fused SiLU's e^x flushes
     # to zero where PyTorch keeps numbers under 1e-36); lengths with and without a tail
     bits = torch.arange(0, 2**16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)

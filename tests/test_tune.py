@@ -8,6 +8,7 @@ import pytest
 
 from specdecode.bench.aggregate import row_for as cal_row
 from specdecode.bench.methods import tuned_setting
+from specdecode.bench.records import Record
 from specdecode.bench.runner import BenchConfig
 from specdecode.bench.suites import BenchPrompt
 from specdecode.bench.tune import (
@@ -44,8 +45,8 @@ def test_prediction_for_a_drafter_that_sometimes_proposes_nothing():
 
 def test_step_profile_pools_steps():
     records = [
-        {"steps": 4, "accepted_at": [3, 1], "drafted_at": [4, 4]},
-        {"steps": 6, "accepted_at": [2], "drafted_at": [6]},
+        Record(steps=4, accepted_at=[3, 1], drafted_at=[4, 4]),
+        Record(steps=6, accepted_at=[2], drafted_at=[6]),
     ]
     profile = step_profile(records, 3)
     assert profile["p_accepted_ge"] == pytest.approx([0.5, 0.1, 0.0])
@@ -54,7 +55,9 @@ def test_step_profile_pools_steps():
 
 def _record(method, category, **fields):
     base = {"method": method, "category": category, "draft": None, "k": 0, "k_policy": "fixed"}
-    return {**base, "tree": None, "prefill_s": 0.0, "draft_forward_s": 0.0, **fields}
+    return Record.from_dict(
+        {**base, "tree": None, "prefill_s": 0.0, "draft_forward_s": 0.0, **fields}
+    )
 
 
 def test_chain_predictions_are_anchored_on_the_chain_measured_at_k_max():

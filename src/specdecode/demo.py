@@ -5,7 +5,6 @@ Outside the core: it loads models, times whole generations and prints a table.
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 from typing import TextIO
@@ -19,12 +18,12 @@ DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 # (docs/benchmarks.md); where the kernel cannot run (no AVX2, not bfloat16 on the CPU) the demo
 # drafts in bfloat16
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct:int4"
-# the fastest setting over the 9 benchmark categories in run "floor" and the tuner's pick; within
-# 2% of floor 0.2 in the next run (docs/benchmarks.md)
+# the fastest setting over the 9 benchmark categories in run "floor" and the tuner's pick; floor
+# 0.2 came close in the next run (docs/benchmarks.md, "A floor under the tree")
 DEFAULT_TREE = "dynamic:5,6,2,0.3"
-# where the bfloat16 panels run on AVX-512 BF16, verifying 12 tokens costs 1.1-1.35 one-token
-# forwards (2.1 on AVX2), and a larger tree with a LEAF floor was the fastest over
-# the 9 categories (run "leaf", docs/benchmarks.md)
+# where the bfloat16 panels run on AVX-512 BF16, verifying a dozen tokens costs little more than
+# one (much less than on AVX2), and a larger tree with a LEAF floor was the fastest over the 9
+# categories (run "leaf"; docs/benchmarks.md, "Fewer verified rows where the draft is unsure")
 DEFAULT_TREE_AVX512_BF16 = "dynamic:11,8,3,0.2,0.05"
 DEFAULT_K = 4  # the fastest chain k with that draft (`--tree none`)
 QUICK_TARGET = "smollm2-135m-instruct"
@@ -63,12 +62,11 @@ def default_tree(dtype: str = "bfloat16", device: str | None = None) -> str:
     Builds nothing."""
     import torch
 
-    from specdecode.kernels import cpu_linear
+    from specdecode.kernels import build, cpu, cpu_linear
 
     on_cpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
     panels = dtype == "bfloat16" and on_cpu and cpu_linear.resolve_mode(None) != "off"
-    avx512 = cpu_linear.has_avx512_bf16() and os.environ.get(cpu_linear.BF16_DOT_ENV, "1") != "0"
-    if panels and avx512 and cpu_linear.unavailable_reason() is None:
+    if panels and cpu.bf16_dot_expected() and build.unavailable_reason() is None:
         return DEFAULT_TREE_AVX512_BF16
     return DEFAULT_TREE
 

@@ -18,28 +18,29 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from specdecode import metrics
+from specdecode.bench.records import Record
 
-Record = dict[str, Any]
 OVERALL = "all"
 
 
 def _key(record: Record) -> tuple:
-    return (record["prompt_id"], record.get("turn", 0), record.get("repeat", 0))
+    return (record.prompt_id, record.turn, record.repeat)
 
 
 def _sum(records: Iterable[Record], field: str) -> float:
-    return sum(r[field] or 0 for r in records)
+    return sum(getattr(r, field) or 0 for r in records)
 
 
 def paired_ratio(
     records: list[Record], baseline: dict[tuple, Record], field: str = "decode_tokens_per_s"
 ) -> float | None:
-    """Geometric mean of record[field] / baseline[field] over records with a usable pair."""
+    """Geometric mean of record.field / baseline.field over records with a usable pair."""
     ratios = []
     for record in records:
         base = baseline.get(_key(record))
-        if base is not None and record[field] and base[field]:
-            ratios.append(record[field] / base[field])
+        ours, theirs = getattr(record, field), getattr(base, field, None)
+        if ours and theirs:
+            ratios.append(ours / theirs)
     return metrics.geometric_mean(ratios)
 
 
@@ -52,9 +53,7 @@ def _pooled_positions(records: list[Record]) -> list[float | None] | None:
     drafted: list[int] = []
     accepted: list[int] = []
     for r in records:
-        for i, (d, a) in enumerate(
-            zip(r.get("drafted_at") or [], r.get("accepted_at") or [], strict=True)
-        ):
+        for i, (d, a) in enumerate(zip(r.drafted_at or [], r.accepted_at or [], strict=True)):
             if i == len(drafted):
                 drafted.append(0)
                 accepted.append(0)
@@ -73,39 +72,39 @@ def aggregate_group(
 ) -> dict[str, Any]:
     """The aggregates of one setting over one group of prompts (a category or all)."""
     first = records[0]
-    ours = first["method"] in ("ar", "spec")
+    ours = first.method in ("ar", "spec")
     row: dict[str, Any] = {
-        "setting": first["setting"],
-        "method": first["method"],
-        "draft": first["draft"],
-        "k": first["k"],
-        "k_policy": first["k_policy"],
-        "tree": first.get("tree"),
+        "setting": first.setting,
+        "method": first.method,
+        "draft": first.draft,
+        "k": first.k,
+        "k_policy": first.k_policy,
+        "tree": first.tree,
         "prompts": len(records),
         "new_tokens": _sum(records, "new_tokens"),
-        "tokens_per_s": _mean(r["tokens_per_s"] for r in records),
-        "decode_tokens_per_s": _mean(r["decode_tokens_per_s"] for r in records),
-        "ttft_s": _mean(r["ttft_s"] for r in records),
+        "tokens_per_s": _mean(r.tokens_per_s for r in records),
+        "decode_tokens_per_s": _mean(r.decode_tokens_per_s for r in records),
+        "ttft_s": _mean(r.ttft_s for r in records),
         "speedup": paired_ratio(records, baselines["ar"]),
         "e2e_speedup": paired_ratio(records, baselines["ar"], "tokens_per_s"),
-        "peak_memory_bytes": max(r["peak_memory_bytes"] or 0 for r in records),
+        "peak_memory_bytes": max(r.peak_memory_bytes or 0 for r in records),
     }
-    if first.get("tuned"):  # a tuned config runs a different setting per category
-        ran = {r["ran"] for r in records}
+    if first.tuned:  # a tuned config runs a different setting per category
+        ran = {r.ran for r in records}
         row["ran"] = ran.pop() if len(ran) == 1 else "per category"
         if row["ran"] == "per category":
             row.update(draft="per category", k=0, tree=None)
         row["k_policy"] = "tuned"  # keeps it out of the chain theory, best k and k plots
-    ar_memory = max((r["peak_memory_bytes"] or 0 for r in ar), default=0)
+    ar_memory = max((r.peak_memory_bytes or 0 for r in ar), default=0)
     row["memory_overhead"] = metrics.ratio(row["peak_memory_bytes"], ar_memory)
     for name in ("hf-ar", "hf-assisted", "best-hf"):
         if name in baselines:
             column = "vs_" + name.replace("-", "_")
             row[column] = paired_ratio(records, baselines[name])
-    greedy = [r for r in records if r["identical_to_ar"] is not None]
-    row["identical"] = sum(bool(r["identical_to_ar"]) for r in greedy)
+    greedy = [r for r in records if r.identical_to_ar is not None]
+    row["identical"] = sum(bool(r.identical_to_ar) for r in greedy)
     row["compared"] = len(greedy)
-    if not ours or first["method"] == "ar":
+    if not ours or first.method == "ar":
         return row
 
     drafted, accepted = _sum(records, "drafted"), _sum(records, "accepted")
@@ -122,7 +121,7 @@ def aggregate_group(
     ideal = None
     chain = row["k_policy"] == "fixed" and not row["tree"]  # the theory is for chains
     if chain and None not in (row["acceptance_rate"], row["c"], row["v"]):
-        ideal = metrics.ideal_speedup(row["acceptance_rate"], first["k"], row["c"], row["v"])
+        ideal = metrics.ideal_speedup(row["acceptance_rate"], first.k, row["c"], row["v"])
     row["ideal_speedup"] = ideal
     row["efficiency"] = (
         metrics.efficiency(row["speedup"], ideal) if ideal and row["speedup"] else None
@@ -139,11 +138,11 @@ def summarize(records: list[Record]) -> dict[str, Any]:
     """Aggregates per setting x category and overall, best settings, and every divergence."""
     if not records:
         raise ValueError("no records to summarise")
-    settings = list(dict.fromkeys(r["setting"] for r in records))
-    categories = list(dict.fromkeys(r["category"] for r in records))
+    settings = list(dict.fromkeys(r.setting for r in records))
+    categories = list(dict.fromkeys(r.category for r in records))
     by_setting: dict[str, list[Record]] = defaultdict(list)
     for r in records:
-        by_setting[r["setting"]].append(r)
+        by_setting[r.setting].append(r)
     if "ar" not in by_setting:
         raise ValueError("the records have no `ar` baseline: run with the `ar` method")
     baselines = {"ar": {_key(r): r for r in by_setting["ar"]}}
@@ -154,7 +153,7 @@ def summarize(records: list[Record]) -> dict[str, Any]:
         """Aggregates of every setting over one category (None: all prompts)."""
 
         def group(records: list[Record]) -> list[Record]:
-            return [r for r in records if category is None or r["category"] == category]
+            return [r for r in records if category is None or r.category == category]
 
         ar = group(by_setting["ar"])
         rows = []
@@ -191,14 +190,14 @@ def summarize(records: list[Record]) -> dict[str, Any]:
 
     divergences = [
         {
-            "prompt_id": r["prompt_id"],
-            "category": r["category"],
-            "turn": r.get("turn", 0),
-            "setting": r["setting"],
-            **r["first_divergence"],
+            "prompt_id": r.prompt_id,
+            "category": r.category,
+            "turn": r.turn,
+            "setting": r.setting,
+            **r.first_divergence,
         }
         for r in records
-        if r.get("first_divergence")
+        if r.first_divergence
     ]
     return {
         "settings": settings,

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.bench.aggregate import OVERALL
+from specdecode.bench.records import Record
 
 PLOTS = {
     "acceptance_by_category.png": "acceptance rate by category",
@@ -140,7 +141,7 @@ def divergence_table(summary: dict[str, Any]) -> str:
     return _table(header, rows)
 
 
-def render_markdown(summary: dict[str, Any], records: list[dict[str, Any]], info: dict) -> str:
+def render_markdown(summary: dict[str, Any], records: list[Record], info: dict) -> str:
     config = info.get("config", {})
     first = records[0]
     lines = [
@@ -148,12 +149,12 @@ def render_markdown(summary: dict[str, Any], records: list[dict[str, Any]], info
         "",
         f"Command: `{info.get('command', '?')}`",
         "",
-        f"Target `{config.get('target', '?')}`, {first['dtype']}, linear layers on "
+        f"Target `{config.get('target', '?')}`, {first.dtype}, linear layers on "
         f"{info.get('kernel', 'eager')}"
         + (f", attention {info['attention']}" if info.get("attention") else "")
         + ", temperature "
-        f"{first['temperature']}, up to {config.get('max_new_tokens', '?')} new tokens, "
-        f"{len({r['prompt_id'] for r in records})} prompts in {len(summary['categories'])} "
+        f"{first.temperature}, up to {config.get('max_new_tokens', '?')} new tokens, "
+        f"{len({r.prompt_id for r in records})} prompts in {len(summary['categories'])} "
         f"categories, {config.get('repeats', 1)} repeat(s). Machine: {info.get('machine', '?')}, "
         f"device {info.get('device', '?')}; versions {info.get('versions', {})}.",
         "",
@@ -180,7 +181,7 @@ def render_markdown(summary: dict[str, Any], records: list[dict[str, Any]], info
         "",
         "## Memory",
         "",
-        f"Memory source: {first['memory_source']}.",
+        f"Memory source: {first.memory_source}.",
         "",
         memory_table(summary),
         "",
@@ -195,9 +196,7 @@ def render_markdown(summary: dict[str, Any], records: list[dict[str, Any]], info
     return "\n".join(lines) + "\n"
 
 
-def write_report(
-    out_dir: Path, summary: dict[str, Any], records: list[dict[str, Any]], info: dict
-) -> None:
+def write_report(out_dir: Path, summary: dict[str, Any], records: list[Record], info: dict) -> None:
     (out_dir / "report.md").write_text(render_markdown(summary, records, info))
     write_plots(out_dir, summary)
 

@@ -12,6 +12,7 @@ import json
 import platform
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -29,11 +30,10 @@ from specdecode.bench.methods import (
     takes_prefill,
     tuned_setting,
 )
-from specdecode.bench.records import make_record, mark_identity, top2_margin
+from specdecode.bench.records import Record, make_record, mark_identity, top2_margin
 from specdecode.bench.suites import BenchPrompt, interleave_by_category, load_suite
 from specdecode.config import load_config
 from specdecode.drafters.lean import LeanCache
-from specdecode.kernels.cpu_linear import kernel_description
 from specdecode.models.loading import LoadedModel
 
 QUICK_TARGET = "smollm2-135m-instruct"
@@ -179,7 +179,7 @@ def run_settings(
     settings: list[Setting],
     prompts: list[BenchPrompt],
     progress: bool = True,
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+) -> tuple[list[Record], dict[str, Any]]:
     """Run `settings` on `prompts` with loaded models; write and return records and summary."""
     from tqdm import tqdm
 
@@ -187,84 +187,158 @@ def run_settings(
 
     out_dir = Path(config.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    runner = MethodRunner(
-        target,
-        drafts,
-        temperature=config.temperature,
-        top_k=config.top_k,
-        top_p=config.top_p,
-        seed=config.seed,
-    )
-    engine = runner.ar_engine
+    turns = _TurnRunner(config, target, drafts)
     _write_run_info(out_dir, config, settings, target)
+    turns.warm_up(settings, prompts, progress)
 
-    def prompt_ids(value: Any) -> list[int]:
-        return engine.encode_prompt(value, chat=config.chat)
-
-    # warm-up: every setting once, on a short generation, before anything is timed
-    warm = prompt_ids(_Conversation(prompts[0]).next_input(0, config.chat))
-    running = dict.fromkeys(s.for_category(p.category) for s in settings for p in prompts)
-    for setting in tqdm(running, desc="warm-up", disable=not progress, leave=False):
-        runner.run(setting, warm, min(8, config.max_new_tokens))
-
-    n_turns = sum(len(p.turns) if config.turns == "all" else 1 for p in prompts)
-    total = config.repeats * n_turns * len(settings)
-    records: list[dict[str, Any]] = []
-    greedy = not config.temperature
-    bar = tqdm(total=total, desc="bench", unit="run", disable=not progress)
-    with (out_dir / RESULTS).open("w") as results:
-        for repeat in range(config.repeats):
-            for index, prompt in enumerate(prompts):
-                turns = range(len(prompt.turns)) if config.turns == "all" else range(1)
-                conversations = {s: _Conversation(prompt) for s in settings}
-                order = _rotate(settings, index)
-                for turn in turns:
-                    done: dict[Setting, dict[str, Any]] = {}
-                    ids_of: dict[Setting, list[int]] = {}
-                    shared: dict[tuple[int, ...], tuple[Any, float]] = {}  # ids -> cache, s
-                    for setting in order:
-                        bar.set_postfix_str(f"{prompt.id} {setting.label}", refresh=False)
-                        runs = setting.for_category(prompt.category)  # itself unless tuned
-                        ids = prompt_ids(conversations[setting].next_input(turn, config.chat))
-                        prefilled, prefill_s = None, None
-                        if config.share_prefill and takes_prefill(runs):
-                            if tuple(ids) not in shared:
-                                shared[tuple(ids)] = runner.prefill(ids)
-                            prefilled, prefill_s = shared[tuple(ids)]
-                        memory_source = _reset_peak(target)
-                        out = runner.run(runs, ids, config.max_new_tokens, prefilled)
-                        memory = _peak_or_estimate(
-                            target, runner, runs, len(ids) + len(out.token_ids)
-                        )
-                        conversations[setting].answer(_decode(engine, out.token_ids))
-                        done[setting] = make_record(
-                            prompt,
-                            turn,
-                            repeat,
-                            runs,
-                            ids,
-                            out,
-                            dtype=config.dtype,
-                            temperature=config.temperature,
-                            memory_bytes=memory,
-                            memory_source=memory_source,
-                            shared_prefill_s=prefill_s,
-                        )
-                        if setting.per_category:  # one column for the tuned config
-                            done[setting].update(setting=setting.label, tuned=True, ran=runs.label)
-                        ids_of[setting] = ids
-                        bar.update()
-                    if greedy:
-                        _check_identity(target, done, ids_of)
-                    for setting in settings:  # records in plan order, whatever the run order
-                        results.write(json.dumps(done[setting]) + "\n")
-                        records.append(done[setting])
-                    results.flush()
+    n_turns = sum(len(_turns_of(prompt, config)) for prompt in prompts)
+    bar = tqdm(
+        total=config.repeats * n_turns * len(settings),
+        desc="bench",
+        unit="run",
+        disable=not progress,
+    )
+    with _ResultsWriter(out_dir / RESULTS) as results:
+        for repeat, prompt, turn, order, conversations in _order_of_work(config, settings, prompts):
+            done = turns.run(prompt, turn, repeat, order, conversations, bar)
+            results.write([done[s] for s in settings])  # plan order, whatever the run order
     bar.close()
+    records = results.records
     summary = summarize(records)
     (out_dir / SUMMARY).write_text(json.dumps(summary, indent=1))
     write_report(out_dir, summary, records, _read_run_info(out_dir))
     return records, summary
+
+
+def _turns_of(prompt: BenchPrompt, config: BenchConfig) -> range:
+    return range(len(prompt.turns)) if config.turns == "all" else range(1)
+
+
+def _order_of_work(
+    config: BenchConfig, settings: list[Setting], prompts: list[BenchPrompt]
+) -> Iterator[tuple[int, BenchPrompt, int, list[Setting], dict[Setting, _Conversation]]]:
+    """(repeat, prompt, turn, settings in their run order, each setting's conversation): per
+    repeat, per prompt (the order rotated by the prompt's index, fresh conversations), per turn."""
+    for repeat in range(config.repeats):
+        for index, prompt in enumerate(prompts):
+            conversations = {s: _Conversation(prompt) for s in settings}
+            order = _rotate(settings, index)
+            for turn in _turns_of(prompt, config):
+                yield repeat, prompt, turn, order, conversations
+
+
+class _TurnRunner:
+    """Runs one turn of a prompt under every setting: the bench's unit of work."""
+
+    def __init__(self, config: BenchConfig, target: LoadedModel, drafts: dict[str, Any]) -> None:
+        self.config, self.target = config, target
+        self.runner = MethodRunner(
+            target,
+            drafts,
+            temperature=config.temperature,
+            top_k=config.top_k,
+            top_p=config.top_p,
+            seed=config.seed,
+        )
+        self.engine = self.runner.ar_engine
+
+    def prompt_ids(self, value: Any) -> list[int]:
+        return self.engine.encode_prompt(value, chat=self.config.chat)
+
+    def warm_up(self, settings: list[Setting], prompts: list[BenchPrompt], progress: bool) -> None:
+        """Every setting (each tuned one as every category runs it) once, on a short generation,
+        before anything is timed."""
+        from tqdm import tqdm
+
+        warm = self.prompt_ids(_Conversation(prompts[0]).next_input(0, self.config.chat))
+        running = dict.fromkeys(s.for_category(p.category) for s in settings for p in prompts)
+        for setting in tqdm(running, desc="warm-up", disable=not progress, leave=False):
+            self.runner.run(setting, warm, min(8, self.config.max_new_tokens))
+
+    def run(
+        self,
+        prompt: BenchPrompt,
+        turn: int,
+        repeat: int,
+        order: list[Setting],
+        conversations: dict[Setting, _Conversation],
+        bar: Any,
+    ) -> dict[Setting, Record]:
+        """Turn `turn` of `prompt` under every setting, in `order`; greedy records are marked
+        against `ar`. Returns the records by setting."""
+        done: dict[Setting, Record] = {}
+        ids_of: dict[Setting, list[int]] = {}
+        shared: dict[tuple[int, ...], tuple[Any, float]] = {}  # ids -> prefilled cache, s
+        for setting in order:
+            bar.set_postfix_str(f"{prompt.id} {setting.label}", refresh=False)
+            done[setting], ids_of[setting] = self.one(
+                prompt, turn, repeat, setting, conversations[setting], shared
+            )
+            bar.update()
+        if not self.config.temperature:
+            _check_identity(self.target, done, ids_of)
+        return done
+
+    def one(
+        self,
+        prompt: BenchPrompt,
+        turn: int,
+        repeat: int,
+        setting: Setting,
+        conversation: _Conversation,
+        shared: dict[tuple[int, ...], tuple[Any, float]],
+    ) -> tuple[Record, list[int]]:
+        """One prompt x setting x repeat (at one turn): its record and the prompt ids it ran on.
+        With `share_prefill`, the first method that can take a prefilled cache fills `shared`."""
+        config, runner = self.config, self.runner
+        runs = setting.for_category(prompt.category)  # itself unless tuned
+        ids = self.prompt_ids(conversation.next_input(turn, config.chat))
+        prefilled, prefill_s = None, None
+        if config.share_prefill and takes_prefill(runs):
+            if tuple(ids) not in shared:
+                shared[tuple(ids)] = runner.prefill(ids)
+            prefilled, prefill_s = shared[tuple(ids)]
+        memory_source = _reset_peak(self.target)
+        out = runner.run(runs, ids, config.max_new_tokens, prefilled)
+        memory = _peak_or_estimate(self.target, runner, runs, len(ids) + len(out.token_ids))
+        conversation.answer(_decode(self.engine, out.token_ids))
+        record = make_record(
+            prompt,
+            turn,
+            repeat,
+            runs,
+            ids,
+            out,
+            dtype=config.dtype,
+            temperature=config.temperature,
+            memory_bytes=memory,
+            memory_source=memory_source,
+            shared_prefill_s=prefill_s,
+        )
+        if setting.per_category:  # one column for the tuned config
+            record.setting, record.tuned, record.ran = setting.label, True, runs.label
+        return record, ids
+
+
+class _ResultsWriter:
+    """results.jsonl, written as the records come (an interrupted run keeps what it measured)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.records: list[Record] = []
+
+    def __enter__(self) -> _ResultsWriter:
+        self.file = self.path.open("w")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.file.close()
+
+    def write(self, records: list[Record]) -> None:
+        for record in records:
+            self.file.write(json.dumps(record.to_dict()) + "\n")
+            self.records.append(record)
+        self.file.flush()
 
 
 def _rotate(settings: list[Setting], by: int) -> list[Setting]:
@@ -279,18 +353,18 @@ def _decode(engine: Any, ids: list[int]) -> str | None:
 
 
 def _check_identity(
-    target: LoadedModel, done: dict[Setting, dict[str, Any]], ids_of: dict[Setting, list[int]]
+    target: LoadedModel, done: dict[Setting, Record], ids_of: dict[Setting, list[int]]
 ) -> None:
     """Mark every greedy record against `ar` of the same prompt; margins computed once."""
     ar_setting = next(s for s in done if s.method == "ar")
     ar_record = done[ar_setting]
-    ar_record["identical_to_ar"] = True
+    ar_record.identical_to_ar = True
     margins: dict[int, float] = {}
 
     def margin(position: int) -> float:
         if position not in margins:
             margins[position] = top2_margin(
-                target.model, ids_of[ar_setting], ar_record["token_ids"], position
+                target.model, ids_of[ar_setting], ar_record.token_ids, position
             )
         return margins[position]
 
@@ -338,7 +412,7 @@ def _write_run_info(
         "tuned": {c: v.label for s in settings for c, v in s.per_category},  # bench --config
         "run_config": load_config(config.config_file).to_dict() if config.config_file else None,
         "target_dtype": str(target.dtype),
-        "kernel": kernel_description(target.kernel),
+        "kernel": target.kernel,  # which path its linears run on (kernels/cpu.py)
         "attention": getattr(target.model.config, "_attn_implementation", None),
         "device": str(target.device),
         "machine": f"{platform.processor() or platform.machine()}, "
@@ -357,7 +431,7 @@ def _read_run_info(out_dir: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def load_results(out_dir: str | Path) -> list[dict[str, Any]]:
+def load_results(out_dir: str | Path) -> list[Record]:
     """The records of a saved run (results.jsonl), with a clear error when there are none."""
     path = Path(out_dir) / RESULTS
     if not path.exists():
@@ -366,9 +440,12 @@ def load_results(out_dir: str | Path) -> list[dict[str, Any]]:
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if line.strip():
             try:
-                records.append(json.loads(line))
+                data = json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{number}: not JSON ({err.msg})") from None
+            if not isinstance(data, dict):
+                raise ValueError(f"{path}:{number}: not a record (a JSON object)")
+            records.append(Record.from_dict(data))
     if not records:
         raise ValueError(f"{path} holds no records")
     return records

@@ -34,12 +34,12 @@ from specdecode import metrics
 from specdecode.bench.aggregate import OVERALL, row_for
 from specdecode.bench.costs import verify_costs
 from specdecode.bench.methods import Setting, plan_settings
+from specdecode.bench.records import Record
 from specdecode.bench.runner import BenchConfig, load_bench_models, run_settings
 from specdecode.bench.suites import BenchPrompt, interleave_by_category, load_suite
 from specdecode.config import RunConfig, save_config, to_vllm_speculative_config
 from specdecode.draft_spec import DraftSpec
-
-Record = dict[str, Any]
+from specdecode.models.loading import LoadedModel
 
 
 def split_prompts(
@@ -61,7 +61,7 @@ def split_prompts(
 def _pooled(records: list[Record], field: str) -> list[int]:
     total: list[int] = []
     for r in records:
-        for i, value in enumerate(r.get(field) or []):
+        for i, value in enumerate(getattr(r, field) or []):
             if i == len(total):
                 total.append(0)
             total[i] += value
@@ -70,7 +70,7 @@ def _pooled(records: list[Record], field: str) -> list[int]:
 
 def step_profile(records: list[Record], k_max: int) -> dict[str, list[float]]:
     """P(L >= i) and P(D >= i), i = 1..k_max, over every step of `records` (one drafter)."""
-    steps = sum(r["steps"] for r in records)
+    steps = sum(r.steps for r in records)
     accepted = _pooled(records, "accepted_at") + [0] * k_max
     drafted = _pooled(records, "drafted_at") + [0] * k_max
     return {
@@ -103,10 +103,10 @@ def measured_costs(ar: list[Record], spec: list[Record]) -> dict[str, float]:
     """t_1, o_ar from `ar` records; t_draft, o_step from one drafter's spec records (seconds)."""
 
     def total(records: list[Record], field: str) -> float:
-        return sum(r[field] or 0 for r in records)
+        return sum(getattr(r, field) or 0 for r in records)
 
     def decode_time(records: list[Record]) -> float:
-        return sum(r["wall_time_s"] - (r["prefill_s"] or 0.0) for r in records)
+        return sum(r.wall_time_s - (r.prefill_s or 0.0) for r in records)
 
     t_1 = total(ar, "target_forward_s") / total(ar, "target_forwards")
     o_ar = decode_time(ar) / total(ar, "steps") - t_1
@@ -162,25 +162,26 @@ def predictions(
     k_max's equals the speedup its chain measured there: the chain then stands on the footing of
     the trees and k policies beside it (their figures are measured), and the model carries only
     what it is for, how the speedup moves with k. (The model pools draft time and step overhead
-    over categories, which put its k_max figure 10-25% off the measured one in some categories.)"""
-    ar = [r for r in records if r["method"] == "ar"]
-    categories = list(dict.fromkeys(r["category"] for r in records))
+    over categories, which put its k_max figure well off the measured one in some categories:
+    docs/benchmarks.md, "The tuner, its chains now anchored on what they measured".)"""
+    ar = [r for r in records if r.method == "ar"]
+    categories = list(dict.fromkeys(r.category for r in records))
     rows = []
     for draft in drafts:
         spec = [
             r
             for r in records
-            if r["method"] == "spec"
-            and r["draft"] == draft
-            and r["k"] == k_max
-            and r["k_policy"] == "fixed"
-            and r.get("tree") is None
+            if r.method == "spec"
+            and r.draft == draft
+            and r.k == k_max
+            and r.k_policy == "fixed"
+            and r.tree is None
         ]
         costs = measured_costs(ar, spec)
         speedups = {}  # (k, category) -> predicted speedup
         how = {}  # (k, category) -> "model", "anchored" or "calibration" (see _candidate)
         for category in categories:
-            profile = step_profile([r for r in spec if r["category"] == category], k_max)
+            profile = step_profile([r for r in spec if r.category == category], k_max)
             for k in range(1, k_max + 1):
                 speedups[k, category] = predict_speedup(profile, k, v, **costs)
                 how[k, category] = "model"
@@ -242,7 +243,9 @@ def _drafting(row: dict[str, Any]) -> dict[str, Any]:
     return {"draft": row["draft"], "k": k, "k_policy": row["policy"], "tree": row["tree"]}
 
 
-def run_tune(config: BenchConfig, k_max: int, validate: bool = True, progress: bool = True):
+def run_tune(
+    config: BenchConfig, k_max: int, validate: bool = True, progress: bool = True
+) -> dict[str, Any]:
     """Calibrate, predict, recommend and (optionally) validate; write the files in config.out."""
     config.validate()
     if not config.drafts:
@@ -253,38 +256,16 @@ def run_tune(config: BenchConfig, k_max: int, validate: bool = True, progress: b
         raise ValueError(
             "--tree needs a model draft among the candidates (a model or early-exit:N)"
         )
-    limit = config.limit or 2
-    prompts = load_suite(config.prompts_file, categories=config.categories, limit=2 * limit)
-    calibration, validation = split_prompts(prompts, limit)
-    if validate and not validation:
-        raise ValueError(
-            f"no prompts left to validate on: each category needs more than {limit} prompts "
-            "(lower --limit or pass --no-validate)"
-        )
+    calibration, validation = _tune_prompts(config, validate)
     # the tuner predicts decode speedups, which exclude the prefill: one target prefill per
     # prompt, shared by every candidate, saves that time and changes no figure it uses
     config = replace(config, share_prefill=True)
-    out = Path(config.out)
     target, drafts = load_bench_models(config)
-
-    # fixed-k chains at k_max (extrapolated to every k), then the adaptive policies and trees
-    policies = ["fixed", *(p for p in config.policies if p != "fixed")]
-    candidates = plan_settings(["spec"], drafts, [k_max], policies, config.trees)
-    direct = [s for s in candidates if s.policy != "fixed" or s.tree is not None]
-    cal_config = replace(config, out=str(out / "calibration"))
-    records, cal_summary = run_settings(
-        cal_config,
-        target,
-        drafts,
-        [Setting("ar"), *candidates],
-        interleave_by_category(calibration),
-        progress,
-    )
-    v = verify_costs(target.model, k_max + 1)
-    rows = predictions(records, config.drafts, k_max, v, cal_summary)
-    rows += calibrated(cal_summary, direct)
+    records, cal_summary, direct = _calibrate(config, target, drafts, k_max, calibration, progress)
+    v = verify_costs(target.model, k_max + 1)  # step 2 (the other costs come from the records)
+    rows = predictions(records, config.drafts, k_max, v, cal_summary)  # step 3: chains
+    rows += calibrated(cal_summary, direct)  # ... and what adapts as it runs
     best = recommend(rows)
-    overall = best[OVERALL]
     result: dict[str, Any] = {
         "command": config.command,
         "k_max": k_max,
@@ -293,45 +274,105 @@ def run_tune(config: BenchConfig, k_max: int, validate: bool = True, progress: b
         "recommended": best,
         "validation": None,
     }
-
     if validate:
-        chosen = setting_of(overall)
-        val_config = replace(config, out=str(out / "validation"))
-        _, summary = run_settings(
-            val_config,
-            target,
-            drafts,
-            [Setting("ar"), chosen],
-            interleave_by_category(validation),
-            progress,
-        )
-        per_category = {}
-        for category in [*summary["categories"], OVERALL]:
-            if category == OVERALL:  # averaged like the prediction: over categories
-                measured = metrics.geometric_mean(
-                    [row["measured"] for row in per_category.values() if row["measured"]]
-                )
-            else:
-                measured = row_for(summary, chosen.label, category)["speedup"]
-            predicted = next(
-                r["predicted"]
-                for r in rows
-                if r["setting"] == chosen.label and r["category"] == category
-            )
-            per_category[category] = {
-                "predicted": predicted,
-                "measured": measured,
-                "error": measured / predicted - 1 if measured else None,
-            }
-        result["validation"] = {"setting": chosen.label, "per_category": per_category}
+        chosen = setting_of(best[OVERALL])
+        result["validation"] = _validate(config, target, drafts, chosen, rows, validation, progress)
+    _write_tune(config, result)
+    return result
 
+
+def _tune_prompts(
+    config: BenchConfig, validate: bool
+) -> tuple[list[BenchPrompt], list[BenchPrompt]]:
+    """The calibration prompts and the validation ones (`split_prompts` on `config.limit`)."""
+    limit = config.limit or 2
+    prompts = load_suite(config.prompts_file, categories=config.categories, limit=2 * limit)
+    calibration, validation = split_prompts(prompts, limit)
+    if validate and not validation:
+        raise ValueError(
+            f"no prompts left to validate on: each category needs more than {limit} prompts "
+            "(lower --limit or pass --no-validate)"
+        )
+    return calibration, validation
+
+
+def _calibrate(
+    config: BenchConfig,
+    target: LoadedModel,
+    drafts: dict[str, Any],
+    k_max: int,
+    prompts: list[BenchPrompt],
+    progress: bool,
+) -> tuple[list[Record], dict[str, Any], list[Setting]]:
+    """Step 1: `ar` and every candidate on the calibration prompts (in DIR/calibration).
+    Returns the records, their summary and the candidates measured rather than extrapolated."""
+    # fixed-k chains at k_max (extrapolated to every k), then the adaptive policies and trees
+    policies = ["fixed", *(p for p in config.policies if p != "fixed")]
+    candidates = plan_settings(["spec"], drafts, [k_max], policies, config.trees)
+    direct = [s for s in candidates if s.policy != "fixed" or s.tree is not None]
+    records, summary = run_settings(
+        replace(config, out=str(Path(config.out) / "calibration")),
+        target,
+        drafts,
+        [Setting("ar"), *candidates],
+        interleave_by_category(prompts),
+        progress,
+    )
+    return records, summary, direct
+
+
+def _validate(
+    config: BenchConfig,
+    target: LoadedModel,
+    drafts: dict[str, Any],
+    chosen: Setting,
+    rows: list[dict[str, Any]],
+    prompts: list[BenchPrompt],
+    progress: bool,
+) -> dict[str, Any]:
+    """Step 4: `ar` and `chosen` on the validation prompts (in DIR/validation); the measured
+    speedup beside the predicted one (`rows`), per category and over categories."""
+    _, summary = run_settings(
+        replace(config, out=str(Path(config.out) / "validation")),
+        target,
+        drafts,
+        [Setting("ar"), chosen],
+        interleave_by_category(prompts),
+        progress,
+    )
+    per_category: dict[str, dict[str, Any]] = {}
+    for category in [*summary["categories"], OVERALL]:
+        if category == OVERALL:  # averaged like the prediction: over categories
+            measured = metrics.geometric_mean(
+                [row["measured"] for row in per_category.values() if row["measured"]]
+            )
+        else:
+            measured = row_for(summary, chosen.label, category)["speedup"]
+        predicted = next(
+            r["predicted"]
+            for r in rows
+            if r["setting"] == chosen.label and r["category"] == category
+        )
+        per_category[category] = {
+            "predicted": predicted,
+            "measured": measured,
+            "error": measured / predicted - 1 if measured else None,
+        }
+    return {"setting": chosen.label, "per_category": per_category}
+
+
+def _write_tune(config: BenchConfig, result: dict[str, Any]) -> None:
+    """DIR/config.json and vllm.json from the recommendation (a note in `result` where vLLM has
+    no counterpart), then tune.json and tune.md."""
+    best = result["recommended"]
     run_config = RunConfig(
         target=config.target,
-        **_drafting(overall),
+        **_drafting(best[OVERALL]),
         dtype=config.dtype,
         device=config.device,
         per_category={c: _drafting(r) for c, r in best.items() if c != OVERALL},
     )
+    out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     save_config(run_config, out / "config.json")
     try:
@@ -340,7 +381,6 @@ def run_tune(config: BenchConfig, k_max: int, validate: bool = True, progress: b
         result["vllm"] = str(err)
     (out / "tune.json").write_text(json.dumps(result, indent=1))
     (out / "tune.md").write_text(render_tune(result))
-    return result
 
 
 def _how(row: dict[str, Any]) -> str:

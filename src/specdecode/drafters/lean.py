@@ -1,16 +1,18 @@
 """A lean forward for Llama-family draft models: the draft's layers, weights and linear kernels,
 run as a few large operations per layer over a cache of its own.
 
-Why: a draft forward is paid k times per speculative step. The int8 0.5B draft's one-token
-forward through Hugging Face's code cost about 62 ms here, of which its linear layers (on the CPU
-kernels) took about 30; the rest was a thousand-odd small operations per forward: dtype casts,
-mask building, a cache that grows by concatenation (every step copies it), rotary embedding in
-seven operations per tensor. Here each layer is the model's own linear weights around four
-fused C++ calls (`kernels/draft_ops.cpp`: residual add + RMSNorm twice; rotary embedding, the
-cache write and attention once; SiLU times the up projection once), with keys/values written in
-place into a preallocated float32 cache: 38 ms side by side (docs/benchmarks.md). The linears
-are the kernel calls themselves (`direct_linear`): called through their modules, the Python
-around the 169 kernel calls of the 0.5B int4 draft took about a fifth of its one-token forward.
+Why: a draft forward is paid k times per speculative step. Through Hugging Face's code, the
+int8 0.5B draft's one-token forward spent about as long outside its linear layers (on the CPU
+kernels) as in them, in a thousand-odd small operations per forward: dtype casts, mask
+building, a cache that grows by concatenation (every step copies it), rotary embedding in seven
+operations per tensor. Here each layer is the model's own linear weights around four fused C++
+calls (`kernels/draft_ops.cpp`: residual add + RMSNorm twice; rotary embedding, the cache write
+and attention once; SiLU times the up projection once), with keys/values written in place into
+a preallocated float32 cache (both forwards timed side by side: docs/benchmarks.md, "The lean
+draft forward"). The linears are the kernel calls themselves (`direct_linear`): called through
+their modules, the Python around the 169 kernel calls of the 0.5B int4 draft was a large share
+of its one-token forward (docs/benchmarks.md, "The draft forward without Python around its
+linears").
 Where the model's linears are not on the CPU kernels (other dtypes, no AVX2, `--kernel off`) and
 above FUSED_TOKENS tokens (prefill) the same maths runs in PyTorch operations.
 
@@ -305,12 +307,13 @@ def _fused_ops(model: Any, dtype: torch.dtype, device: torch.device, head_dim: i
     linears already run on specdecode's kernels (`--kernel off` is respected), else None."""
     if dtype != torch.bfloat16 or device.type != "cpu" or head_dim % 2:
         return None
-    from specdecode.kernels.cpu_linear import _FLAG, KernelUnavailable, _extension
+    from specdecode.kernels.build import KernelUnavailable, extension
+    from specdecode.kernels.panels import on_kernel
 
-    if not any(getattr(module, _FLAG, False) for module in model.modules()):
+    if not any(on_kernel(module) for module in model.modules()):
         return None
 
     try:
-        return _extension()
+        return extension()
     except KernelUnavailable:
         return None

@@ -1,14 +1,14 @@
 """Attention for decoding on CPU: a few query tokens against a cached prefix.
 
-Why: PyTorch's CPU SDPA kernel (flash attention for CPU) costs about 0.45 ms per layer for one
-query token against a few hundred cached ones on our 2-core machine, most of it set-up, and
-with a custom 4D mask (a token tree) Hugging Face first copies every key/value head per query
-head (`repeat_kv`). Here the few queries of each key/value head are stacked into one small
-float32 matmul against that head's keys (grouped-query attention without copies), masked,
-soft-maxed and multiplied with the values: in a profile of a one-token forward, about a fifth of
-SDPA's operator time per layer (the whole forward's wall time moved within the machine's noise;
-docs/benchmarks.md). Calls with more than MAX_QUERIES query tokens (prefill), caches longer
-than MAX_KEYS and anything unusual go to SDPA unchanged.
+Why: for one query token against a few hundred cached ones, PyTorch's CPU SDPA kernel (flash
+attention for CPU) spends most of its time per layer in set-up, and with a custom 4D mask (a
+token tree) Hugging Face first copies every key/value head per query head (`repeat_kv`). Here
+the few queries of each key/value head are stacked into one small float32 matmul against that
+head's keys (grouped-query attention without copies), masked, soft-maxed and multiplied with
+the values: in a profile of a one-token forward, a small part of SDPA's operator time per layer
+(the whole forward's wall time moved within the machine's noise; docs/benchmarks.md, "Decode
+attention and the current code"). Calls with more than MAX_QUERIES query tokens (prefill),
+caches longer than MAX_KEYS and anything unusual go to SDPA unchanged.
 
 It is registered with transformers' AttentionInterface under NAME, with SDPA's mask builder, so
 the model's own forward runs it (no forked model code) and custom 4D tree masks pass as given.
@@ -24,9 +24,9 @@ NAME = "specdecode_cpu"
 MAX_QUERIES = 32  # more query tokens than this: SDPA (prefill, long verifications)
 # more cached positions than this: SDPA, which reads bfloat16 keys/values in place; here they are
 # widened to float32 per call, a copy that grows with the context. Still, at 1500 and 3000 cached
-# positions the 1.5B target's forward over 5 new tokens ran 1.16x and 1.26x faster here than with
-# SDPA (docs/benchmarks.md; PyTorch's CPU flash attention took about 4 ms per layer for one query
-# over 2000 keys); longer contexts were not measured and keep SDPA.
+# positions the 1.5B target's forward over 5 new tokens was faster here than with SDPA
+# (docs/benchmarks.md, "Attention after a long context"); longer contexts were not measured and
+# keep SDPA.
 MAX_KEYS = 3072
 
 

@@ -2,10 +2,10 @@
 // draft forward (`drafters/lean.py`) runs between its linear layers. Built into the same
 // extension as linear_avx2.cpp (whose module exports them).
 //
-// Why: through PyTorch, one token's RMSNorm is about eight operations (~25 us on this CPU for
-// 896 numbers) and rotary embedding, the cache write and attention another fifteen; a 24-layer
-// draft spent about 14 ms per forward in them, against about 30 ms in its linears. Here each is
-// one call of a few microseconds.
+// Why: through PyTorch, one token's RMSNorm is about eight operations and rotary embedding, the
+// cache write and attention another fifteen, each dispatched on its own; a 24-layer draft spent
+// nearly half as long in them as in its linears (docs/benchmarks.md, "The lean draft forward").
+// Here each is one call.
 //
 // Rounding follows Hugging Face's bfloat16 forward where it rounds (the residual sum, the
 // normalized row before the norm's weight, the norm's output, SiLU's output and the gated

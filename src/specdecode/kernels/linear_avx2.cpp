@@ -7,7 +7,8 @@
 //
 // Why: on x86 CPUs without bfloat16 matrix units, PyTorch's bfloat16 matmul costs about one extra
 // one-token forward per extra token, so verifying k+1 drafted tokens costs about k+1 forwards and
-// speculation cannot pay. Here every weight row is read from memory once per call and used for all
+// speculation cannot pay (docs/benchmarks.md, "Why: verification cost v(k) on this CPU"). Here
+// every weight row is read from memory once per call and used for all
 // the tokens while it sits in L1, so a forward over a few tokens costs about as much as over one:
 // the memory-bound regime speculative decoding is built on.
 //
@@ -211,14 +212,14 @@ torch::Tensor run(const torch::Tensor& x, const typename W::T* w, int64_t N, con
 }
 
 // ---- Packed panels (bfloat16 weights, K even) --------------------------------------------
-// The row tiles above need one activation load per FMA and a horizontal sum per output; from
-// about 4 tokens on they are compute-bound at about 60% of the FMA peak, so verifying 5-12
-// tokens cost 1.4-2.5 one-token forwards. Panels put 16 output rows side by side: panel p
+// The row tiles above need one activation load per FMA and a horizontal sum per output; from a
+// few tokens on they are compute-bound well below the FMA peak, so verifying a handful of tokens
+// costs well over one one-token forward. Panels put 16 output rows side by side: panel p
 // holds rows 16p .. 16p+15 as [K/2][16][2] bfloat16 (for each pair of k, a row's two weights in
 // one 32-bit lane, k even in the low half), so one 256-bit load gives 8 rows' weights at k (a
 // shift) and at k+1 (a mask), and a tile of MR tokens x 8V rows does MR x V FMAs per broadcast
-// activation, with no horizontal sum. On a 2-core AVX2 EPYC a forward of a 1.5B model over
-// 4-6 tokens went from 1.37-1.57 one-token forwards to 1.02-1.19 (docs/benchmarks.md).
+// activation, with no horizontal sum: a forward over a few tokens then costs about one
+// one-token forward again (docs/benchmarks.md, "Packed panels").
 // Each output is one float32 FMA chain over k in order whatever the tile: batch invariant.
 // int8 panels (a draft's quantized weights): [K][16] int8 per panel, one float32 scale per row
 // applied after the sum, like the int8 rows. No pairs of k: 8 weights widen with one sign

@@ -38,9 +38,10 @@ constexpr int64_t kPanel = 16;  // outputs per panel
 
 // How far ahead within a panel the tile prefetches, in elements: 2048, 4 KB (bf16_dot_prefetch
 // sets it). Over a dozen tokens the tile is nearly as busy multiplying as reading, and 16 KB
-// ahead (the AVX2 path's distance) hid less of the reading: the 1.5B target's 8960 x 1536 layer,
-// out of cache, took 1.13 of its one-token time over 12 tokens against 1.08 at 4 KB, its
-// 1536 x 1536 ones 1.33 against 1.21 (2 and 8 KB in between; benchmarks/kernel_rate.py).
+// ahead (the AVX2 path's distance) hid less of the reading: the 1.5B target's layers, out of
+// cache, took longer over 12 tokens at 16 KB than at 4 KB, with 2 and 8 KB in between
+// (benchmarks/kernel_rate.py; docs/benchmarks.md, "Fewer verified rows where the draft is
+// unsure, and a shorter prefetch").
 std::atomic<int64_t> g_prefetch{2048};  // set from Python, read by every worker's tile
 
 #define SD_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))

@@ -30,7 +30,9 @@ class LoadedModel:
     tokenizer: Any | None = None  # transformers tokenizer, or None for models saved without one
     name: str = "model"
     extra: dict[str, Any] = field(default_factory=dict)
-    kernel: str = "eager"  # what its linear layers run on: "eager" (PyTorch) or "bf16-avx2"
+    # what its linear layers run on: "eager" (PyTorch) or a kernel name (kernels/cpu.py), e.g.
+    # "bf16-avx2" / "bf16-avx512" (the panels on AVX2 FMAs / AVX-512 BF16), "int4-avx512vnni"
+    kernel: str = "eager"
 
     @property
     def device(self) -> torch.device:
@@ -99,9 +101,9 @@ def load_model(
 ) -> LoadedModel:
     """Load a causal LM from a preset name, a `.gguf` file, a local folder or a hub id.
 
-    Default dtype is bfloat16 (about 2x faster than float32 on CPU for these models); exact-identity
-    tests use float32. `kernel` ("auto", "on", "off"; None: $SPECDECODE_KERNEL, else "auto") puts
-    a bfloat16 model's linear layers on the AVX2 CPU kernel (`specdecode.kernels`).
+    Default dtype is bfloat16 (faster than float32 on CPU for these models: docs/benchmarks.md);
+    exact-identity tests use float32. `kernel` ("auto", "on", "off"; None: $SPECDECODE_KERNEL,
+    else "auto") puts a bfloat16 model's linear layers on the CPU kernels (`specdecode.kernels`).
     """
     from specdecode.kernels.cpu_linear import apply_kernel, resolve_mode
 

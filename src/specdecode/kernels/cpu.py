@@ -1,0 +1,55 @@
+"""What this CPU runs the kernels on: its instruction sets, and the names that say which path runs.
+
+The extension decides for itself at run time (linear_avx512.cpp, `__builtin_cpu_supports`): the
+bfloat16 panels run on AVX-512 BF16 where the CPU has AVX-512 F, BW and BF16 and
+$SPECDECODE_BF16_DOT is not 0, else on AVX2 FMAs; the 4-bit tile runs on AVX-512 VNNI where the
+CPU has AVX-512 F, VL and VNNI, else on AVX2; int8 and the row-major tiles always run on AVX2.
+What is here reads /proc/cpuinfo to tell in advance, without building anything.
+"""
+
+from __future__ import annotations
+
+import os
+
+BF16_DOT_ENV = "SPECDECODE_BF16_DOT"  # "0": bfloat16 panels on AVX2 FMAs even where AVX-512 BF16 is
+
+# what LoadedModel.kernel reports: the weights' type and the instruction set their tiles run on
+BF16_AVX2 = "bf16-avx2"  # bfloat16 panels on AVX2 FMAs
+BF16_AVX512 = "bf16-avx512"  # bfloat16 panels on AVX-512 BF16 dot products
+INT8_NAME = "int8-avx2"  # after quantize_linears(bits=8): AVX2 only
+INT4_AVX2 = "int4-avx2"  # after quantize_linears(bits=4), its tile on AVX2
+INT4_AVX512_VNNI = "int4-avx512vnni"  # ... on AVX-512 VNNI
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo, every core's; empty where unreadable)."""
+    flags: set[str] = set()
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags.update(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset(flags)
+
+
+def has_avx512_bf16() -> bool:
+    """Whether the CPU reports AVX-512 BF16 (False where /proc/cpuinfo is unreadable)."""
+    return "avx512_bf16" in cpu_flags()
+
+
+def bf16_dot_expected() -> bool:
+    """Whether the bfloat16 panels will run on AVX-512 BF16 once the kernel is built: the CPU
+    has it and $SPECDECODE_BF16_DOT is not 0. Builds nothing."""
+    return has_avx512_bf16() and os.environ.get(BF16_DOT_ENV, "1") != "0"
+
+
+def bf16_name(avx512_bf16: bool) -> str:
+    """The kernel name of a model whose bfloat16 panels run on AVX-512 BF16 or not."""
+    return BF16_AVX512 if avx512_bf16 else BF16_AVX2
+
+
+def int4_name(avx512_vnni: bool) -> str:
+    """The kernel name of a 4-bit model whose tile runs on AVX-512 VNNI or not."""
+    return INT4_AVX512_VNNI if avx512_vnni else INT4_AVX2

@@ -1,0 +1,243 @@
+"""A drafter's linears on int8 or 4-bit copies of their weights (`quantize_linears`).
+
+A draft spec's `:int8` or `:int4` suffix asks for it: int8 with one scale per output row, or 4-bit
+with a scale and a min per row and group of 32 k. Only a drafter may be quantized: the target
+verifies every drafted token, so the output stays the target's own, and the draft reads half
+(int8) or about a third (4-bit) of the bytes per forward (its acceptance may change; measure it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from specdecode.kernels.build import extension, int4_vnni_on
+from specdecode.kernels.cpu import INT8_NAME, int4_name
+from specdecode.kernels.panels import (
+    PANEL,
+    PANELS_BUFFER,
+    eligible,
+    row_major,
+    set_forward,
+    shared_storages,
+)
+
+_QWEIGHT, _SCALE = "_specdecode_qweight", "_specdecode_scale"  # int8 buffers of quantized ones
+_INT4_GROUP = 32  # k per scale and min (kInt4Group in the C++)
+_Q4, _Q4_SCALE, _Q4_MIN = "_specdecode_q4", "_specdecode_q4_scale", "_specdecode_q4_min"
+
+
+class _QuantNames(Mapping[int, str]):
+    """quantize_linears' bits -> the kernel name (LoadedModel.kernel) of the model it leaves:
+    the 4-bit one says whether its tile runs on AVX-512 VNNI now (build.use_int4_vnni)."""
+
+    def __getitem__(self, bits: int) -> str:
+        if bits == 8:
+            return INT8_NAME
+        if bits == 4:
+            return int4_name(int4_vnni_on())
+        raise KeyError(bits)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter((8, 4))
+
+    def __len__(self) -> int:
+        return 2
+
+
+QUANT_NAMES: Mapping[int, str] = _QuantNames()
+
+
+def quantize_int8(weight: torch.Tensor, rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row: weight [N, K] ~= q [N, K] int8 * scale [N, 1] float32.
+
+    scale = max |row| / 127 (1 for an all-zero row); q = round(row / scale). Done `rows` rows at a
+    time so a large embedding-sized weight needs no full float32 copy.
+    """
+    n = weight.shape[0]
+    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scale = torch.empty(n, dtype=torch.float32, device=weight.device)
+    for start in range(0, n, rows):
+        part = weight[start : start + rows].float()  # [r, K]
+        s = part.abs().amax(dim=1) / 127.0  # [r]
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        q[start : start + rows] = torch.round(part / s[:, None]).clamp_(-127, 127).to(torch.int8)
+        scale[start : start + rows] = s
+    return q, scale
+
+
+def pack_int8_panels(q: torch.Tensor) -> torch.Tensor:
+    """int8 q [N, K] -> panels [ceil(N / 16), K, 16] (`linear_int8_packed`; rows past N zero)."""
+    n, k = q.shape
+    pad = -n % PANEL
+    rows = F.pad(q, (0, 0, 0, pad)) if pad else q
+    return rows.reshape(-1, PANEL, k).permute(0, 2, 1).contiguous()
+
+
+def int8_weights(module: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """A `quantize_linears` layer's int8 weight [N, K] (usual layout, a copy) and scale [N]."""
+    panels, scale = getattr(module, _QWEIGHT), getattr(module, _SCALE)
+    n, k = module.weight.shape
+    return panels.permute(0, 2, 1).reshape(-1, k)[:n], scale
+
+
+def _int8_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if (
+        x.dtype != torch.bfloat16
+        or x.device.type != "cpu"
+        or (torch.is_grad_enabled() and x.requires_grad)
+    ):
+        # inputs the kernel does not take: the same quantized weights, through PyTorch
+        q, scale = int8_weights(self)
+        weight = (q.float() * scale[:, None]).to(x.dtype)
+        return F.linear(x, weight, self.bias)
+    flat = x.reshape(-1, x.shape[-1]).contiguous()  # [..., K] -> [M, K]
+    panels, scale = getattr(self, _QWEIGHT), getattr(self, _SCALE)
+    out = extension().linear_int8_packed(flat, panels, scale.shape[0], scale, self.bias)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit per row and group of 32 k: weight [N, K] ~= q * scale + min, q [N, K]
+    uint8 in 0..15, scale and min [N, K / 32] float16 (min the group's, scale = (max - min) / 15,
+    both rounded to float16 before q is chosen on their grid; scale 1 where the group is
+    constant). Weights on such a grid (GGUF Q4_K sub-blocks) come back exactly where their group
+    spans all 16 steps and the steps are float16 numbers."""
+    n, k = weight.shape
+    if k % _INT4_GROUP:
+        raise ValueError(f"int4 needs K a multiple of {_INT4_GROUP} (got {k})")
+    groups = weight.float().reshape(n, k // _INT4_GROUP, _INT4_GROUP)
+    if groups.numel() and float(groups.abs().max()) > torch.finfo(torch.float16).max:
+        raise ValueError("int4 needs weights within float16's range (its scales are float16)")
+    low = groups.amin(-1).half()  # [N, G]
+    scale = ((groups.amax(-1) - low.float()) / 15).half()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant (or tiny) groups
+    q = torch.round((groups - low.float()[..., None]) / scale.float()[..., None]).clamp_(0, 15)
+    return q.to(torch.uint8).reshape(n, k), scale, low
+
+
+def pack_int4_panels(
+    q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`quantize_int4`'s output -> the layout `linear_int4_packed` reads: panels [P, K / 4, 32]
+    uint8 (per panel of 16 rows and step of 4 k, byte 4r + j holds row r's weight at k = 4s + j
+    in its low nibble and row r + 8's in its high one), scales and mins [P, K / 32, 16] float16;
+    rows past N are zeros."""
+    n, k = q.shape
+    pad = -n % PANEL
+    q, scale, low = (F.pad(t, (0, 0, 0, pad)) if pad else t for t in (q, scale, low))
+    rows = q.reshape(-1, 2, PANEL // 2, k)  # [P, low | high nibble, 8, K]
+    bytes_ = rows[:, 0] | (rows[:, 1] << 4)  # [P, 8, K]
+    panels = bytes_.reshape(-1, PANEL // 2, k // 4, 4).permute(0, 2, 1, 3)
+    scales, mins = (
+        t.reshape(-1, PANEL, k // _INT4_GROUP).permute(0, 2, 1).contiguous() for t in (scale, low)
+    )
+    return panels.reshape(-1, k // 4, 32).contiguous(), scales, mins
+
+
+def int4_weights(module: torch.nn.Linear) -> torch.Tensor:
+    """A 4-bit layer's weight as it computes with it: [N, K] float32 (q * scale + min)."""
+    panels, scales, mins = (getattr(module, name) for name in (_Q4, _Q4_SCALE, _Q4_MIN))
+    n, k = module.weight.shape
+    steps = panels.reshape(-1, k // 4, PANEL // 2, 4).permute(0, 2, 1, 3).reshape(-1, 1, 8, k)
+    q = torch.cat([steps & 0xF, steps >> 4], dim=1).reshape(-1, k).float()  # [N', K]
+    scale, low = (t.permute(0, 2, 1).reshape(-1, k // _INT4_GROUP) for t in (scales, mins))
+    groups = q.reshape(-1, k // _INT4_GROUP, _INT4_GROUP)
+    return (groups * scale[..., None] + low[..., None]).reshape(-1, k)[:n]
+
+
+def _int4_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if (
+        x.dtype != torch.bfloat16
+        or x.device.type != "cpu"
+        or (torch.is_grad_enabled() and x.requires_grad)
+    ):
+        # inputs the kernel does not take: the same quantized weights, through PyTorch
+        return F.linear(x, int4_weights(self).to(x.dtype), self.bias)
+    flat = x.reshape(-1, x.shape[-1]).contiguous()  # [..., K] -> [M, K]
+    panels, scales, mins = (getattr(self, name) for name in (_Q4, _Q4_SCALE, _Q4_MIN))
+    out = extension().linear_int4_packed(
+        flat, panels, self.weight.shape[0], scales, mins, self.bias
+    )
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _quantize_int4(module: torch.nn.Linear) -> None:
+    panels, scales, mins = pack_int4_panels(*quantize_int4(row_major(module)))
+    module._buffers.pop(PANELS_BUFFER, None)  # a tied layer's panels: no longer read
+    # not persistent: the state dict keeps only the model's own weights
+    for name, tensor in ((_Q4, panels), (_Q4_SCALE, scales), (_Q4_MIN, mins)):
+        module.register_buffer(name, tensor, persistent=False)
+    set_forward(module, _int4_forward)
+
+
+def _quantize_int8(module: torch.nn.Linear) -> None:
+    q, scale = quantize_int8(row_major(module))
+    module._buffers.pop(PANELS_BUFFER, None)  # a tied layer's panels: no longer read
+    # not persistent: the state dict keeps only the model's own weights
+    module.register_buffer(_QWEIGHT, pack_int8_panels(q), persistent=False)
+    module.register_buffer(_SCALE, scale, persistent=False)
+    set_forward(module, _int8_forward)
+
+
+def quantize_linears(model: torch.nn.Module, bits: int = 8) -> int:
+    """Run every bfloat16 CPU `nn.Linear` of `model` on quantized copies of its weights for the
+    AVX2 kernels; returns how many.
+
+    bits=8: int8, one scale per output row (`quantize_int8`), in 16-row panels
+    (`pack_int8_panels`; `int8_weights` gives them back). bits=4: 4-bit with a scale and a min per
+    row and group of 32 k (`quantize_int4`, `pack_int4_panels`, `int4_weights`) where K is a
+    multiple of 32, except an output layer tied to the embedding (the logits keep int8).
+
+    For drafters only (a draft's output is verified; a target's would change). The bfloat16
+    weights stay (embeddings may be tied to the output layer; `restore_linears` undoes it), so
+    the model holds 1.5 (int8) or about 2.6 (4-bit) bytes per linear weight. Builds the kernel
+    first (KernelUnavailable when it cannot). Idempotent: a quantized layer stays as it is.
+    `QUANT_NAMES[bits]` is the kernel name of the model it leaves.
+    """
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8 (got {bits})")
+    extension()
+    count = 0
+    shared = shared_storages(model)
+    with torch.no_grad():
+        for module in model.modules():
+            if not eligible(module):
+                continue
+            if not is_quantized(module):
+                tied = module.weight.untyped_storage().data_ptr() in shared
+                if bits == 4 and module.weight.shape[1] % _INT4_GROUP == 0 and not tied:
+                    _quantize_int4(module)
+                else:
+                    _quantize_int8(module)
+            count += 1
+    return count
+
+
+def is_quantized(module: torch.nn.Module) -> bool:
+    return _QWEIGHT in module._buffers or _Q4 in module._buffers
+
+
+def drop_quantized(module: torch.nn.Module) -> None:
+    """Drop a quantized layer's int8 or 4-bit copies (its bfloat16 weight stays)."""
+    for name in (_QWEIGHT, _SCALE, _Q4, _Q4_SCALE, _Q4_MIN):
+        if name in module._buffers:
+            del module._buffers[name]
+
+
+def quantized_call(
+    module: torch.nn.Linear, ext: Any
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """A quantized layer's kernel call for x [M, K] contiguous bfloat16, or None when `module`
+    is not quantized (cpu_linear.direct_linear)."""
+    bias, n = module.bias, module.weight.shape[0]
+    if _Q4 in module._buffers:
+        panels, scales, mins = (module._buffers[name] for name in (_Q4, _Q4_SCALE, _Q4_MIN))
+        return lambda x: ext.linear_int4_packed(x, panels, n, scales, mins, bias)
+    if _QWEIGHT in module._buffers:
+        panels, scale = module._buffers[_QWEIGHT], module._buffers[_SCALE]
+        return lambda x: ext.linear_int8_packed(x, panels, n, scale, bias)
+    return None
