@@ -12,6 +12,10 @@ import hashlib
 import os
 import shutil
 import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +48,69 @@ def unavailable_reason() -> str | None:
     return None
 
 
+BUILD_NAME = "specdecode_linear_avx2"
+LOCK_TIMEOUT_ENV = "SPECDECODE_BUILD_LOCK_TIMEOUT"
+DEFAULT_LOCK_TIMEOUT_S = 600.0  # far longer than a build takes: a lock this old is stale
+
+
+def build_directory() -> Path:
+    """Where PyTorch builds and caches the extension ($TORCH_EXTENSIONS_DIR or its default)."""
+    from torch.utils import cpp_extension
+
+    return Path(cpp_extension._get_build_directory(BUILD_NAME, False))  # a private helper
+
+
+def wait_for_build_lock(lock: Path, timeout_s: float, poll_s: float = 1.0) -> None:
+    """Return once no other build holds `lock`; KernelUnavailable naming it once the lock is
+    `timeout_s` old.
+
+    PyTorch's builder waits without limit while its lock file exists, and a build killed midway
+    leaves the file behind: every later process would hang. Here the wait ends when the lock is
+    older than any build takes (at once for a lock left long ago), and the message names the
+    file to remove."""
+    told = False
+    while True:
+        try:
+            age_s = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return  # no build holds it (or the one that did has finished)
+        if age_s >= timeout_s:
+            raise KernelUnavailable(
+                f"the build lock {lock} is {age_s:.0f} s old: if no build is running (a killed "
+                f"build leaves it behind), remove that file (${LOCK_TIMEOUT_ENV} sets how old "
+                f"a lock may be, {timeout_s:.0f} s now)"
+            )
+        if not told:
+            print(
+                f"specdecode: waiting for another build of the CPU kernels ({lock})...",
+                file=sys.stderr,
+            )
+            told = True
+        time.sleep(min(poll_s, timeout_s - age_s))
+
+
+@contextmanager
+def _progress(message: str, first_after_s: float = 3.0, every_s: float = 15.0) -> Iterator[None]:
+    """Print `message` with the seconds spent, if the work inside lasts past `first_after_s`
+    (a build: a cached load is silent), then every `every_s` seconds until it ends."""
+    done = threading.Event()
+    start = time.monotonic()
+
+    def tick() -> None:
+        wait = first_after_s
+        while not done.wait(wait):
+            print(f"{message} ({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)
+            wait = every_s
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
+
+
 @functools.cache
 def extension() -> Any:
     """The compiled kernel module (built once per machine; PyTorch caches the build)."""
@@ -52,27 +119,23 @@ def extension() -> Any:
         raise KernelUnavailable(reason)
     from torch.utils import cpp_extension
 
-    name = "specdecode_linear_avx2"
-    try:  # a private helper of PyTorch's: only to say that a build is coming
-        built = any(Path(cpp_extension._get_build_directory(name, False)).glob(f"{name}*.so"))
-    except Exception:
-        built = False
-    if not built:
-        print(
-            "specdecode: building the CPU kernels (once per machine, about a minute)...",
-            file=sys.stderr,
-        )
+    directory = build_directory()
+    directory.mkdir(parents=True, exist_ok=True)
+    timeout_s = float(os.environ.get(LOCK_TIMEOUT_ENV, DEFAULT_LOCK_TIMEOUT_S))
+    wait_for_build_lock(directory / "lock", timeout_s)
     # PyTorch rebuilds when a source or a flag changes, not a header: the headers' digest is a flag
     header = hashlib.sha256(b"".join(h.read_bytes() for h in _HEADERS)).hexdigest()[:16]
     flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", f"-DSPECDECODE_HEADER_{header}"]
     try:
-        ext = cpp_extension.load(
-            name=name,
-            sources=[str(source) for source in _SOURCES],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        with _progress("specdecode: building the CPU kernels (once per machine, about a minute)"):
+            ext = cpp_extension.load(
+                name=BUILD_NAME,
+                sources=[str(source) for source in _SOURCES],
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+                verbose=False,
+            )
     except Exception as err:  # a compiler or linker failure: report it, keep the model usable
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise KernelUnavailable(f"building it failed: {first}") from err

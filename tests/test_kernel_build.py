@@ -1,0 +1,55 @@
+"""The kernel build never hangs on a lock a killed build left behind, and says it is building."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from specdecode.kernels import build
+
+
+def test_no_lock_returns_at_once(tmp_path):
+    build.wait_for_build_lock(tmp_path / "lock", timeout_s=60.0)
+
+
+def test_a_stale_lock_is_refused_with_its_path(tmp_path):
+    lock = tmp_path / "lock"
+    lock.touch()
+    old = time.time() - 3600  # left by a build killed an hour ago
+    os.utime(lock, (old, old))
+    with pytest.raises(build.KernelUnavailable) as err:
+        build.wait_for_build_lock(lock, timeout_s=600.0)
+    message = str(err.value)
+    assert str(lock) in message
+    assert "remove that file" in message
+    assert build.LOCK_TIMEOUT_ENV in message
+
+
+def test_a_fresh_lock_is_waited_for_until_the_build_ends(tmp_path, capsys):
+    lock = tmp_path / "lock"
+    lock.touch()
+    threading.Timer(0.3, lock.unlink).start()  # the other build finishes
+    build.wait_for_build_lock(lock, timeout_s=600.0, poll_s=0.05)
+    assert not lock.exists()
+    assert "waiting for another build" in capsys.readouterr().err
+
+
+def test_a_lock_that_stays_ends_the_wait_at_the_timeout(tmp_path):
+    lock = tmp_path / "lock"
+    lock.touch()
+    with pytest.raises(build.KernelUnavailable, match="build lock"):
+        build.wait_for_build_lock(lock, timeout_s=0.2, poll_s=0.05)
+
+
+def test_progress_is_shown_only_for_long_work(capsys):
+    with build._progress("building", first_after_s=10.0):
+        pass  # a cached load: silent
+    assert capsys.readouterr().err == ""
+    with build._progress("building", first_after_s=0.05, every_s=0.05):
+        time.sleep(0.3)
+    err = capsys.readouterr().err
+    assert err.startswith("building (")
+    assert err.count("building (") >= 2  # it goes on while the work does
