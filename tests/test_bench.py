@@ -114,7 +114,7 @@ def test_record_keeps_the_json_keys_and_round_trips():
     from specdecode.bench.suites import BenchPrompt
     from specdecode.types import Stats
 
-    stats = Stats(k=2, steps=3, drafted=6, accepted=4, drafted_at=[3, 3], accepted_at=[3, 1])
+    stats = Stats(k_max=2, steps=3, drafted=6, accepted=4, drafted_at=[3, 3], accepted_at=[3, 1])
     stats.meter.calls.update(target=4, draft=6)
     out = RunOutput([1, 2, 3], wall_time_s=0.5, ttft_s=0.25, first_chunk=2, stats=stats)
     prompt = BenchPrompt("p", "code", ["hi"])
