@@ -39,11 +39,7 @@ from specdecode.kernels.panels import (
     shared_storages,
     unpack,
 )
-
-# re-exported (`as`): drafters/__init__.py imports them from here
-from specdecode.kernels.quantize import QUANT_NAMES as QUANT_NAMES
 from specdecode.kernels.quantize import drop_quantized, quantized_call
-from specdecode.kernels.quantize import quantize_linears as quantize_linears
 
 KERNEL_MODES = ("auto", "on", "off")
 ENV = "SPECDECODE_KERNEL"
