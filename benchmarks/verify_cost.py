@@ -43,7 +43,8 @@ from specdecode.kernels.build import (
     use_int4_vnni,
 )
 from specdecode.kernels.cpu import BF16_AVX2, INT8_NAME, int4_name
-from specdecode.kernels.cpu_linear import apply_kernel, quantize_linears, swap_linears
+from specdecode.kernels.cpu_linear import apply_kernel, swap_linears
+from specdecode.kernels.quantize import quantize_linears
 from specdecode.models.loading import load_model
 
 

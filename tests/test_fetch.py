@@ -568,3 +568,16 @@ def test_loading_a_preset_that_does_not_read_back_names_the_folder(fake, capsys)
     assert main(["generate", "--target", NAME, "--prompt", "hi", "--dtype", "float32"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(folder) in err
+
+
+def test_a_damaged_marker_record_is_reported_not_raised(fake, capsys):
+    folder = _fetched(fake)
+    marker = json.loads((folder / fetch.MARKER).read_text())
+    marker["files"]["config.json"] = "garbage"  # a hand-edited or half-written marker
+    marker["files"]["model.safetensors"] = {"sha256": "0" * 64}  # no size
+    (folder / fetch.MARKER).write_text(json.dumps(marker))
+    assert fetch.cached_path(NAME) is None  # not trusted
+    assert _cli(["models", "verify", "--quick", NAME]) == 1
+    out = capsys.readouterr().out
+    assert "config.json: the marker's record of it is damaged" in out
+    assert "model.safetensors: the marker's record of it is damaged" in out

@@ -15,6 +15,10 @@ OUTSIDE_THE_CORE = (
     "specdecode.bench",
     "specdecode.server",
     "specdecode.engine",
+    "specdecode.cli",  # and cli_args
+    "specdecode.config",
+    "specdecode.demo",
+    "specdecode.hf_generate",
 )
 
 

@@ -56,12 +56,11 @@ def test_names():
 
 def test_quant_names_follow_the_int4_switch(monkeypatch):
     monkeypatch.setattr(quantize, "int4_vnni_on", lambda: True)
-    assert dict(quantize.QUANT_NAMES) == {8: "int8-avx2", 4: "int4-avx512vnni"}
+    assert (quantize.quant_name(8), quantize.quant_name(4)) == ("int8-avx2", "int4-avx512vnni")
     monkeypatch.setattr(quantize, "int4_vnni_on", lambda: False)
-    assert dict(quantize.QUANT_NAMES) == {8: "int8-avx2", 4: "int4-avx2"}
-    assert cpu_linear.QUANT_NAMES is quantize.QUANT_NAMES  # where drafters/ takes it from
-    with pytest.raises(KeyError):
-        quantize.QUANT_NAMES[2]
+    assert (quantize.quant_name(8), quantize.quant_name(4)) == ("int8-avx2", "int4-avx2")
+    with pytest.raises(ValueError, match="8 or 4 bits"):
+        quantize.quant_name(2)
 
 
 @needs_kernel()

@@ -611,3 +611,25 @@ def test_serve_without_the_extra(monkeypatch, capsys):
 def test_serve_checks_numbers_before_loading(capsys):
     assert main(["serve", "--target", "anything", "--queue-size", "-1"]) == 2
     assert "queue-size" in capsys.readouterr().err
+
+
+def test_a_tree_requests_usage_and_metrics_count_its_nodes():
+    from specdecode.server.responses import usage
+    from specdecode.server.telemetry import ServerMetrics
+    from specdecode.types import Stats
+
+    # two tree steps of depth 3 over 5 nodes each, 2 + 1 accepted
+    stats = Stats(steps=2, drafted=6, accepted=3, nodes_verified=10, new_tokens=5)
+    details = usage(stats)["completion_tokens_details"]
+    assert details == {"accepted_prediction_tokens": 3, "rejected_prediction_tokens": 7}
+    chain = Stats(steps=2, drafted=6, accepted=3, new_tokens=5)  # no nodes: a chain
+    assert usage(chain)["completion_tokens_details"]["rejected_prediction_tokens"] == 3
+    telemetry = ServerMetrics("m", queue_depth=lambda: 0.0, running=lambda: 0.0)
+    telemetry.count_generation("chat", "stop", stats)
+    samples = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(telemetry.render().decode())
+        for sample in family.samples
+    }
+    assert samples["specdecode_tree_nodes_verified_total"] == 10
+    assert samples["vllm:spec_decode_num_draft_tokens_total"] == 6  # depths: α = 3 / 6

@@ -143,7 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="default: qwen2.5-coder-0.5b-instruct:int4 where the CPU kernel runs, else in "
         "bfloat16 (quick: ngram)",
     )
-    dem.add_argument("--quick", action="store_true", help="smollm2-135m-instruct, about a minute")
+    dem.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run on smollm2-135m-instruct (a small download)",
+    )
     dem.add_argument(
         "--k",
         type=int,

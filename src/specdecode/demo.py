@@ -19,11 +19,11 @@ DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 # drafts in bfloat16
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct:int4"
 # the fastest setting over the 9 benchmark categories in run "floor" and the tuner's pick; floor
-# 0.2 came close in the next run (docs/benchmarks.md, "A floor under the tree")
+# 0.2 came close in the next run (docs/lab-notes/2026-12-01-tree-floor.md)
 DEFAULT_TREE = "dynamic:5,6,2,0.3"
 # where the bfloat16 panels run on AVX-512 BF16, verifying a dozen tokens costs little more than
 # one (much less than on AVX2), and a larger tree with a LEAF floor was the fastest over the 9
-# categories (run "leaf"; docs/benchmarks.md, "Fewer verified rows where the draft is unsure")
+# categories (run "leaf"; docs/lab-notes/2026-12-01-leaf-and-prefetch.md)
 DEFAULT_TREE_AVX512_BF16 = "dynamic:11,8,3,0.2,0.05"
 DEFAULT_K = 4  # the fastest chain k with that draft (`--tree none`)
 QUICK_TARGET = "smollm2-135m-instruct"

@@ -24,6 +24,15 @@ def _int_csv(text: str) -> list[int]:
 
 
 def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
+    """`bench`, `tune` and `report` on the main command's subparsers."""
+    _add_bench_parser(subparsers)
+    _add_tune_parser(subparsers)
+    report = subparsers.add_parser("report", help="re-render a saved benchmark's report")
+    report.add_argument("dir", help="a folder written by `specdecode bench`")
+    report.set_defaults(func=handle_report)
+
+
+def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser(
         "bench",
         help="measure methods side by side on prompt suites (acceptance, speed, memory)",
@@ -109,6 +118,8 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
     )
     bench.set_defaults(func=handle_bench, chat=True)
 
+
+def _add_tune_parser(subparsers: argparse._SubParsersAction) -> None:
     tune = subparsers.add_parser(
         "tune",
         help="recommend a drafter, k, policy or tree per category, predicted and then measured",
@@ -154,10 +165,6 @@ def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
     tune.add_argument("--no-validate", dest="validate", action="store_false")
     tune.add_argument("--out", default=None, help="output folder (default runs/tune-TIME)")
     tune.set_defaults(func=handle_tune, chat=True)
-
-    report = subparsers.add_parser("report", help="re-render a saved benchmark's report")
-    report.add_argument("dir", help="a folder written by `specdecode bench`")
-    report.set_defaults(func=handle_report)
 
 
 def handle_bench(args: argparse.Namespace) -> int:

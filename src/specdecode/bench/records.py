@@ -171,8 +171,13 @@ def _add_stats(record: Record, stats: Stats) -> None:
     record.extra = {
         key: value
         for key, value in stats.to_dict().items()
-        if key not in _FIELDS and key != "forward_s"
+        if key not in _FIELDS and key not in _NOT_CARRIED
     }
+
+
+# Stats fields a record does not carry: the per-kind times are above, and k_max is the setting's
+# `k` (the record's own field) under its Stats name
+_NOT_CARRIED = ("forward_s", "k_max")
 
 
 def first_divergence(reference: list[int], other: list[int]) -> int | None:

@@ -51,7 +51,8 @@ def resolve_draft(
 def quantized_draft(draft: Any, model: ModelSpec) -> Any:
     """`draft` (a LoadedModel) with its linears on the weights `model.quantization` asks for
     (int8 or int4); ValueError where that cannot run."""
-    from specdecode.kernels.cpu_linear import QUANT_NAMES, KernelUnavailable, quantize_linears
+    from specdecode.kernels.build import KernelUnavailable
+    from specdecode.kernels.quantize import quant_name, quantize_linears
 
     kind = model.quantization
     if draft.dtype != torch.bfloat16 or draft.device.type != "cpu":
@@ -63,5 +64,5 @@ def quantized_draft(draft: Any, model: ModelSpec) -> Any:
         quantize_linears(draft.model, bits=model.bits)
     except KernelUnavailable as err:
         raise ValueError(f"{model}: the {kind} CPU kernel cannot be used: {err}") from err
-    draft.kernel, draft.name = QUANT_NAMES[model.bits], f"{draft.name}:{kind}"
+    draft.kernel, draft.name = quant_name(model.bits), f"{draft.name}:{kind}"
     return draft

@@ -8,11 +8,11 @@ building, a cache that grows by concatenation (every step copies it), rotary emb
 operations per tensor. Here each layer is the model's own linear weights around four fused C++
 calls (`kernels/draft_ops.cpp`: residual add + RMSNorm twice; rotary embedding, the cache write
 and attention once; SiLU times the up projection once), with keys/values written in place into
-a preallocated float32 cache (both forwards timed side by side: docs/benchmarks.md, "The lean
-draft forward"). The linears are the kernel calls themselves (`direct_linear`): called through
-their modules, the Python around the 169 kernel calls of the 0.5B int4 draft was a large share
-of its one-token forward (docs/benchmarks.md, "The draft forward without Python around its
-linears").
+a preallocated float32 cache (both forwards timed side by side:
+docs/lab-notes/2026-11-30-lean-draft-forward.md). The linears are the kernel calls themselves
+(`direct_linear`): called through their modules, the Python around the 169 kernel calls of the
+0.5B int4 draft was a large share of its one-token forward
+(docs/lab-notes/2026-12-01-direct-draft-linears.md).
 Where the model's linears are not on the CPU kernels (other dtypes, no AVX2, `--kernel off`) and
 above FUSED_TOKENS tokens (prefill) the same maths runs in PyTorch operations.
 

@@ -1,7 +1,7 @@
 """The compiled CPU kernels: one extension built on first use, and its process-wide switches.
 
 `linear_avx2.cpp`, `linear_avx512.cpp` and `draft_ops.cpp` are compiled with PyTorch's C++
-extension builder (a C++ compiler and ninja; about a minute, once per machine, cached by PyTorch).
+extension builder (a C++ compiler and ninja; once per machine, cached by PyTorch).
 The switches choose between the AVX2 and AVX-512 paths where the CPU has both (cpu.py says which).
 """
 
@@ -14,7 +14,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -90,8 +90,13 @@ def wait_for_build_lock(lock: Path, timeout_s: float, poll_s: float = 1.0) -> No
 
 
 @contextmanager
-def _progress(message: str, first_after_s: float = 3.0, every_s: float = 15.0) -> Iterator[None]:
-    """Print `message` with the seconds spent, if the work inside lasts past `first_after_s`
+def _progress(
+    message: str,
+    first_after_s: float = 3.0,
+    every_s: float = 15.0,
+    say: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+) -> Iterator[None]:
+    """`say` `message` with the seconds spent, if the work inside lasts past `first_after_s`
     (a build: a cached load is silent), then every `every_s` seconds until it ends."""
     done = threading.Event()
     start = time.monotonic()
@@ -99,7 +104,7 @@ def _progress(message: str, first_after_s: float = 3.0, every_s: float = 15.0) -
     def tick() -> None:
         wait = first_after_s
         while not done.wait(wait):
-            print(f"{message} ({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)
+            say(f"{message} ({time.monotonic() - start:.0f} s)")
             wait = every_s
 
     ticker = threading.Thread(target=tick, daemon=True)
@@ -127,7 +132,7 @@ def extension() -> Any:
     header = hashlib.sha256(b"".join(h.read_bytes() for h in _HEADERS)).hexdigest()[:16]
     flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", f"-DSPECDECODE_HEADER_{header}"]
     try:
-        with _progress("specdecode: building the CPU kernels (once per machine, about a minute)"):
+        with _progress("specdecode: building the CPU kernels (once per machine)"):
             ext = cpp_extension.load(
                 name=BUILD_NAME,
                 sources=[str(source) for source in _SOURCES],

@@ -39,11 +39,7 @@ from specdecode.kernels.panels import (
     shared_storages,
     unpack,
 )
-
-# re-exported (`as`): drafters/__init__.py imports them from here
-from specdecode.kernels.quantize import QUANT_NAMES as QUANT_NAMES
 from specdecode.kernels.quantize import drop_quantized, quantized_call
-from specdecode.kernels.quantize import quantize_linears as quantize_linears
 
 KERNEL_MODES = ("auto", "on", "off")
 ENV = "SPECDECODE_KERNEL"
@@ -88,8 +84,8 @@ def direct_linear(module: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Ten
     """What computes `module(x)` for x [M, K] contiguous bfloat16 on the CPU with the fewest
     Python steps: the kernel call itself when `module` runs on one of specdecode's kernels (no
     nn.Module call, no input checks or reshapes: over a small draft's hundred-odd linears, a large
-    share of its one-token forward; docs/benchmarks.md, "The draft forward without Python around
-    its linears"), else the module.
+    share of its one-token forward; docs/lab-notes/2026-12-01-direct-draft-linears.md), else
+    the module.
 
     It holds the module's weights as they are now: make it again after quantizing the model,
     moving it or restoring its linears.

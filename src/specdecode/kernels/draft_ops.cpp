@@ -4,7 +4,7 @@
 //
 // Why: through PyTorch, one token's RMSNorm is about eight operations and rotary embedding, the
 // cache write and attention another fifteen, each dispatched on its own; a 24-layer draft spent
-// nearly half as long in them as in its linears (docs/benchmarks.md, "The lean draft forward").
+// nearly half as long in them as in its linears (docs/lab-notes/2026-11-30-lean-draft-forward.md).
 // Here each is one call.
 //
 // Rounding follows Hugging Face's bfloat16 forward where it rounds (the residual sum, the

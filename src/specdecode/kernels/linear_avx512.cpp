@@ -40,8 +40,7 @@ constexpr int64_t kPanel = 16;  // outputs per panel
 // sets it). Over a dozen tokens the tile is nearly as busy multiplying as reading, and 16 KB
 // ahead (the AVX2 path's distance) hid less of the reading: the 1.5B target's layers, out of
 // cache, took longer over 12 tokens at 16 KB than at 4 KB, with 2 and 8 KB in between
-// (benchmarks/kernel_rate.py; docs/benchmarks.md, "Fewer verified rows where the draft is
-// unsure, and a shorter prefetch").
+// (benchmarks/kernel_rate.py; docs/lab-notes/2026-12-01-leaf-and-prefetch.md).
 std::atomic<int64_t> g_prefetch{2048};  // set from Python, read by every worker's tile
 
 #define SD_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))

@@ -8,7 +8,7 @@ verifies every drafted token, so the output stays the target's own, and the draf
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,25 +30,14 @@ _INT4_GROUP = 32  # k per scale and min (kInt4Group in the C++)
 _Q4, _Q4_SCALE, _Q4_MIN = "_specdecode_q4", "_specdecode_q4_scale", "_specdecode_q4_min"
 
 
-class _QuantNames(Mapping[int, str]):
-    """quantize_linears' bits -> the kernel name (LoadedModel.kernel) of the model it leaves:
-    the 4-bit one says whether its tile runs on AVX-512 VNNI now (build.use_int4_vnni)."""
-
-    def __getitem__(self, bits: int) -> str:
-        if bits == 8:
-            return INT8_NAME
-        if bits == 4:
-            return int4_name(int4_vnni_on())
-        raise KeyError(bits)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter((8, 4))
-
-    def __len__(self) -> int:
-        return 2
-
-
-QUANT_NAMES: Mapping[int, str] = _QuantNames()
+def quant_name(bits: int) -> str:
+    """The kernel name (LoadedModel.kernel) of a model quantize_linears(bits=...) leaves: the
+    4-bit one says whether its tile runs on AVX-512 VNNI now (build.use_int4_vnni)."""
+    if bits == 8:
+        return INT8_NAME
+    if bits == 4:
+        return int4_name(int4_vnni_on())
+    raise ValueError(f"quantized linears have 8 or 4 bits (got {bits!r})")
 
 
 def quantize_int8(weight: torch.Tensor, rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,7 +185,7 @@ def quantize_linears(model: torch.nn.Module, bits: int = 8) -> int:
     weights stay (embeddings may be tied to the output layer; `restore_linears` undoes it), so
     the model holds 1.5 (int8) or about 2.6 (4-bit) bytes per linear weight. Builds the kernel
     first (KernelUnavailable when it cannot). Idempotent: a quantized layer stays as it is.
-    `QUANT_NAMES[bits]` is the kernel name of the model it leaves.
+    `quant_name(bits)` is the kernel name of the model it leaves.
     """
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8 (got {bits})")

@@ -150,7 +150,9 @@ def _file_problems(folder: Path, records: Any, *, deep: bool) -> list[str]:
     problems = []
     for name, record in records.items():
         path = folder / name
-        if not path.is_file():
+        if not isinstance(record, dict) or not isinstance(record.get("size"), int):
+            problems.append(f"{name}: the marker's record of it is damaged ({record!r})")
+        elif not path.is_file():
             problems.append(f"{name} is missing")
         elif path.stat().st_size != record.get("size"):
             problems.append(

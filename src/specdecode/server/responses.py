@@ -30,7 +30,9 @@ def usage(stats: Stats) -> dict[str, Any]:
         "total_tokens": stats.prompt_tokens + stats.new_tokens,
         "completion_tokens_details": {
             "accepted_prediction_tokens": stats.accepted,
-            "rejected_prediction_tokens": stats.drafted - stats.accepted,
+            # every drafted token the target checked and did not keep: for a token tree each node
+            # off the accepted path (`drafted` counts a tree step's depth, not its nodes)
+            "rejected_prediction_tokens": (stats.nodes_verified or stats.drafted) - stats.accepted,
         },
         "speculative": {
             "k_max": stats.k_max,

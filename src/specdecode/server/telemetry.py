@@ -141,6 +141,10 @@ class ServerMetrics:
         self.steps = self._counter(
             "specdecode_speculative_steps", "target verification steps"
         ).labels(model_name=self.model_name)
+        self.tree_nodes = self._counter(
+            "specdecode_tree_nodes_verified",
+            "token-tree nodes the target verified (a tree step's drafted tokens count its depth)",
+        ).labels(model_name=self.model_name)
         self.draft_per_pos = self._counter(
             "specdecode_spec_decode_num_draft_tokens_per_pos",
             "steps that drafted a token at this position (0 = the first drafted token): "
@@ -176,6 +180,7 @@ class ServerMetrics:
         self.request_generation_tokens.observe(stats.new_tokens)
         self.steps.inc(stats.steps)
         self.draft_tokens.inc(stats.drafted)
+        self.tree_nodes.inc(stats.nodes_verified)
         self.accepted_tokens.inc(stats.accepted)
         self.drafts.inc(stats.drafted_at[0] if stats.drafted_at else 0)
         for pos, (drafted, accepted) in enumerate(
