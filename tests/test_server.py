@@ -372,8 +372,9 @@ class SlowEngine(SpeculativeDecoder):
 
     delay_s = 0.03
 
-    def stream(self, *args, **kwargs):
-        chunks = super().stream(*args, **kwargs)  # validates now, as the real one
+    # the worker calls stream_request (stream calls it too)
+    def stream_request(self, *args, **kwargs):
+        chunks = super().stream_request(*args, **kwargs)  # validates now, as the real one
 
         def slowly():
             try:
