@@ -2,7 +2,8 @@
 
 Validates input, turns prompts into ids, applies stop strings, times the run and decodes text. The
 algorithm itself lives in decode.py; this module only prepares its input and reads its output. One
-generation's options travel as one `GenerationRequest` (request.py).
+generation's options travel as one `GenerationRequest` (request.py); its text as one `TextStream`
+(textstream.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from specdecode.models.loading import LoadedModel, wrap_model
 from specdecode.policies import KPolicy, make_k_policy, prior_cost_ratio
 from specdecode.request import GenerationRequest
 from specdecode.sampling import SamplingParams, make_generator
+from specdecode.textstream import TextStream
 from specdecode.tree import TreeDrafter
 from specdecode.types import ForwardMeter, GenerationResult, Stats
 
@@ -166,6 +168,13 @@ class SpeculativeDecoder:
 
     # -- generation --------------------------------------------------------------------------
 
+    def text_stream(self, request: GenerationRequest) -> TextStream:
+        """A `TextStream` for `request` to pass to `stream_request(..., text=...)`: the engine
+        feeds it each step (its stop check) and the caller reads the text from it."""
+        if self.tokenizer is None:
+            raise ValueError("text needs a tokenizer: this model has none")
+        return TextStream(self.tokenizer, request.stops)
+
     def stream(
         self,
         prompt: Prompt,
@@ -198,11 +207,18 @@ class SpeculativeDecoder:
         *,
         stats: Stats | None = None,
         prefilled: KVCache | None = None,
+        text: TextStream | None = None,
     ) -> Iterator[list[int]]:
         """`stream` with its options as one `GenerationRequest`: yield each step's committed new
-        token ids, validated before the first token; `self.last_stats` holds the counters."""
+        token ids, validated before the first token; `self.last_stats` holds the counters.
+
+        `text` (from `text_stream(request)`): fed each step's ids before they are yielded, so
+        that the caller reads the step's text from it (`take`) without decoding again; the
+        request's stop strings are checked on it. None: the engine makes one where the request
+        has stop strings.
+        """
         prompt_ids = self.encode_prompt(prompt, chat=request.chat)
-        return self._start(prompt_ids, request, stats, prefilled)
+        return self._start(prompt_ids, request, stats, prefilled, text)
 
     def _start(
         self,
@@ -210,21 +226,27 @@ class SpeculativeDecoder:
         request: GenerationRequest,
         stats: Stats | None,
         prefilled: KVCache | None = None,
+        text: TextStream | None = None,
     ) -> Iterator[list[int]]:
         """Check what the request needs of the models (eagerly), then start the run."""
         self._check_length(len(prompt_ids), request.max_new_tokens)
         if request.stops and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
+        if text is None and request.stops:
+            text = self.text_stream(request)
+        if text is not None and (text.stops != request.stops or text.ids):
+            raise ValueError("text must be a fresh text_stream(request) of this request")
         stats = stats if stats is not None else Stats()
         self.last_stats = stats
-        return self._run(prompt_ids, request, stats, prefilled)
+        return self._run(prompt_ids, request, stats, prefilled, text)
 
     def _run(
         self,
         prompt_ids: list[int],
         request: GenerationRequest,
         stats: Stats,
-        prefilled: KVCache | None = None,
+        prefilled: KVCache | None,
+        text: TextStream | None,
     ) -> Iterator[list[int]]:
         device = self.target.device
         clock = clock_for(device)
@@ -247,15 +269,13 @@ class SpeculativeDecoder:
             stats=stats,
             prefilled=prefilled,
         )
-        stops = list(request.stops)
-        stop_check = _StopStrings(self.tokenizer, stops) if stops else None
         try:
             for committed in steps:
                 if not stats.ttft_s:
                     stats.ttft_s = clock() - start
-                if stop_check is not None:
-                    kept = stop_check.feed(committed)
-                    if kept is not None:  # a stop string ended the output inside this block
+                if text is not None:
+                    kept = text.feed(committed)  # the step's one decode
+                    if text.stopped:  # a stop string ended the output inside this block
                         stats.emitted -= len(committed) - len(kept)
                         stats.new_tokens -= len(committed) - len(kept)
                         stats.stop_reason = "stop"
@@ -304,27 +324,3 @@ def _cut_at_stop(text: str, stops: Sequence[str]) -> str:
     """The text before the earliest stop string (OpenAI semantics: the stop is not returned)."""
     cuts = [text.find(s) for s in stops if s in text]
     return text[: min(cuts)] if cuts else text
-
-
-class _StopStrings:
-    """Finds the first token after which the decoded output contains a stop string."""
-
-    def __init__(self, tokenizer: Any, stops: list[str]) -> None:
-        self.tokenizer, self.stops = tokenizer, stops
-        self.ids: list[int] = []
-
-    def _hit(self, ids: list[int]) -> bool:
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        return any(s in text for s in self.stops)
-
-    def feed(self, committed: list[int]) -> list[int] | None:
-        """None if no stop string appeared; else the prefix of `committed` up to the one token
-        that completes the earliest stop string."""
-        before = len(self.ids)
-        self.ids.extend(committed)
-        if not self._hit(self.ids):
-            return None
-        for n in range(1, len(committed) + 1):
-            if self._hit(self.ids[: before + n]):
-                return committed[:n]
-        return committed

@@ -25,7 +25,7 @@ from specdecode.request import GenerationRequest
 from specdecode.sampling import SamplingParams
 from specdecode.server.errors import APIError
 from specdecode.server.telemetry import ServerMetrics
-from specdecode.server.textstream import IncrementalText
+from specdecode.textstream import TextStream
 from specdecode.types import Stats
 
 log = logging.getLogger("specdecode.server")
@@ -302,7 +302,10 @@ class GenerationWorker:
         stats = Stats()
         try:
             prompt_ids, max_new = self._plan(params)
-            chunks = engine.stream_request(prompt_ids, params.request(max_new), stats=stats)
+            request = params.request(max_new)
+            # the engine feeds `text` each step (its stop check): the stream reads it from there
+            text = engine.text_stream(request)
+            chunks = engine.stream_request(prompt_ids, request, stats=stats, text=text)
         except APIError as err:
             job.deliver(Failed(err))
             return
@@ -311,14 +314,13 @@ class GenerationWorker:
             return
         job.deliver(Started(len(prompt_ids)))
 
-        text = IncrementalText(engine.tokenizer, params.stops)
         ttft: float | None = None
         interrupted = ""
         try:
             for committed in chunks:
                 if ttft is None:
                     ttft = time.monotonic() - job.arrival
-                delta = text.push(committed)
+                delta = text.take()
                 if delta:
                     job.deliver(Delta(delta))
                 if self._over(stats, max_new, committed, text):
@@ -339,9 +341,7 @@ class GenerationWorker:
         self._count(job, finish, stats, ttft)
         job.deliver(Finished(Outcome(text.final_text, text.ids, finish, stats)))
 
-    def _over(
-        self, stats: Stats, max_new: int, committed: list[int], text: IncrementalText
-    ) -> bool:
+    def _over(self, stats: Stats, max_new: int, committed: list[int], text: TextStream) -> bool:
         """Whether the step just yielded was the last one (length, EOS or a stop string)."""
         eos = bool(committed) and committed[-1] in self.engine.eos_token_ids
         return stats.new_tokens >= max_new or eos or text.stopped
