@@ -32,6 +32,8 @@ log = logging.getLogger("specdecode.server")
 
 # max_tokens when neither the request nor the model's config bounds the generation
 FALLBACK_MAX_TOKENS = 256
+# OpenAI's defaults, where neither the request nor the model's generation config sets a value
+OPENAI_SAMPLING = SamplingParams(temperature=1.0)  # top_p 1.0 and no top-k: no filtering
 
 
 @dataclass(frozen=True)
@@ -39,17 +41,20 @@ class GenerationParams:
     prompt: str | list[int] | list[dict[str, str]]
     chat: bool
     max_tokens: int | None  # None: up to the end of the model's context
-    temperature: float
+    # None: the model's generation config, else OpenAI's default (`OPENAI_SAMPLING`)
+    temperature: float | None
     top_p: float | None
     top_k: int | None
     seed: int | None
     stops: list[str]
     prompt_param: str = "prompt"  # how the request names the prompt ("prompt" or "messages")
 
-    def request(self, max_new_tokens: int) -> GenerationRequest:
-        """The engine's request for the encoded prompt (the chat template is applied already);
-        ValueError on bad sampling settings."""
-        sampling = SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+    def request(self, engine: SpeculativeDecoder, max_new_tokens: int) -> GenerationRequest:
+        """The engine's request for the encoded prompt (the chat template is applied already),
+        unset sampling options filled in; ValueError on bad sampling settings."""
+        sampling = engine.sampling_params(
+            self.temperature, self.top_k, self.top_p, fallback=OPENAI_SAMPLING
+        )
         return GenerationRequest(max_new_tokens, sampling, self.seed, self.stops)
 
 
@@ -302,7 +307,7 @@ class GenerationWorker:
         stats = Stats()
         try:
             prompt_ids, max_new = self._plan(params)
-            request = params.request(max_new)
+            request = params.request(engine, max_new)
             # the engine feeds `text` each step (its stop check): the stream reads it from there
             text = engine.text_stream(request)
             chunks = engine.stream_request(prompt_ids, request, stats=stats, text=text)
