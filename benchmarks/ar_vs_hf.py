@@ -30,10 +30,10 @@ def main() -> None:
     n = args.max_new_tokens
     for timed in (True, False):
         engine = SpeculativeDecoder(loaded, time_forwards=timed)
-        engine.generate(ids, 8, eos_token_ids=[])  # warm-up
+        engine.generate(ids, 8, temperature=0.0, eos_token_ids=[])  # warm-up
         for _ in range(args.repeats):
             start = time.perf_counter()
-            ours = engine.generate(ids, n, eos_token_ids=[]).token_ids
+            ours = engine.generate(ids, n, temperature=0.0, eos_token_ids=[]).token_ids
             ours_s = time.perf_counter() - start
             start = time.perf_counter()
             out = loaded.model.generate(

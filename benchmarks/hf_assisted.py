@@ -57,10 +57,10 @@ def main() -> None:
 
     def run(method: str, ids: list[int]) -> tuple[list[int], float]:
         if method == "ar":
-            r = ar.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_ids=[])
+            r = ar.generate(ids, args.max_new_tokens, temperature=0.0, eos_token_ids=[])
             return r.token_ids, r.stats.wall_time_s
         if method == "spec":
-            r = spec.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_ids=[])
+            r = spec.generate(ids, args.max_new_tokens, temperature=0.0, eos_token_ids=[])
             return r.token_ids, r.stats.wall_time_s
         if method == "hf-ar":
             return hf_generate(target.model, ids, args.max_new_tokens)

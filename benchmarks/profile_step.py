@@ -61,7 +61,7 @@ def main() -> None:
     target = load_model(args.target, dtype=args.dtype, device="cpu")
     draft = resolve_draft(args.draft, target, dtype=args.dtype, device="cpu")
     spec = SpeculativeDecoder(target, draft, k=args.k, tree=args.tree, time_forwards=False)
-    spec.generate(DEMO_PROMPTS[0][1], max_new_tokens=4, chat=True)  # warm-up
+    spec.generate(DEMO_PROMPTS[0][1], 4, chat=True, temperature=0.0)  # warm-up
 
     target_model = target.model
     KVCache.forward = timed(
@@ -81,7 +81,7 @@ def main() -> None:
 
     tokens = steps = 0
     for _, prompt in DEMO_PROMPTS[: args.limit]:
-        result = spec.generate(prompt, max_new_tokens=args.max_new_tokens, chat=True)
+        result = spec.generate(prompt, args.max_new_tokens, chat=True, temperature=0.0)
         tokens, steps = tokens + result.stats.new_tokens, steps + result.stats.steps
 
     step = SECONDS.pop("step")

@@ -23,8 +23,9 @@ STEP_DELAY_S = 0.1  # k = 3: at most 4 tokens a step, so 200 tokens take 5 s or 
 
 
 class SlowEngine(SpeculativeDecoder):
-    def stream(self, *args, **kwargs):
-        chunks = super().stream(*args, **kwargs)
+    # the worker calls stream_request (stream calls it too)
+    def stream_request(self, *args, **kwargs):
+        chunks = super().stream_request(*args, **kwargs)
 
         def slowly():
             try:

@@ -29,7 +29,7 @@ from specdecode.cli import main  # noqa: E402
 from specdecode.models.loading import wrap_model  # noqa: E402
 from specdecode.server.app import create_app  # noqa: E402
 from specdecode.server.background import serve_in_thread  # noqa: E402
-from specdecode.server.textstream import IncrementalText  # noqa: E402
+from specdecode.textstream import TextStream  # noqa: E402
 
 from conftest import char_tokenizer, noisy_copy, tiny_llama  # noqa: E402
 
@@ -372,8 +372,9 @@ class SlowEngine(SpeculativeDecoder):
 
     delay_s = 0.03
 
-    def stream(self, *args, **kwargs):
-        chunks = super().stream(*args, **kwargs)  # validates now, as the real one
+    # the worker calls stream_request (stream calls it too)
+    def stream_request(self, *args, **kwargs):
+        chunks = super().stream_request(*args, **kwargs)  # validates now, as the real one
 
         def slowly():
             try:
@@ -562,24 +563,35 @@ class ByteTokenizer:
         return bytes(ids).decode("utf-8", errors="replace")
 
 
+def push_bytes(text: TextStream, data: bytes) -> list[str]:
+    """Feed one byte per step, as the engine does, and take the text as the worker does."""
+    deltas = []
+    for b in data:
+        if text.stopped:
+            break
+        text.feed([b])
+        deltas.append(text.take())
+    return deltas
+
+
 def test_incremental_text_holds_back_partial_characters_and_stops():
     data = "héllo wörld".encode()
-    text = IncrementalText(ByteTokenizer())
-    deltas = [text.push([b]) for b in data]
+    text = TextStream(ByteTokenizer())
+    deltas = push_bytes(text, data)
     assert "\ufffd" not in "".join(deltas)
     assert "".join(deltas) + text.finish() == "héllo wörld"
     assert deltas[1] == "" and deltas[2] == "é"  # é is two bytes: sent once complete
 
-    text = IncrementalText(ByteTokenizer(), stops=["lo w", "xyz"])
-    deltas = [text.push([b]) for b in data]
+    text = TextStream(ByteTokenizer(), stops=["lo w", "xyz"])
+    deltas = push_bytes(text, data)
     sent = "".join(deltas)
     assert sent == "hél" and text.stopped
     assert text.final_text == "hél" and text.finish() == ""
 
-    text = IncrementalText(ByteTokenizer(), stops=["ld!"])
-    deltas = [text.push([b]) for b in data]
+    text = TextStream(ByteTokenizer(), stops=["ld!"])
+    deltas = push_bytes(text, data)
     assert "".join(deltas) == "héllo wör"  # "l" and "ld" might begin the stop string
-    assert text.finish() == "ld" and text.sent == "héllo wörld"
+    assert text.finish() == "ld" and text.final_text == "héllo wörld"
 
 
 def test_metrics_registry_per_app_and_odd_model_names(models):

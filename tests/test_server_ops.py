@@ -397,3 +397,56 @@ def test_metrics_parse_with_vllm_names(models):
         for sample in family.samples:
             assert sample.labels["model_name"] == MODEL, sample
     assert json.dumps(metric_values(response.text))  # every value a finite or infinite float
+
+
+def test_models_say_the_generation_defaults_and_requests_use_them():
+    """Unset temperature / top_p / top_k come from the model's generation config; /v1/models
+    says which; `--generation-config none` (generation_config="none") restores OpenAI's."""
+    from transformers import GenerationConfig
+
+    from specdecode import SpeculativeDecoder
+
+    target, draft = tiny_models()
+    target.model.generation_config = GenerationConfig(
+        do_sample=True, temperature=0.7, top_p=0.8, top_k=20
+    )
+    body = {"model": MODEL, "prompt": "the cat", "max_tokens": 20, "seed": 7}
+
+    def completion(base: str, **extra) -> str:
+        out = httpx.post(f"{base}/v1/completions", json={**body, **extra}, timeout=60)
+        assert out.status_code == 200, out.text
+        return out.json()["choices"][0]["text"]
+
+    def expected(engine, **sampling) -> str:
+        return engine.generate("the cat", 20, seed=7, **sampling).text
+
+    for mode, card, sampling in [
+        (
+            "auto",
+            {"temperature": 0.7, "top_p": 0.8, "top_k": 20},
+            dict(temperature=0.7, top_k=20, top_p=0.8),
+        ),
+        ("none", {"temperature": 1.0, "top_p": 1.0, "top_k": None}, dict(temperature=1.0)),
+    ]:
+        reference = SpeculativeDecoder(target, draft, k=3, generation_config=mode)
+        with serving(SpeculativeDecoder(target, draft, k=3, generation_config=mode)) as base:
+            (model,) = httpx.get(f"{base}/v1/models").json()["data"]
+            sources = ["temperature", "top_k", "top_p"] if mode == "auto" else []
+            assert model["generation_defaults"] == {**card, "from_generation_config": sources}
+            assert completion(base) == expected(reference, **sampling)
+            # what a request sets wins, option by option; top_p 1 turns the model's top_p off
+            hot = completion(base, temperature=1.3, top_p=1.0)
+            assert hot == expected(reference, **{**sampling, "temperature": 1.3, "top_p": 1.0})
+            assert completion(base, temperature=0) == expected(reference, temperature=0.0)
+
+
+def test_cli_serve_takes_generation_config():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--target", "x", "--generation-config", "none"])
+    assert args.generation_config == "none"
+    assert parser.parse_args(["serve", "--target", "x"]).generation_config == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--target", "x", "--generation-config", "vllm"])

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from specdecode.cli_args import (
     TREE_HELP,
     add_drafting_args,
+    add_generation_config_arg,
     add_kernel_arg,
     add_model_args,
     add_policy_args,
@@ -38,19 +39,28 @@ def _require_positive(args: argparse.Namespace, *names: str) -> None:
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="0 = greedy; default: the model's generation config's, else 0",
+    )
+    parser.add_argument(
+        "--top-k", type=int, default=None, help="default: the model's, else no top-k"
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=None, help="default: the model's, else no top-p"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     parser.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from specdecode.sampling import SamplingParams
+    from specdecode.request import SamplingDefaults
 
     # validate cheap arguments before loading any model
-    SamplingParams(args.temperature, args.top_k, args.top_p)
+    SamplingDefaults().resolve(args.temperature, args.top_k, args.top_p)
     _require_positive(args, "k", "max_new_tokens")
     prompt = args.prompt if args.prompt is not None else args.prompt_ids
     if not prompt:
@@ -120,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(gen)
     add_drafting_args(gen)
     _add_sampling_args(gen)
+    add_generation_config_arg(gen, "they mean greedy, no top-k, no top-p")
     add_policy_args(gen)
     gen.add_argument(
         "--category",

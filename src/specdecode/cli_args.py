@@ -88,6 +88,18 @@ def add_policy_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_generation_config_arg(parser: argparse.ArgumentParser, unset: str) -> None:
+    """--generation-config auto|none: whether unset sampling options take the model's values;
+    `unset` says what they are otherwise."""
+    parser.add_argument(
+        "--generation-config",
+        choices=("auto", "none"),
+        default="auto",
+        help="auto (default): temperature, top-p and top-k left unset come from the target's "
+        f"generation_config.json, where its authors set them; none: {unset}",
+    )
+
+
 def run_config_from_args(args: argparse.Namespace) -> RunConfig:
     """--config's values (or RunConfig's defaults) under the flags given explicitly."""
     import dataclasses
@@ -116,7 +128,7 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
 def engine_from_args(args: argparse.Namespace) -> SpeculativeDecoder:
     """The engine `generate` and `serve` run: --config under explicit flags, checked before any
     model is loaded (needs the arguments of add_model_args, add_drafting_args and
-    add_policy_args)."""
+    add_policy_args; add_generation_config_arg's, where given)."""
     from specdecode import SpeculativeDecoder, load_model
     from specdecode.drafters import resolve_draft
 
@@ -128,5 +140,11 @@ def engine_from_args(args: argparse.Namespace) -> SpeculativeDecoder:
     target = load_model(run.target, dtype=run.dtype, device=run.device)
     drafter = resolve_draft(draft, target, dtype=run.dtype, device=run.device)
     return SpeculativeDecoder(
-        target, drafter, k=run.k, k_policy=run.k_policy, confidence=run.confidence, tree=run.tree
+        target,
+        drafter,
+        k=run.k,
+        k_policy=run.k_policy,
+        confidence=run.confidence,
+        tree=run.tree,
+        generation_config=getattr(args, "generation_config", "auto"),
     )

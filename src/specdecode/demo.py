@@ -99,13 +99,16 @@ def run_demo(
     """Generate each prompt with the target alone and speculatively, interleaved, after a warm-up."""
     from tqdm import tqdm
 
+    # greedy whatever the models' generation configs say: the outputs are compared token for
+    # token (temperature 0 is explicit, so no model default applies)
+    options = dict(chat=True, temperature=0.0)
     warm = prompts[0][1]
-    ar.generate(warm, max_new_tokens=4, chat=True)
-    spec.generate(warm, max_new_tokens=4, chat=True)
+    ar.generate(warm, max_new_tokens=4, **options)
+    spec.generate(warm, max_new_tokens=4, **options)
     rows = []
     for kind, prompt in tqdm(prompts, desc="demo", unit="prompt", disable=not progress):
-        result_ar = ar.generate(prompt, max_new_tokens=max_new_tokens, chat=True)
-        result_spec = spec.generate(prompt, max_new_tokens=max_new_tokens, chat=True)
+        result_ar = ar.generate(prompt, max_new_tokens=max_new_tokens, **options)
+        result_spec = spec.generate(prompt, max_new_tokens=max_new_tokens, **options)
         rows.append(DemoRow(kind, result_ar, result_spec))
     return rows
 

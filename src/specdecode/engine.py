@@ -1,8 +1,9 @@
 """`SpeculativeDecoder`: the public API around the decoding core.
 
-Validates input, turns prompts into ids, applies stop strings, times the run and decodes text. The
-algorithm itself lives in decode.py; this module only prepares its input and reads its output. One
-generation's options travel as one `GenerationRequest` (request.py).
+Validates input, turns prompts into ids, fills unset sampling options from the model's generation
+config, applies stop strings, times the run and decodes text. The algorithm itself lives in
+decode.py; this module only prepares its input and reads its output. One generation's options
+travel as one `GenerationRequest` (request.py); its text as one `TextStream` (textstream.py).
 """
 
 from __future__ import annotations
@@ -18,15 +19,22 @@ from specdecode.decode import decode
 from specdecode.drafter import Drafter
 from specdecode.drafters.model import ModelDrafter, check_confidence
 from specdecode.drafters.tree_model import TreeModelDrafter, make_tree_drafter
-from specdecode.models.compat import common_vocab_size, context_length, logits_size
+from specdecode.models.compat import (
+    common_vocab_size,
+    context_length,
+    generation_defaults,
+    logits_size,
+)
 from specdecode.models.loading import LoadedModel, wrap_model
 from specdecode.policies import KPolicy, make_k_policy, prior_cost_ratio
-from specdecode.request import GenerationRequest
+from specdecode.request import GREEDY, GenerationRequest, SamplingDefaults
 from specdecode.sampling import SamplingParams, make_generator
+from specdecode.textstream import TextStream
 from specdecode.tree import TreeDrafter
 from specdecode.types import ForwardMeter, GenerationResult, Stats
 
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]
+GENERATION_CONFIG_MODES = ("auto", "none")
 
 
 def _eos_ids(loaded: LoadedModel) -> set[int]:
@@ -68,6 +76,9 @@ class SpeculativeDecoder:
     timed forward synchronises); the cost policy then decides from priors only.
     `tree` ("static:3,2,2,1,1" or "dynamic:16", see drafters/tree_shape.py) drafts a token tree
     with the draft model each step and verifies it in one target forward (k is then unused).
+    `generation_config="auto"` fills the temperature, top-k and top-p a call leaves unset from
+    the target's generation config, where its authors set them (`models.compat.
+    generation_defaults`; `self.generation_defaults`); "none" ignores it: unset means greedy.
     """
 
     def __init__(
@@ -80,10 +91,20 @@ class SpeculativeDecoder:
         confidence: float | None = None,
         time_forwards: bool = True,
         tree: str | None = None,
+        generation_config: str = "auto",
     ) -> None:
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"k must be an integer >= 1 (got {k!r})")
+        if generation_config not in GENERATION_CONFIG_MODES:
+            raise ValueError(
+                f"generation_config must be 'auto' or 'none' (got {generation_config!r})"
+            )
         self.target = wrap_model(target)
+        self.generation_defaults = (
+            generation_defaults(self.target.model)
+            if generation_config == "auto"
+            else SamplingDefaults()
+        )
         self.k = k
         self.time_forwards = time_forwards
         self.drafter: Drafter | TreeDrafter | None
@@ -166,11 +187,30 @@ class SpeculativeDecoder:
 
     # -- generation --------------------------------------------------------------------------
 
+    def sampling_params(
+        self,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        *,
+        fallback: SamplingParams = GREEDY,
+    ) -> SamplingParams:
+        """The sampling a call runs: each option as given, else the model's default
+        (`generation_defaults`), else `fallback`'s (greedy; the server passes OpenAI's)."""
+        return self.generation_defaults.resolve(temperature, top_k, top_p, fallback=fallback)
+
+    def text_stream(self, request: GenerationRequest) -> TextStream:
+        """A `TextStream` for `request` to pass to `stream_request(..., text=...)`: the engine
+        feeds it each step (its stop check) and the caller reads the text from it."""
+        if self.tokenizer is None:
+            raise ValueError("text needs a tokenizer: this model has none")
+        return TextStream(self.tokenizer, request.stops)
+
     def stream(
         self,
         prompt: Prompt,
         max_new_tokens: int = 64,
-        temperature: float = 0.0,
+        temperature: float | None = None,
         top_k: int | None = None,
         top_p: float | None = None,
         seed: int | None = 0,
@@ -182,12 +222,14 @@ class SpeculativeDecoder:
     ) -> Iterator[list[int]]:
         """Yield each step's committed new token ids; `self.last_stats` holds the counters.
 
-        The options are `GenerationRequest`'s (`stream_request` takes one whole). Input is
-        validated here, before the first token (ValueError on bad input).
+        The options are `GenerationRequest`'s (`stream_request` takes one whole); temperature,
+        top-k and top-p left None come from the model's generation config where it sets them,
+        else greedy (`sampling_params`). Input is validated here, before the first token
+        (ValueError on bad input).
         `prefilled`: the target's cache over the prompt ids but the last, computed once
         elsewhere (`KVCache.copy()` of it per run); the run then skips the target's prefill.
         """
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        params = self.sampling_params(temperature, top_k, top_p)
         request = GenerationRequest(max_new_tokens, params, seed, stop, eos_token_ids, chat)
         return self.stream_request(prompt, request, stats=stats, prefilled=prefilled)
 
@@ -198,11 +240,18 @@ class SpeculativeDecoder:
         *,
         stats: Stats | None = None,
         prefilled: KVCache | None = None,
+        text: TextStream | None = None,
     ) -> Iterator[list[int]]:
         """`stream` with its options as one `GenerationRequest`: yield each step's committed new
-        token ids, validated before the first token; `self.last_stats` holds the counters."""
+        token ids, validated before the first token; `self.last_stats` holds the counters.
+
+        `text` (from `text_stream(request)`): fed each step's ids before they are yielded, so
+        that the caller reads the step's text from it (`take`) without decoding again; the
+        request's stop strings are checked on it. None: the engine makes one where the request
+        has stop strings.
+        """
         prompt_ids = self.encode_prompt(prompt, chat=request.chat)
-        return self._start(prompt_ids, request, stats, prefilled)
+        return self._start(prompt_ids, request, stats, prefilled, text)
 
     def _start(
         self,
@@ -210,27 +259,33 @@ class SpeculativeDecoder:
         request: GenerationRequest,
         stats: Stats | None,
         prefilled: KVCache | None = None,
+        text: TextStream | None = None,
     ) -> Iterator[list[int]]:
         """Check what the request needs of the models (eagerly), then start the run."""
         self._check_length(len(prompt_ids), request.max_new_tokens)
         if request.stops and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
+        if text is None and request.stops:
+            text = self.text_stream(request)
+        if text is not None and (text.stops != request.stops or text.ids):
+            raise ValueError("text must be a fresh text_stream(request) of this request")
         stats = stats if stats is not None else Stats()
         self.last_stats = stats
-        return self._run(prompt_ids, request, stats, prefilled)
+        return self._run(prompt_ids, request, stats, prefilled, text)
 
     def _run(
         self,
         prompt_ids: list[int],
         request: GenerationRequest,
         stats: Stats,
-        prefilled: KVCache | None = None,
+        prefilled: KVCache | None,
+        text: TextStream | None,
     ) -> Iterator[list[int]]:
         device = self.target.device
         clock = clock_for(device)
         if self.time_forwards:
             stats.meter = ForwardMeter(clock)
-        params = request.params
+        params = request.params if request.params is not None else self.sampling_params()
         generator = None if params.greedy else make_generator(device, request.seed)
         eos = self.eos_token_ids if request.eos_token_ids is None else request.eos_token_ids
         start = clock()
@@ -247,15 +302,13 @@ class SpeculativeDecoder:
             stats=stats,
             prefilled=prefilled,
         )
-        stops = list(request.stops)
-        stop_check = _StopStrings(self.tokenizer, stops) if stops else None
         try:
             for committed in steps:
                 if not stats.ttft_s:
                     stats.ttft_s = clock() - start
-                if stop_check is not None:
-                    kept = stop_check.feed(committed)
-                    if kept is not None:  # a stop string ended the output inside this block
+                if text is not None:
+                    kept = text.feed(committed)  # the step's one decode
+                    if text.stopped:  # a stop string ended the output inside this block
                         stats.emitted -= len(committed) - len(kept)
                         stats.new_tokens -= len(committed) - len(kept)
                         stats.stop_reason = "stop"
@@ -271,7 +324,7 @@ class SpeculativeDecoder:
         self,
         prompt: Prompt,
         max_new_tokens: int = 64,
-        temperature: float = 0.0,
+        temperature: float | None = None,
         top_k: int | None = None,
         top_p: float | None = None,
         seed: int | None = 0,
@@ -280,8 +333,10 @@ class SpeculativeDecoder:
         chat: bool = False,
     ) -> GenerationResult:
         """Generate and return the new token ids, their text and the stats of the run (the
-        options are `GenerationRequest`'s; `generate_request` takes one whole)."""
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        options are `GenerationRequest`'s; `generate_request` takes one whole). Temperature,
+        top-k and top-p left None come from the model's generation config where it sets them,
+        else greedy (`sampling_params`)."""
+        params = self.sampling_params(temperature, top_k, top_p)
         request = GenerationRequest(max_new_tokens, params, seed, stop, eos_token_ids, chat)
         return self.generate_request(prompt, request)
 
@@ -304,27 +359,3 @@ def _cut_at_stop(text: str, stops: Sequence[str]) -> str:
     """The text before the earliest stop string (OpenAI semantics: the stop is not returned)."""
     cuts = [text.find(s) for s in stops if s in text]
     return text[: min(cuts)] if cuts else text
-
-
-class _StopStrings:
-    """Finds the first token after which the decoded output contains a stop string."""
-
-    def __init__(self, tokenizer: Any, stops: list[str]) -> None:
-        self.tokenizer, self.stops = tokenizer, stops
-        self.ids: list[int] = []
-
-    def _hit(self, ids: list[int]) -> bool:
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        return any(s in text for s in self.stops)
-
-    def feed(self, committed: list[int]) -> list[int] | None:
-        """None if no stop string appeared; else the prefix of `committed` up to the one token
-        that completes the earliest stop string."""
-        before = len(self.ids)
-        self.ids.extend(committed)
-        if not self._hit(self.ids):
-            return None
-        for n in range(1, len(committed) + 1):
-            if self._hit(self.ids[: before + n]):
-                return committed[:n]
-        return committed

@@ -86,7 +86,9 @@ class SpeculativeGenerate:
         draft = self.draft
         if draft is not None and hasattr(draft, "generation_config"):  # a transformers model
             draft = LoadedModel(draft, name=type(draft).__name__)
-        engine = SpeculativeDecoder(target, draft, k=self.k)
+        # "none": `config` is transformers' prepared one, the model's generation config merged
+        # in already, and its None values mean "off" (e.g. no top-k), not "the model's"
+        engine = SpeculativeDecoder(target, draft, k=self.k, generation_config="none")
         sampling = _sampling(config)
         seed = None
         if sampling["temperature"] > 0:  # HF samples from torch's global generator: so do we

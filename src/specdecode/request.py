@@ -1,11 +1,53 @@
-"""One generation's options as one object: how many tokens, how to sample, when to stop."""
+"""One generation's options as one object: how many tokens, how to sample, when to stop; and
+the one place where sampling options a caller leaves unset get their values (`SamplingDefaults`).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
+from typing import Any
 
 from specdecode.sampling import SamplingParams
+
+GREEDY = SamplingParams()  # the Python API's and the CLI's last resort: temperature 0
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """The sampling values used where a call leaves temperature, top-k or top-p unset: the
+    model's generation config's (`models.compat.generation_defaults`), or none
+    (`generation_config="none"`). None = the model does not say."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def resolve(
+        self,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        *,
+        fallback: SamplingParams = GREEDY,
+    ) -> SamplingParams:
+        """Each option: the caller's value, else this default, else `fallback`'s (ValueError on
+        bad values). top_p 1.0 means no top-p, as None does."""
+
+        def pick(asked: Any, default: Any, last: Any) -> Any:
+            return asked if asked is not None else default if default is not None else last
+
+        params = SamplingParams(
+            temperature=pick(temperature, self.temperature, fallback.temperature),
+            top_k=pick(top_k, self.top_k, fallback.top_k),
+            top_p=pick(top_p, self.top_p, fallback.top_p),
+        )  # checks the values
+        return replace(params, top_p=None) if params.top_p == 1.0 else params
+
+    def as_dict(self) -> dict[str, float | int]:
+        """The values the model sets, by name (what `/v1/models` reports)."""
+        values = {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
+        return {name: value for name, value in values.items() if value is not None}
 
 
 @dataclass(frozen=True)
@@ -17,7 +59,9 @@ class GenerationRequest:
     """
 
     max_new_tokens: int = 64
-    params: SamplingParams = field(default_factory=SamplingParams)  # temperature, top-k, top-p
+    # temperature, top-k, top-p; None = the model's defaults (its generation config) where it
+    # sets them, else greedy (resolved by the engine: `SpeculativeDecoder.sampling_params`)
+    params: SamplingParams | None = None
     seed: int | None = 0  # the sampling generator's seed; None = a random one (greedy: unused)
     # the output ends before the first of these strings (OpenAI semantics); a str is one stop
     stop: str | Sequence[str] | None = ()

@@ -1,8 +1,12 @@
-"""Can this draft serve this target? Tokenizer and vocabulary checks."""
+"""What a model's config says that the engine needs: can this draft serve this target
+(tokenizer and vocabulary checks), the context length, the sampling defaults its authors set."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from specdecode.request import SamplingDefaults
 
 
 def logits_size(model: Any) -> int:
@@ -57,3 +61,37 @@ def context_length(model: Any) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+def generation_defaults(model: Any) -> SamplingDefaults:
+    """The temperature, top-k and top-p the model's authors set in its generation config
+    (generation_config.json), as vLLM reads them: only values that differ from transformers'
+    `GenerationConfig()` defaults count (in transformers 5 those are all None: unset).
+
+    A generation config means what transformers' `generate` does with it: sampling only with
+    `do_sample=True` (then at its temperature, else 1.0). A config that sets sampling values
+    without `do_sample=True` decodes greedily there, so its default here is greedy too.
+    """
+    from transformers import GenerationConfig
+
+    from specdecode.request import SamplingDefaults
+
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        return SamplingDefaults()
+    unset = GenerationConfig()
+
+    def authored(name: str) -> Any:
+        value = getattr(config, name, None)
+        return None if value is None or value == getattr(unset, name, None) else value
+
+    do_sample, temperature = authored("do_sample"), authored("temperature")
+    top_k, top_p = authored("top_k"), authored("top_p")
+    top_k = int(top_k) if top_k else None  # 0: no top-k
+    top_p = float(top_p) if top_p is not None and top_p < 1.0 else None
+    if do_sample is True:
+        temperature = 1.0 if temperature is None else float(temperature)
+        return SamplingDefaults(temperature=temperature, top_k=top_k, top_p=top_p)
+    if do_sample is None and temperature is None and top_k is None and top_p is None:
+        return SamplingDefaults()  # the model says nothing
+    return SamplingDefaults(temperature=0.0)  # greedy, as transformers' generate would be

@@ -201,7 +201,7 @@ def _params(body: Any, prompt: Any, *, chat: bool, max_tokens: int | None) -> Ge
         chat=chat,
         max_tokens=max_tokens,
         temperature=body.temperature,
-        top_p=body.top_p if body.top_p < 1.0 else None,
+        top_p=body.top_p,  # 1.0 (no top-p) stays explicit: it overrides the model's top_p
         top_k=body.top_k,
         seed=body.seed,
         stops=body.stops,

@@ -10,7 +10,13 @@ import argparse
 import os
 import sys
 
-from specdecode.cli_args import add_drafting_args, add_model_args, add_policy_args, engine_from_args
+from specdecode.cli_args import (
+    add_drafting_args,
+    add_generation_config_arg,
+    add_model_args,
+    add_policy_args,
+    engine_from_args,
+)
 from specdecode.server.limits import DEFAULT_MAX_BODY_BYTES
 
 API_KEY_ENV = "SPECDECODE_API_KEY"
@@ -33,6 +39,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     add_model_args(parser)  # --target, --draft, --dtype, --device, --kernel
     add_drafting_args(parser)  # --k, --tree
     add_policy_args(parser)  # --k-policy, --confidence, --config
+    add_generation_config_arg(parser, "OpenAI's defaults, temperature 1 and top_p 1")
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)"
     )

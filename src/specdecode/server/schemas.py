@@ -33,8 +33,10 @@ class _GenerationBody(BaseModel):
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)  # OpenAI's default and range; 0 = greedy
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    # OpenAI's ranges; unset (or null): the model's generation config where it sets a value,
+    # else OpenAI's defaults, temperature 1 and top_p 1 (worker.OPENAI_SAMPLING); 0 = greedy
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=1)  # an extension (vLLM and others accept it too)
     seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
     stop: str | list[str] | None = None

@@ -12,7 +12,7 @@ from specdecode.engine import SpeculativeDecoder
 from specdecode.server.errors import APIError
 from specdecode.server.limits import DEFAULT_MAX_BODY_BYTES, prompt_char_limit
 from specdecode.server.telemetry import ServerMetrics
-from specdecode.server.worker import GenerationWorker, context_limit
+from specdecode.server.worker import OPENAI_SAMPLING, GenerationWorker, context_limit
 
 DRAIN_POLL_S = 0.05
 # after the graceful timeout, how long the step in progress may take to end (one step: a
@@ -56,6 +56,18 @@ class ServerOptions:
             raise ValueError("metrics_auth needs an API key")
 
 
+def sampling_card(engine: SpeculativeDecoder) -> dict[str, Any]:
+    """What a request that leaves temperature, top_p and top_k unset runs with, and which of
+    these values come from the model's generation config (the others are OpenAI's defaults)."""
+    used = engine.sampling_params(fallback=OPENAI_SAMPLING)
+    return {
+        "temperature": used.temperature,
+        "top_p": 1.0 if used.top_p is None else used.top_p,
+        "top_k": used.top_k,  # None: no top-k
+        "from_generation_config": sorted(engine.generation_defaults.as_dict()),
+    }
+
+
 def _smallest(*limits: int | None) -> int | None:
     known = [n for n in limits if n is not None]
     return min(known) if known else None
@@ -77,6 +89,7 @@ class ServerState:
         self.max_prompt_tokens = _smallest(options.max_prompt_tokens, context_limit(engine))
         derived = prompt_char_limit(self.max_prompt_tokens, engine.tokenizer)
         self.max_prompt_chars = _smallest(options.max_prompt_chars, derived)
+        self.generation_defaults = sampling_card(engine)
         self.draining = False
 
     def check_model(self, name: str) -> None:
@@ -89,7 +102,13 @@ class ServerState:
             )
 
     def model_card(self) -> dict[str, Any]:
-        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "specdecode"}
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "specdecode",
+            "generation_defaults": self.generation_defaults,
+        }
 
     async def drain(self, timeout_s: float) -> None:
         """Shut down gracefully: new generation requests and queued ones get 503 and /health

@@ -25,13 +25,15 @@ from specdecode.request import GenerationRequest
 from specdecode.sampling import SamplingParams
 from specdecode.server.errors import APIError
 from specdecode.server.telemetry import ServerMetrics
-from specdecode.server.textstream import IncrementalText
+from specdecode.textstream import TextStream
 from specdecode.types import Stats
 
 log = logging.getLogger("specdecode.server")
 
 # max_tokens when neither the request nor the model's config bounds the generation
 FALLBACK_MAX_TOKENS = 256
+# OpenAI's defaults, where neither the request nor the model's generation config sets a value
+OPENAI_SAMPLING = SamplingParams(temperature=1.0)  # top_p 1.0 and no top-k: no filtering
 
 
 @dataclass(frozen=True)
@@ -39,17 +41,20 @@ class GenerationParams:
     prompt: str | list[int] | list[dict[str, str]]
     chat: bool
     max_tokens: int | None  # None: up to the end of the model's context
-    temperature: float
+    # None: the model's generation config, else OpenAI's default (`OPENAI_SAMPLING`)
+    temperature: float | None
     top_p: float | None
     top_k: int | None
     seed: int | None
     stops: list[str]
     prompt_param: str = "prompt"  # how the request names the prompt ("prompt" or "messages")
 
-    def request(self, max_new_tokens: int) -> GenerationRequest:
-        """The engine's request for the encoded prompt (the chat template is applied already);
-        ValueError on bad sampling settings."""
-        sampling = SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+    def request(self, engine: SpeculativeDecoder, max_new_tokens: int) -> GenerationRequest:
+        """The engine's request for the encoded prompt (the chat template is applied already),
+        unset sampling options filled in; ValueError on bad sampling settings."""
+        sampling = engine.sampling_params(
+            self.temperature, self.top_k, self.top_p, fallback=OPENAI_SAMPLING
+        )
         return GenerationRequest(max_new_tokens, sampling, self.seed, self.stops)
 
 
@@ -302,7 +307,10 @@ class GenerationWorker:
         stats = Stats()
         try:
             prompt_ids, max_new = self._plan(params)
-            chunks = engine.stream_request(prompt_ids, params.request(max_new), stats=stats)
+            request = params.request(engine, max_new)
+            # the engine feeds `text` each step (its stop check): the stream reads it from there
+            text = engine.text_stream(request)
+            chunks = engine.stream_request(prompt_ids, request, stats=stats, text=text)
         except APIError as err:
             job.deliver(Failed(err))
             return
@@ -311,14 +319,13 @@ class GenerationWorker:
             return
         job.deliver(Started(len(prompt_ids)))
 
-        text = IncrementalText(engine.tokenizer, params.stops)
         ttft: float | None = None
         interrupted = ""
         try:
             for committed in chunks:
                 if ttft is None:
                     ttft = time.monotonic() - job.arrival
-                delta = text.push(committed)
+                delta = text.take()
                 if delta:
                     job.deliver(Delta(delta))
                 if self._over(stats, max_new, committed, text):
@@ -339,9 +346,7 @@ class GenerationWorker:
         self._count(job, finish, stats, ttft)
         job.deliver(Finished(Outcome(text.final_text, text.ids, finish, stats)))
 
-    def _over(
-        self, stats: Stats, max_new: int, committed: list[int], text: IncrementalText
-    ) -> bool:
+    def _over(self, stats: Stats, max_new: int, committed: list[int], text: TextStream) -> bool:
         """Whether the step just yielded was the last one (length, EOS or a stop string)."""
         eos = bool(committed) and committed[-1] in self.engine.eos_token_ids
         return stats.new_tokens >= max_new or eos or text.stopped
