@@ -23,7 +23,7 @@ from specdecode import step as chain_step
 from specdecode.cache import KVCache
 from specdecode.demo import DEMO_PROMPTS
 from specdecode.drafters import resolve_draft
-from specdecode.drafters.lean import LeanCache
+from specdecode.lean import LeanCache
 
 SECONDS: dict[str, float] = defaultdict(float)
 IN_STEP = [False]  # prefill forwards happen outside steps and are not counted

@@ -34,7 +34,6 @@ import torch
 
 from specdecode.bench.costs import forward_seconds
 from specdecode.cache import KVCache
-from specdecode.drafters.lean import LeanCache
 from specdecode.kernels.attention import restore_attention, use_decode_attention
 from specdecode.kernels.build import (
     DEFAULT_PREFETCH,
@@ -45,6 +44,7 @@ from specdecode.kernels.build import (
 from specdecode.kernels.cpu import BF16_AVX2, INT8_NAME, int4_name
 from specdecode.kernels.cpu_linear import apply_kernel, swap_linears
 from specdecode.kernels.quantize import quantize_linears
+from specdecode.lean import LeanCache
 from specdecode.models.loading import load_model
 
 

@@ -117,7 +117,7 @@ def test_the_draft_prefill_builds_no_autograd_graph(forward, monkeypatch):
     # drafter.begin prefills the draft's cache: under inference mode, like every other forward
     # (with grad on it built a graph and sent the CPU kernel to its slow fallback)
     from specdecode.decode import decode
-    from specdecode.drafters.lean import ENV
+    from specdecode.lean import ENV
 
     monkeypatch.setenv(ENV, forward)
 

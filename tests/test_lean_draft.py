@@ -1,4 +1,4 @@
-"""The lean draft forward (drafters/lean.py) against the model's own forward, and its fused ops."""
+"""The lean forward (lean.py) for drafts against the model's own forward, and its fused ops."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specdecode import lean
 from specdecode.cache import KVCache
-from specdecode.drafters import lean
-from specdecode.drafters.lean import ENV, LeanCache, draft_cache, unsupported_reason
+from specdecode.lean import ENV, LeanCache, draft_cache, unsupported_reason
 from specdecode.tree import additive_mask
 
 from conftest import VOCAB, needs_kernel, tiny_gpt2, tiny_llama, tiny_qwen2
@@ -209,7 +209,7 @@ def test_rope_attention_refuses_bad_shapes():
 
 def test_memory_estimates_count_the_lean_cache_as_it_is_held():
     from specdecode.bench.memory import estimate_bytes, kv_bytes_per_token, weights_bytes
-    from specdecode.drafters.lean import CAPACITY, capacity_for
+    from specdecode.lean import CAPACITY, capacity_for
 
     assert capacity_for(10) == CAPACITY
     assert capacity_for(CAPACITY + 1) == 2 * CAPACITY

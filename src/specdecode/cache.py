@@ -1,4 +1,5 @@
-"""The cache protocol over Hugging Face caches: a length, and one verb per cache move.
+"""The cache protocol (`Cache`) and its implementation over Hugging Face caches (`KVCache`):
+a length, and one verb per cache move. The lean forward's `LeanCache` (lean.py) is the other one.
 
 Invariant 2 (DESIGN.md): after every step the target's cache covers exactly the committed tokens
 minus the last one, which is the next step's first input. Rollback is one call: `rollback(length)`;
@@ -8,10 +9,38 @@ after a token tree, `compact(keep)` moves the accepted path next to the prefix a
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from functools import cache as memoize
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+
+
+class Cache(Protocol):
+    """One model's cache for a single sequence, and the model's forward over it."""
+
+    model: Any
+
+    def __len__(self) -> int: ...
+
+    def rollback(self, length: int) -> None: ...
+
+    def compact(self, keep: list[int] | torch.Tensor) -> None: ...
+
+    def copy(self) -> Cache: ...
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [n] int64
+        last_only: bool = False,
+        *,
+        position_ids: torch.Tensor | None = None,  # [n]
+        attention_mask: torch.Tensor | None = None,  # [1, 1, n, len + n]
+    ) -> torch.Tensor: ...  # logits [n, V] ([1, V] with last_only); the cache grows by n
+
+
+# model -> an empty cache for it (KVCache, or lean.target_cache where the target runs lean)
+NewCache = Callable[[Any], Cache]
 
 
 @memoize

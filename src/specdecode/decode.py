@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from specdecode.cache import KVCache
+from specdecode.cache import Cache, KVCache, NewCache
 from specdecode.drafter import Drafter
 from specdecode.policies import FixedK, KPolicy, forward_seconds, seconds_since
 from specdecode.sampling import SamplingParams
@@ -53,7 +53,8 @@ def decode(
     generator: torch.Generator | None = None,
     eos_token_ids: Collection[int] = (),
     stats: Stats | None = None,
-    prefilled: KVCache | None = None,
+    prefilled: Cache | None = None,
+    new_cache: NewCache = KVCache,
 ) -> Iterator[list[int]]:
     """Generate up to `max_new_tokens` tokens after `prompt_ids`, yielding each step's tokens.
 
@@ -62,6 +63,8 @@ def decode(
     observes the step's counts and forward-time deltas (read from the meter, never a clock).
     Stops exactly (docs/architecture.md, Invariants 3): never more than max_new_tokens, and the
     first EOS id inside a committed block ends the output (the EOS token is the last yielded).
+    The target runs through `new_cache(target)` (or `prefilled`, a cache over the prompt but its
+    last token): KVCache is the model's own forward.
     """
     params = params or SamplingParams()
     stats = stats if stats is not None else Stats()
@@ -69,7 +72,7 @@ def decode(
     stats.k_max = policy.k_max if drafter is not None else 0
     stats.k_policy = policy.name if drafter is not None else ""
     stats.prompt_tokens = len(prompt_ids)
-    state = prefill(target, prompt_ids, stats, prefilled)
+    state = prefill(target, prompt_ids, stats, prefilled, new_cache)
     if drafter is not None:
         with torch.inference_mode():  # the draft's prefill: no autograd graph, no slow fallbacks
             drafter.begin(prompt_ids, params, generator, stats.meter)

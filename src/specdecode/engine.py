@@ -14,11 +14,12 @@ from typing import Any
 
 import torch
 
-from specdecode.cache import KVCache
+from specdecode.cache import Cache
 from specdecode.decode import decode
 from specdecode.drafter import Drafter
 from specdecode.drafters.model import ModelDrafter, check_confidence
 from specdecode.drafters.tree_model import TreeModelDrafter, make_tree_drafter
+from specdecode.lean import target_cache
 from specdecode.models.compat import (
     common_vocab_size,
     context_length,
@@ -218,7 +219,7 @@ class SpeculativeDecoder:
         eos_token_ids: Sequence[int] | None = None,
         chat: bool = False,
         stats: Stats | None = None,
-        prefilled: KVCache | None = None,
+        prefilled: Cache | None = None,
     ) -> Iterator[list[int]]:
         """Yield each step's committed new token ids; `self.last_stats` holds the counters.
 
@@ -227,7 +228,8 @@ class SpeculativeDecoder:
         else greedy (`sampling_params`). Input is validated here, before the first token
         (ValueError on bad input).
         `prefilled`: the target's cache over the prompt ids but the last, computed once
-        elsewhere (`KVCache.copy()` of it per run); the run then skips the target's prefill.
+        elsewhere (a `.copy()` of it per run; `lean.target_cache(model)` makes the empty cache
+        the target runs on); the run then skips the target's prefill.
         """
         params = self.sampling_params(temperature, top_k, top_p)
         request = GenerationRequest(max_new_tokens, params, seed, stop, eos_token_ids, chat)
@@ -239,7 +241,7 @@ class SpeculativeDecoder:
         request: GenerationRequest,
         *,
         stats: Stats | None = None,
-        prefilled: KVCache | None = None,
+        prefilled: Cache | None = None,
         text: TextStream | None = None,
     ) -> Iterator[list[int]]:
         """`stream` with its options as one `GenerationRequest`: yield each step's committed new
@@ -258,7 +260,7 @@ class SpeculativeDecoder:
         prompt_ids: list[int],
         request: GenerationRequest,
         stats: Stats | None,
-        prefilled: KVCache | None = None,
+        prefilled: Cache | None = None,
         text: TextStream | None = None,
     ) -> Iterator[list[int]]:
         """Check what the request needs of the models (eagerly), then start the run."""
@@ -278,7 +280,7 @@ class SpeculativeDecoder:
         prompt_ids: list[int],
         request: GenerationRequest,
         stats: Stats,
-        prefilled: KVCache | None,
+        prefilled: Cache | None,
         text: TextStream | None,
     ) -> Iterator[list[int]]:
         device = self.target.device
@@ -301,6 +303,7 @@ class SpeculativeDecoder:
             eos_token_ids=eos,
             stats=stats,
             prefilled=prefilled,
+            new_cache=target_cache,
         )
         try:
             for committed in steps:

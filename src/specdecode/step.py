@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from specdecode.cache import KVCache
+from specdecode.cache import Cache, KVCache, NewCache
 from specdecode.drafter import Drafter
 from specdecode.sampling import SamplingParams, logits_to_probs
 from specdecode.types import Stats, StepResult
@@ -25,17 +25,22 @@ class DecodeState:
     """One sequence being generated."""
 
     tokens: list[int]  # committed ids: prompt + generated
-    target_cache: KVCache  # covers tokens[:-1] between steps (docs/architecture.md, Invariants 2)
+    target_cache: Cache  # covers tokens[:-1] between steps (docs/architecture.md, Invariants 2)
 
 
 @torch.inference_mode()
 def prefill(
-    target: Any, prompt_ids: list[int], stats: Stats, prefilled: KVCache | None = None
+    target: Any,
+    prompt_ids: list[int],
+    stats: Stats,
+    prefilled: Cache | None = None,
+    new_cache: NewCache = KVCache,
 ) -> DecodeState:
     """Fill the target's cache with all prompt tokens but the last (the first step's input).
 
     `prefilled`: a cache that already covers prompt_ids[:-1] (a prompt prefilled once and
-    reused); it is used as is, and the decode then owns it.
+    reused); it is used as is, and the decode then owns it. Else `new_cache(target)` makes the
+    cache (KVCache: the model's own forward; the engine passes lean.target_cache).
     """
     if prefilled is not None:
         if len(prefilled) != len(prompt_ids) - 1:
@@ -44,7 +49,7 @@ def prefill(
                 f"({len(prompt_ids) - 1} positions), not {len(prefilled)}"
             )
         return DecodeState(tokens=list(prompt_ids), target_cache=prefilled)
-    cache = KVCache(target)
+    cache = new_cache(target)
     if len(prompt_ids) > 1:
         device = next(target.parameters()).device
         with stats.meter.forward("prefill", len(prompt_ids) - 1):

@@ -35,7 +35,7 @@ def forward_seconds(
     Random ids (the cost of a forward does not depend on which tokens it sees); the cache is
     rolled back after every forward, so each one extends the same prefix. One untimed forward
     of each size first (warm-up). `cache_type(model)` runs the forwards (a KVCache: the model's
-    own forward; drafters.lean.LeanCache: the lean draft forward).
+    own forward; lean.LeanCache: the lean draft forward).
     """
     vocab = model.get_input_embeddings().num_embeddings
     device = next(model.parameters()).device

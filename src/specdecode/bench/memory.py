@@ -48,7 +48,7 @@ def estimate_bytes(target: Any, draft: Any | None, n_tokens: int, lean_draft: bo
     draft on the lean forward (`lean_draft`: drafters/lean.py) holds a float32 cache of
     `capacity_for(n)` positions instead of the model's own.
     """
-    from specdecode.drafters.lean import capacity_for
+    from specdecode.lean import capacity_for
 
     total = weights_bytes(target) + kv_bytes_per_token(target) * n_tokens
     if isinstance(draft, torch.nn.Module):

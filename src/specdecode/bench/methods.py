@@ -19,10 +19,11 @@ from typing import Any
 
 import torch
 
-from specdecode.cache import KVCache
+from specdecode.cache import Cache, KVCache
 from specdecode.config import RunConfig
 from specdecode.drafters.model import ModelDrafter
 from specdecode.engine import SpeculativeDecoder, clock_for
+from specdecode.lean import target_cache
 from specdecode.models.loading import LoadedModel
 from specdecode.request import GenerationRequest
 from specdecode.sampling import SamplingParams
@@ -187,19 +188,23 @@ class MethodRunner:
         setting: Setting,
         prompt_ids: list[int],
         max_new_tokens: int,
-        prefilled: KVCache | None = None,
+        prefilled: Cache | None = None,
     ) -> RunOutput:
         """One generation. `prefilled` (the target's cache over prompt_ids[:-1]) is copied and
-        reused by the methods that can take it (`takes_prefill`); the others prefill."""
-        if not takes_prefill(setting):
+        reused by the methods that can take it (`takes_prefill`); the others prefill. HF's
+        `generate` takes only a Hugging Face cache: where our target runs lean, it prefills."""
+        if not takes_prefill(setting) or (
+            setting.method in HF_METHODS and not isinstance(prefilled, KVCache)
+        ):
             prefilled = None
         if setting.method in OUR_METHODS:
             return self._run_ours(setting, prompt_ids, max_new_tokens, prefilled)
         return self._run_hf(setting, prompt_ids, max_new_tokens, prefilled)
 
-    def prefill(self, prompt_ids: list[int]) -> tuple[KVCache, float]:
-        """The target's cache over prompt_ids[:-1], and the seconds it took."""
-        cache = KVCache(self.target.model)
+    def prefill(self, prompt_ids: list[int]) -> tuple[Cache, float]:
+        """The target's cache over prompt_ids[:-1] (the one our methods run on:
+        `lean.target_cache`), and the seconds it took."""
+        cache = target_cache(self.target.model)
         start = self.clock()
         with torch.inference_mode():
             if len(prompt_ids) > 1:
@@ -208,7 +213,7 @@ class MethodRunner:
         return cache, self.clock() - start
 
     def _run_ours(
-        self, setting: Setting, ids: list[int], max_new_tokens: int, prefilled: KVCache | None
+        self, setting: Setting, ids: list[int], max_new_tokens: int, prefilled: Cache | None
     ) -> RunOutput:
         engine = self.engine(setting)
         stats = Stats()

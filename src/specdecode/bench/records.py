@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from specdecode import metrics
-from specdecode.cache import KVCache
+from specdecode.lean import target_cache
 
 if TYPE_CHECKING:
     from specdecode.bench.methods import RunOutput, Setting
@@ -191,8 +191,9 @@ def first_divergence(reference: list[int], other: list[int]) -> int | None:
 @torch.inference_mode()
 def top2_margin(target: Any, prompt_ids: list[int], ar_ids: list[int], position: int) -> float:
     """The target's top-1 minus top-2 logit where the outputs diverge, computed the plain way
-    (one forward over prompt + the AR tokens before `position`)."""
-    cache = KVCache(target)
+    (one forward over prompt + the AR tokens before `position`, through the forward the target
+    decodes with: `lean.target_cache`)."""
+    cache = target_cache(target)
     device = next(target.parameters()).device
     context = torch.tensor([*prompt_ids, *ar_ids[:position]], device=device)
     logits = cache.forward(context, last_only=True)[0].float()  # [V]

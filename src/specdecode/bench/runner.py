@@ -33,7 +33,7 @@ from specdecode.bench.methods import (
 from specdecode.bench.records import Record, make_record, mark_identity, top2_margin
 from specdecode.bench.suites import BenchPrompt, interleave_by_category, load_suite
 from specdecode.config import load_config
-from specdecode.drafters.lean import LeanCache
+from specdecode.lean import LeanCache
 from specdecode.models.loading import LoadedModel
 
 QUICK_TARGET = "smollm2-135m-instruct"

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from specdecode.cache import KVCache
-from specdecode.drafters.lean import LeanCache, draft_cache
+from specdecode.lean import LeanCache, draft_cache
 from specdecode.sampling import SamplingParams, logits_to_probs, sample
 from specdecode.types import Draft, ForwardMeter
 

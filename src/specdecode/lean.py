@@ -1,31 +1,42 @@
-"""A lean forward for Llama-family draft models: the draft's layers, weights and linear kernels,
-run as a few large operations per layer over a cache of its own.
+"""A lean forward for Llama-family models: the model's layers, weights and linear kernels, run
+as a few large operations per layer over a cache of its own. Drafts run it, and so does the
+target where it can (`target_cache`).
 
-Why: a draft forward is paid k times per speculative step. Through Hugging Face's code, the
-int8 0.5B draft's one-token forward spent about as long outside its linear layers (on the CPU
-kernels) as in them, in a thousand-odd small operations per forward: dtype casts, mask
-building, a cache that grows by concatenation (every step copies it), rotary embedding in seven
-operations per tensor. Here each layer is the model's own linear weights around four fused C++
-calls (`kernels/draft_ops.cpp`: residual add + RMSNorm twice; rotary embedding, the cache write
-and attention once; SiLU times the up projection once), with keys/values written in place into
-a preallocated float32 cache (both forwards timed side by side:
+Why: through Hugging Face's code, a one-token forward of the int8 0.5B draft spent about as long
+outside its linear layers (on the CPU kernels) as in them, in a thousand-odd small operations per
+forward: dtype casts, mask building, a cache that grows by concatenation (every step copies it),
+rotary embedding in seven operations per tensor. Here each layer is the model's own linear
+weights around four fused C++ calls (`kernels/draft_ops.cpp`: residual add + RMSNorm twice;
+rotary embedding, the cache write and attention once; SiLU times the up projection once), with
+keys/values written in place into a preallocated float32 cache (both forwards timed side by side:
 docs/lab-notes/2026-11-30-lean-draft-forward.md). The linears are the kernel calls themselves
 (`direct_linear`): called through their modules, the Python around the 169 kernel calls of the
 0.5B int4 draft was a large share of its one-token forward
-(docs/lab-notes/2026-12-01-direct-draft-linears.md).
+(docs/lab-notes/2026-12-01-direct-draft-linears.md). A target's forward is the same shape of
+work, paid once per step, and on 4-bit weights the same overhead is a larger share of it.
 Where the model's linears are not on the CPU kernels (other dtypes, no AVX2, `--kernel off`) and
-above FUSED_TOKENS tokens (prefill) the same maths runs in PyTorch operations.
+above `fused_tokens` tokens (prefill) the same maths runs in PyTorch operations.
 
 Same arithmetic as the model's own forward up to rounding (norms round as its bfloat16 norms do;
-rotary embedding, the cache and attention are float32): drafts need not be bit-exact, the target
-verifies every drafted token and always runs through its own forward. Only drafters use this,
-and only for the families whose layers it knows (Llama, Qwen2, Mistral without a sliding window:
-pre-norm, rotary, grouped-query attention, SwiGLU); any other draft keeps Hugging Face's forward
-(`draft_cache`). Set SPECDECODE_DRAFT_FORWARD=hf to keep Hugging Face's forward for every draft.
+rotary embedding, the cache and attention are float32). Only for the families whose layers it
+knows (Llama, Qwen2, Mistral without a sliding window: pre-norm, rotary, grouped-query attention,
+SwiGLU); any other model keeps Hugging Face's forward.
+
+A target on it stays lossless because every forward that can produce a token (a step's, over at
+most `VERIFY_TOKENS` rows) takes the fused path, whose rows are batch invariant: each row's
+linears (the kernels' fixed reduction order), norms and attention (its own scores, softmax and
+sum, in the same order whatever the other rows; masked keys add exact zeros) come out bit for bit
+as in a one-token forward, so verifying n drafted tokens gives each the logits the target alone
+would have given it (docs/architecture.md, Invariants 1; tests/test_lean_target.py). Only the
+prompt's prefill, which both share, may take the PyTorch path.
+
+SPECDECODE_DRAFT_FORWARD=hf keeps Hugging Face's forward for every draft,
+SPECDECODE_TARGET_FORWARD=hf for every target.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable
 from typing import Any
@@ -38,9 +49,13 @@ from specdecode.kernels.cpu_linear import direct_linear
 
 FAMILIES = ("llama", "qwen2", "mistral")
 ENV = "SPECDECODE_DRAFT_FORWARD"  # "hf": Hugging Face's forward for every draft; else "lean"
+TARGET_ENV = "SPECDECODE_TARGET_FORWARD"  # the same for every target
 PREFILL_CHUNK = 512  # longer inputs run in chunks: attention scores stay [H, 512, L]
 CAPACITY = 256  # positions a LeanCache starts with
 FUSED_TOKENS = 16  # the fused C++ operations serve up to this many tokens (drafting, not prefill)
+# a target's fused path covers every verification (a chain's k + 1, a tree's nodes + 1 rows):
+# longer forwards are prefill only
+VERIFY_TOKENS = 128
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -77,11 +92,12 @@ def unsupported_reason(model: Any) -> str | None:
     return None
 
 
-def runs_lean(model: Any) -> bool:
-    """Whether drafters run `model` through the lean forward (`draft_cache`)."""
-    choice = os.environ.get(ENV, "lean").lower() or "lean"
+def runs_lean(model: Any, env: str = ENV) -> bool:
+    """Whether `model` runs through the lean forward: it knows the model and the switch `env`
+    (ENV for drafts, TARGET_ENV for targets) is not "hf"."""
+    choice = os.environ.get(env, "lean").lower() or "lean"
     if choice not in ("lean", "hf"):
-        raise ValueError(f"{ENV} must be lean or hf (got {choice!r})")
+        raise ValueError(f"{env} must be lean or hf (got {choice!r})")
     return choice == "lean" and unsupported_reason(model) is None
 
 
@@ -89,6 +105,19 @@ def draft_cache(model: Any) -> KVCache | LeanCache:
     """The cache a drafter runs `model` through: a LeanCache where the lean forward supports the
     model (and SPECDECODE_DRAFT_FORWARD is not "hf"), else the KVCache over its own forward."""
     return LeanCache(model) if runs_lean(model) else KVCache(model)
+
+
+def target_cache(model: Any) -> KVCache | LeanCache:
+    """The cache the target runs through: a LeanCache where the lean forward supports the model,
+    its fused operations run (bfloat16 linears on the CPU kernels: the path whose rows are batch
+    invariant) and SPECDECODE_TARGET_FORWARD is not "hf"; else the KVCache over the model's own
+    forward."""
+    if runs_lean(model, TARGET_ENV):
+        param = next(model.parameters())
+        head_dim = model.model.layers[0].self_attn.head_dim
+        if _fused_ops(model, param.dtype, param.device, head_dim) is not None:
+            return LeanCache(model, fused_tokens=VERIFY_TOKENS)
+    return KVCache(model)
 
 
 def capacity_for(n_tokens: int) -> int:
@@ -108,11 +137,12 @@ class LeanCache:
     rollback moves a number and a compaction is one gather.
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, fused_tokens: int = FUSED_TOKENS) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
-            raise ValueError(f"the lean draft forward cannot run this model: {reason}")
+            raise ValueError(f"the lean forward cannot run this model: {reason}")
         self.model = model
+        self.fused_tokens = fused_tokens  # forwards of up to this many tokens take the fused path
         base = model.model
         self.layers = list(base.layers)
         attn = self.layers[0].self_attn
@@ -138,6 +168,12 @@ class LeanCache:
 
     def __len__(self) -> int:
         return self.length
+
+    def copy(self) -> LeanCache:
+        """An independent cache over the same positions (a prompt prefilled once, reused)."""
+        twin = copy.copy(self)
+        twin.kv = self.kv.clone()
+        return twin
 
     def rollback(self, length: int) -> None:
         """Forget every cached position at or after `length`."""
@@ -197,7 +233,7 @@ class LeanCache:
         cos, sin = base.rotary_emb(x[None], position_ids[None])  # [1, n, d] each
         cos, sin = cos[0].float(), sin[0].float()  # [n, d]
         mask = self._mask(n, past, attention_mask)  # [n, L] float32 or None (causal)
-        fused = self._fused if n <= FUSED_TOKENS else None
+        fused = self._fused if n <= self.fused_tokens else None
         attend = self._attend_fused if fused is not None else self._attend
         delta = None  # the last block's output, added to x by the next norm
         for index, layer in enumerate(self.layers):

@@ -1,0 +1,115 @@
+"""The target on the lean forward (lean.target_cache): chosen only where its rows are batch
+invariant, each verified row bit for bit a one-token forward, and speculation over it lossless."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode import SpeculativeDecoder
+from specdecode.cache import KVCache
+from specdecode.kernels import quantize_linears, swap_linears
+from specdecode.lean import TARGET_ENV, VERIFY_TOKENS, LeanCache, target_cache
+from specdecode.tree import additive_mask
+
+from conftest import VOCAB, needs_kernel, noisy_copy, tiny_llama, tiny_qwen2
+
+pytestmark = needs_kernel()
+
+WIDE = {"hidden_size": 64, "intermediate_size": 128}  # K a multiple of 32: 4-bit linears too
+
+
+def _on_kernel(model, bits: int | None = None):
+    """`model` in bfloat16 on specdecode's kernels (bits: 8 or 4 for quantized linears)."""
+    model = model.to(torch.bfloat16)
+    swap_linears(model)
+    if bits is not None:
+        quantize_linears(model, bits=bits)
+    return model
+
+
+def _target(arch: str, bits: int | None, seed: int = 0):
+    if arch == "qwen2":  # biases on q, k, v
+        model = tiny_qwen2(seed=seed, layers=3)
+    else:
+        model = tiny_llama(seed=seed, layers=3, **WIDE)
+    return _on_kernel(model, bits)
+
+
+def _ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def test_the_target_runs_lean_only_on_the_kernels_fused_path(monkeypatch):
+    model = tiny_llama(seed=0, layers=2, **WIDE)
+    assert isinstance(target_cache(model), KVCache)  # float32: Hugging Face's forward
+    bf16 = model.to(torch.bfloat16)
+    assert isinstance(target_cache(bf16), KVCache)  # plain PyTorch linears: no fused path
+    swap_linears(bf16)
+    cache = target_cache(bf16)
+    assert isinstance(cache, LeanCache) and cache.fused_tokens == VERIFY_TOKENS
+    monkeypatch.setenv(TARGET_ENV, "hf")
+    assert isinstance(target_cache(bf16), KVCache)
+    monkeypatch.setenv(TARGET_ENV, "fast")
+    with pytest.raises(ValueError, match="SPECDECODE_TARGET_FORWARD must be lean or hf"):
+        target_cache(bf16)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("bits", [None, 8, 4])
+@pytest.mark.parametrize("n", [3, 13, 40])  # 40: past the drafts' fused limit
+def test_each_verified_row_is_a_one_token_forward(arch, bits, n):
+    model = _target(arch, bits)
+    with torch.inference_mode():
+        prefilled = target_cache(model)
+        prefilled.forward(_ids(21, 0), last_only=True)  # a prompt's prefill, shared by both
+        ids = _ids(n, 1)
+        together = prefilled.copy().forward(ids)  # [n, V]: one verification pass
+        alone = prefilled.copy()
+        rows = torch.cat([alone.forward(ids[i : i + 1]) for i in range(n)])  # n one-token passes
+    assert torch.equal(together, rows)
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_each_tree_node_is_a_one_token_forward_along_its_path(bits):
+    model = _target("llama", bits)
+    # root r (the last committed token) with children a, b; a's child c; b's child d
+    parents = [-1, 0, 0, 1, 2]
+    ids = _ids(5, 2)
+    with torch.inference_mode():
+        prefilled = target_cache(model)
+        prefilled.forward(_ids(17, 3), last_only=True)
+        past = len(prefilled)
+        allowed = torch.zeros(5, past + 5, dtype=torch.bool)
+        allowed[:, :past] = True
+        for node, parent in enumerate(parents):
+            allowed[node, past + node] = True
+            while parent >= 0:
+                allowed[node, past + parent] = True
+                parent = parents[parent]
+        depth = allowed[:, past:].sum(1) - 1
+        tree = prefilled.copy().forward(
+            ids,
+            position_ids=past + depth,
+            attention_mask=additive_mask(allowed, torch.float32)[None, None],
+        )  # [5, V]
+        for node in range(5):
+            path = [i for i in range(5) if allowed[node, past + i]]  # root .. node, in order
+            alone = prefilled.copy()
+            for i in path:
+                last = alone.forward(ids[i : i + 1])
+            assert torch.equal(tree[node], last[0]), node
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_speculation_over_a_lean_target_equals_the_target_alone(bits):
+    target = _target("llama", bits, seed=5)
+    draft = _on_kernel(noisy_copy(tiny_llama(seed=5, layers=3, **WIDE), 0.05, seed=6), 4)
+    assert isinstance(target_cache(target), LeanCache)
+    prompts = [[1, 2, 3], [7] * 20, [11]]
+    ar = SpeculativeDecoder(target)
+    for prompt in prompts:
+        expected = ar.generate(prompt, max_new_tokens=40).token_ids
+        for options in ({"k": 1}, {"k": 4}, {"k": 9}, {"tree": "dynamic:6,4,2"}):
+            got = SpeculativeDecoder(target, draft, **options).generate(prompt, max_new_tokens=40)
+            assert got.token_ids == expected, (prompt, options)
