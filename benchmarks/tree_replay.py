@@ -9,8 +9,8 @@ to near-ties, where a real run may continue differently), and a drafted token is
 is the answer's next token: so the `ar` answers a `specdecode bench` run recorded
 (results.jsonl, any run with `ar`) say what every step of any greedy drafter accepts. This runs
 the real drafters (their draft forwards) and the core's greedy verification on one-hot "target
-logits" built from the answer, and counts per step: tokens emitted (τ), draft forwards and the
-rows the target would verify. With a measured draft cost `--c` (a draft forward / a one-token
+logits" built from the answer (`specdecode.bench.replay`), and counts per step: tokens emitted
+(τ), draft forwards and the rows the target would verify. With a measured draft cost `--c` (a draft forward / a one-token
 target forward) and verification costs `--v` (v(1), v(2), ... from verify_cost.py or a bench
 report), it also prints the speedup those counts imply: τ / (c · forwards + v(rows)), a model
 (no clock is read), for comparing settings; only `specdecode bench` measures speed. `--v` may be
@@ -30,16 +30,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from specdecode import SpeculativeDecoder, load_model
+from specdecode.bench.replay import replay
 from specdecode.bench.suites import load_suite
 from specdecode.drafters import resolve_draft
 from specdecode.drafters.tree_shape import parse_tree_spec
-from specdecode.sampling import SamplingParams
-from specdecode.types import ForwardMeter
-from specdecode.verify import verify_greedy
-from specdecode.verify_tree import verify_tree_greedy
 
 
 def recorded_answers(run: Path) -> tuple[dict[str, Any], dict[str, tuple[int, list[int]]]]:
@@ -57,58 +52,6 @@ def recorded_answers(run: Path) -> tuple[dict[str, Any], dict[str, tuple[int, li
     if not answers:
         raise SystemExit(f"{run}/results.jsonl has no `ar` record: bench with --methods ar")
     return config, answers
-
-
-def one_hot(rows: list[int]) -> torch.Tensor:
-    """[len(rows), max(rows) + 1] logits whose argmax in row i is rows[i]."""
-    logits = torch.zeros(len(rows), max(rows) + 1)
-    logits[torch.arange(len(rows)), torch.tensor(rows)] = 1.0
-    return logits
-
-
-class RowMeter(ForwardMeter):
-    """A ForwardMeter that also keeps the rows (new tokens) of every draft forward, in order."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.draft_rows: list[int] = []
-
-    def forward(self, kind: str, n_tokens: int):  # type: ignore[override]
-        if kind == "draft":
-            self.draft_rows.append(n_tokens)
-        return super().forward(kind, n_tokens)
-
-
-def replay(engine: SpeculativeDecoder, ids: list[int], answer: list[int], k: int) -> list[tuple]:
-    """Every step of `engine`'s drafter on `answer`: (emitted, the rows of each draft forward,
-    verified rows)."""
-    drafter = engine.drafter
-    meter = RowMeter()
-    drafter.begin(ids, SamplingParams(temperature=0.0), None, meter)
-    context, pos, steps = list(ids), 0, []
-    while pos < len(answer):
-        forwards = len(meter.draft_rows)
-        left = len(answer) - pos - 1  # the most drafted tokens this step can still use
-        if not left:  # one token to go: a plain target step, as the engine takes it
-            n_rows, n_accepted = 1, 0
-        elif hasattr(drafter, "propose_tree"):
-            tree = drafter.propose_tree(context, left)
-            # row r of the tree asks for the answer's token at its depth
-            targets = [answer[pos + d] for d in [0, *tree.depth.tolist()]]
-            path, _ = verify_tree_greedy(tree, one_hot(targets))
-            drafter.observe_path(path)
-            n_rows, n_accepted = len(tree) + 1, len(path)
-        else:
-            tokens = drafter.propose(context, min(k, left)).tokens
-            targets = answer[pos : pos + len(tokens) + 1]
-            n_accepted, _ = verify_greedy(tokens, one_hot(targets))
-            drafter.observe(n_accepted)
-            n_rows = len(tokens) + 1
-        committed = answer[pos : pos + n_accepted + 1]
-        context += committed
-        pos += len(committed)
-        steps.append((len(committed), meter.draft_rows[forwards:], n_rows))
-    return steps
 
 
 def parse_costs(text: str, index: int) -> tuple[str, list[float]]:

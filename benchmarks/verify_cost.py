@@ -16,7 +16,7 @@ in alternating rounds in one process, for each of `--kernels`:
   int4       4-bit weights on the kernel (groups of 32; a tied output layer int8), decode attention
   int4-avx2  int4 with its tile on AVX2 where the CPU has AVX-512 VNNI (which `int4` uses there;
              the same results)
-  MODE-lean  MODE (on or int8) through the lean draft forward (drafters/lean.py) instead of the
+  MODE-lean  MODE (on or int8) through the lean forward (lean.py) instead of the
              model's own forward: what a drafter runs
   MODE@D     MODE with the AVX-512 BF16 panels prefetching D elements ahead (default 2048;
              speed only, the same results), e.g. on@2048,on@8192 (on@8192-lean with -lean)

@@ -57,7 +57,9 @@ def test_the_demo_drafts_a_tree_and_explains_its_step(tiny_folders):
     assert "draft forwards (one per level" in text and "τ / (d·c + v)" in text
 
 
-def test_the_cli_gives_the_default_pair_its_tree_and_a_chosen_draft_a_chain(monkeypatch):
+def test_the_cli_gives_the_default_pair_the_calibrated_setting_and_a_chosen_draft_a_chain(
+    monkeypatch,
+):
     from specdecode import cli
 
     calls = []
@@ -72,28 +74,5 @@ def test_the_cli_gives_the_default_pair_its_tree_and_a_chosen_draft_a_chain(monk
     ):
         args = cli.build_parser().parse_args(argv)
         assert args.func(args) == 0
-    assert calls == [demo.default_tree("bfloat16"), None, None, None, None, "static:2,1"]
-
-
-def test_default_tree_follows_what_the_panels_run_on(monkeypatch):
-    from specdecode.kernels import build, cpu, cpu_linear
-
-    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
-    monkeypatch.setattr(build, "unavailable_reason", lambda: None)
-    monkeypatch.delenv(cpu.BF16_DOT_ENV, raising=False)
-    monkeypatch.delenv(cpu_linear.ENV, raising=False)
-    assert demo.default_tree() == demo.DEFAULT_TREE_AVX512_BF16 == "dynamic:11,8,3,0.2,0.05"
-    monkeypatch.setenv(cpu.BF16_DOT_ENV, "0")  # panels on AVX2 FMAs
-    assert demo.default_tree() == demo.DEFAULT_TREE
-    monkeypatch.delenv(cpu.BF16_DOT_ENV)
-    monkeypatch.setattr(build, "unavailable_reason", lambda: "no C++ compiler")
-    assert demo.default_tree() == demo.DEFAULT_TREE  # PyTorch's linears: small trees
-    monkeypatch.setattr(build, "unavailable_reason", lambda: None)
-    assert demo.default_tree("float32", "cpu") == demo.DEFAULT_TREE  # no bfloat16 panels
-    assert demo.default_tree("bfloat16", "cuda") == demo.DEFAULT_TREE
-    monkeypatch.setenv(cpu_linear.ENV, "off")  # --kernel off
-    assert demo.default_tree("bfloat16", "cpu") == demo.DEFAULT_TREE
-    monkeypatch.delenv(cpu_linear.ENV)
-    assert demo.default_tree("bfloat16", "cpu") == demo.DEFAULT_TREE_AVX512_BF16
-    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512bw"}))
-    assert demo.default_tree() == demo.DEFAULT_TREE == "dynamic:5,6,2,0.3"
+    # the default pair: the calibration's choice (tests/test_calibrate.py runs it)
+    assert calls == [demo.AUTO, None, None, None, None, "static:2,1"]

@@ -33,7 +33,7 @@ def _require_positive(args: argparse.Namespace, *names: str) -> None:
     """Fail on counts < 1 before any model is loaded (unset options are left to defaults)."""
     for name in names:
         value = getattr(args, name)
-        if value is not None and value < 1:
+        if isinstance(value, int) and value < 1:  # "auto" (--k) is resolved later
             raise ValueError(f"{name} must be an integer >= 1 (got {value})")
 
 
@@ -104,9 +104,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     k = args.k if args.k is not None else (demo.QUICK_K if quick else demo.DEFAULT_K)
     if args.tree is not None:
         tree = None if args.tree == "none" else args.tree
-    else:  # the default tree belongs to the default draft; a chosen draft or k runs a chain
+    else:  # the default pair drafts what this machine's calibration picks; a chosen draft or
+        # k runs a chain
         default = not (quick or args.draft or args.k is not None)
-        tree = demo.default_tree(args.dtype, args.device) if default else None
+        tree = demo.AUTO if default else None
     demo.main_demo(
         target,
         draft,
@@ -169,9 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--tree",
         default=None,
         metavar="SHAPE",
-        help=f"draft a token tree ({TREE_HELP}) or 'none' for a chain; default "
-        "dynamic:5,6,2,0.3 (dynamic:11,8,3,0.2,0.05 on AVX-512 BF16) with the default draft and k, "
-        "else a chain",
+        help=f"draft a token tree ({TREE_HELP}), 'none' for a chain or 'auto'; default with "
+        "the default draft and k: auto, the tree or chain this machine's calibration expects to "
+        "be fastest (`specdecode calibrate`, measured on first use), else a chain",
     )
     dem.add_argument("--max-new-tokens", type=int, default=None, help="default 64 (quick: 48)")
     dem.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
@@ -190,8 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parser(sub)  # imports nothing of the server until `serve` runs
     from specdecode.bench.cli_bench import add_bench_parsers
+    from specdecode.bench.cli_calibrate import add_calibrate_parser
 
     add_bench_parsers(sub)
+    add_calibrate_parser(sub)
     return parser
 
 

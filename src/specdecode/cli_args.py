@@ -49,20 +49,32 @@ def add_kernel_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def k_value(text: str) -> int | str:
+    """--k: an integer, or "auto" (this machine's calibration picks it)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or auto, got {text!r}") from None
+
+
 def add_drafting_args(parser: argparse.ArgumentParser) -> None:
     """--k and --tree: how much one step drafts."""
     parser.add_argument(
         "--k",
-        type=int,
+        type=k_value,
         default=None,
-        help="tokens drafted per step (default 4); the heuristic's start, the cost policy's max",
+        help="tokens drafted per step (default 4); the heuristic's start, the cost policy's max; "
+        "auto: the fastest k of this machine's calibration (`specdecode calibrate`)",
     )
     parser.add_argument(
         "--tree",
         default=None,
         metavar="SHAPE",
         help=f"draft a token tree with the draft model: {TREE_HELP} (none: a chain, whatever "
-        "--config says)",
+        "--config says; auto: the fastest tree of this machine's calibration, with --k auto "
+        "too the fastest tree or chain)",
     )
 
 
@@ -116,7 +128,8 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
             raise ValueError(f"--category {category!r} is not in the config (known: {known})")
         base = base.for_category(category)
     keys = ("target", "draft", "k", "k_policy", "confidence", "tree", "dtype", "device")
-    given = {key: getattr(args, key) for key in keys if getattr(args, key) is not None}
+    # "auto" (--k, --tree) is resolved once the models are loaded (engine_from_args)
+    given = {key: getattr(args, key) for key in keys if getattr(args, key) not in (None, "auto")}
     if given.get("tree") == "none":  # drops a config file's tree: draft a chain
         given["tree"] = None
     run = dataclasses.replace(base, **given)  # validates, the draft spec included
@@ -136,15 +149,25 @@ def engine_from_args(args: argparse.Namespace) -> SpeculativeDecoder:
     draft = run.draft_spec
     if run.confidence is not None and not (draft and draft.is_model_draft):
         raise ValueError("--confidence needs a model draft (a model or early-exit:N)")
+    auto = {key for key in ("k", "tree") if getattr(args, key, None) == "auto"}
+    if auto:
+        from specdecode.bench.calibrate import check_auto
+
+        check_auto(auto, run)
 
     target = load_model(run.target, dtype=run.dtype, device=run.device)
     drafter = resolve_draft(draft, target, dtype=run.dtype, device=run.device)
+    k, tree = run.k, run.tree
+    if auto:  # this machine's calibration picks them (measured first where not cached)
+        from specdecode.bench.calibrate import resolve_auto
+
+        k, tree = resolve_auto(auto, run, target, drafter)
     return SpeculativeDecoder(
         target,
         drafter,
-        k=run.k,
+        k=k,
         k_policy=run.k_policy,
         confidence=run.confidence,
-        tree=run.tree,
+        tree=tree,
         generation_config=getattr(args, "generation_config", "auto"),
     )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import TextIO
+from typing import Any, TextIO
 
 from specdecode import metrics
 from specdecode.engine import SpeculativeDecoder
@@ -18,13 +18,9 @@ DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 # (docs/benchmarks.md); where the kernel cannot run (no AVX2, not bfloat16 on the CPU) the demo
 # drafts in bfloat16
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct:int4"
-# the fastest setting over the 9 benchmark categories in run "floor" and the tuner's pick; floor
-# 0.2 came close in the next run (docs/lab-notes/2026-12-01-tree-floor.md)
-DEFAULT_TREE = "dynamic:5,6,2,0.3"
-# where the bfloat16 panels run on AVX-512 BF16, verifying a dozen tokens costs little more than
-# one (much less than on AVX2), and a larger tree with a LEAF floor was the fastest over the 9
-# categories (run "leaf"; docs/lab-notes/2026-12-01-leaf-and-prefetch.md)
-DEFAULT_TREE_AVX512_BF16 = "dynamic:11,8,3,0.2,0.05"
+# the default pair's tree or chain: what this machine's calibration expects to be fastest
+# (bench/calibrate.py), measured on first use
+AUTO = "auto"
 DEFAULT_K = 4  # the fastest chain k with that draft (`--tree none`)
 QUICK_TARGET = "smollm2-135m-instruct"
 # SmolLM2-135M has no smaller sibling with its tokenizer here; prompt lookup measured better than
@@ -55,20 +51,22 @@ DEMO_PROMPTS: list[tuple[str, str]] = [
 ]
 
 
-def default_tree(dtype: str = "bfloat16", device: str | None = None) -> str:
-    """The demo's tree for the default draft: DEFAULT_TREE_AVX512_BF16 where the kernel's
-    panels will run on AVX-512 BF16 (a bfloat16 model on the CPU, the kernel not turned off and
-    buildable, the CPU with AVX-512 BF16 and $SPECDECODE_BF16_DOT not 0), else DEFAULT_TREE.
-    Builds nothing."""
-    import torch
+def calibrated_setting(
+    target: Any, draft: Any, target_spec: str, draft_spec: str, k: int
+) -> tuple[int, str | None]:
+    """(k, tree) of the fastest candidate in this machine's calibration of the pair (measured
+    first where it is not cached); one line on stderr says which."""
+    from specdecode.bench.calibrate import calibrated
+    from specdecode.bench.calibration import auto_setting
 
-    from specdecode.kernels import build, cpu, cpu_linear
-
-    on_cpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
-    panels = dtype == "bfloat16" and on_cpu and cpu_linear.resolve_mode(None) != "off"
-    if panels and cpu.bf16_dot_expected() and build.unavailable_reason() is None:
-        return DEFAULT_TREE_AVX512_BF16
-    return DEFAULT_TREE
+    calibration, path = calibrated(target, draft, target_spec, draft_spec)
+    best = calibration.best()
+    print(
+        f"calibration ({path}): {best.label}, expected {best.tokens_per_s:.1f} tokens/s "
+        "(`specdecode calibrate` shows why)",
+        file=sys.stderr,
+    )
+    return auto_setting(calibration, k_auto=True, tree_auto=True, k=k, tree=None)
 
 
 @dataclass
@@ -251,7 +249,7 @@ def main_demo(
     from specdecode.drafters import resolve_draft
     from specdecode.models.loading import load_model
 
-    shape = f"tree {tree}" if tree else f"k={k}"
+    shape = "the calibration's choice" if tree == AUTO else f"tree {tree}" if tree else f"k={k}"
     print(f"target {target_spec}, draft {draft_spec}, {shape}, {dtype}", file=sys.stderr)
     target = load_model(target_spec, dtype=dtype, device=device)
     try:
@@ -263,6 +261,8 @@ def main_demo(
         draft_spec = DraftSpec.parse(draft_spec).model.name
         print(f"note: {err}; drafting with {draft_spec} in {dtype}", file=sys.stderr)
         draft = resolve_draft(draft_spec, target, dtype=dtype, device=device)
+    if tree == AUTO:
+        k, tree = calibrated_setting(target, draft, target_spec, draft_spec, k)
     ar = SpeculativeDecoder(target)
     spec = SpeculativeDecoder(target, draft, k=k, tree=tree)
     prompts = DEMO_PROMPTS[:limit] if limit else DEMO_PROMPTS

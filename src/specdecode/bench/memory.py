@@ -45,7 +45,7 @@ def estimate_bytes(target: Any, draft: Any | None, n_tokens: int, lean_draft: bo
 
     `draft` is the draft's model (an early-exit view shares the target's weights, so only its
     cache over its own layers counts) or None for the target alone and model-free drafters. A
-    draft on the lean forward (`lean_draft`: drafters/lean.py) holds a float32 cache of
+    draft on the lean forward (`lean_draft`: lean.py) holds a float32 cache of
     `capacity_for(n)` positions instead of the model's own.
     """
     from specdecode.lean import capacity_for

@@ -32,7 +32,7 @@ from typing import Any
 
 from specdecode import metrics
 from specdecode.bench.aggregate import OVERALL, row_for
-from specdecode.bench.costs import verify_costs
+from specdecode.bench.costs import expected_chain_step, verify_costs
 from specdecode.bench.methods import Setting, plan_settings
 from specdecode.bench.records import Record
 from specdecode.bench.runner import BenchConfig, load_bench_models, run_settings
@@ -89,13 +89,7 @@ def predict_speedup(
     o_ar: float,
 ) -> float:
     """Predicted decode speedup at look-ahead k (module docstring, step 3); times in seconds."""
-    p_acc, p_dr = profile["p_accepted_ge"], profile["p_drafted_ge"]
-    tokens = 1.0 + sum(p_acc[:k])
-    ge = [1.0, *p_dr[:k], 0.0]  # P(D_k >= j), j = 0..k+1 (D_k = min(D, k))
-    p_exact = [ge[j] - ge[j + 1] for j in range(k + 1)]  # P(D_k = j)
-    mean_drafted = sum(j * p for j, p in enumerate(p_exact))
-    verify = sum(p * v[j + 1] for j, p in enumerate(p_exact)) * t_1
-    step = mean_drafted * t_draft + verify + o_step
+    tokens, step = expected_chain_step(profile, k, v, t_draft, t_1, o_step)
     return tokens / step * (t_1 + o_ar)
 
 

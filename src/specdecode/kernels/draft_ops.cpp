@@ -1,5 +1,5 @@
 // The small operations of a Llama-style decoder layer for a few tokens, fused: what the lean
-// draft forward (`drafters/lean.py`) runs between its linear layers. Built into the same
+// forward (`lean.py`) runs between its linear layers. Built into the same
 // extension as linear_avx2.cpp (whose module exports them).
 //
 // Why: through PyTorch, one token's RMSNorm is about eight operations and rotary embedding, the

@@ -104,7 +104,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 def _check_args(args: argparse.Namespace) -> None:
     """Fail on bad numbers before any model is loaded."""
-    if args.k is not None and args.k < 1:
+    if isinstance(args.k, int) and args.k < 1:  # "auto" is resolved with the models
         raise ValueError(f"k must be an integer >= 1 (got {args.k})")
     if args.queue_size < 0:
         raise ValueError(f"queue-size must be >= 0 (got {args.queue_size})")
