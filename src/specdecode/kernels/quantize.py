@@ -96,7 +96,8 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     uint8 in 0..15, scale and min [N, K / 32] float16 (min the group's, scale = (max - min) / 15,
     both rounded to float16 before q is chosen on their grid; scale 1 where the group is
     constant). Weights on such a grid (GGUF Q4_K sub-blocks) come back exactly where their group
-    spans all 16 steps and the steps are float16 numbers."""
+    spans all 16 steps and its step and min are float16 numbers (rare in the presets, which are
+    also rounded to bfloat16: docs/lab-notes/2026-12-02-int4-targets.md)."""
     n, k = weight.shape
     if k % _INT4_GROUP:
         raise ValueError(f"int4 needs K a multiple of {_INT4_GROUP} (got {k})")
