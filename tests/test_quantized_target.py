@@ -184,11 +184,14 @@ def test_bench_names_the_quantized_target_as_the_reference(tiny_folders, tmp_pat
     out = tmp_path / "run"
     target = f"{tiny_folders / 'target'}:int4"
     argv = ["bench", "--target", target, "--draft", f"{tiny_folders / 'draft'}:int4"]
-    argv += ["--methods", "ar,spec", "--k", "2", "--max-new-tokens", "8", "--limit", "1"]
+    argv += ["--methods", "ar,spec,hf-ar,hf-assisted", "--k", "2", "--max-new-tokens", "8"]
+    argv += ["--limit", "1"]
     argv += ["--prompts", str(tiny_folders / "prompts.jsonl"), "--dtype", "bfloat16"]
     assert main([*argv, "--out", str(out)]) == 0
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert {r["target"] for r in records} == {target}
+    # Hugging Face's generate runs over the freed weights too (through the modules' forwards)
+    assert {r["method"] for r in records} == {"ar", "spec", "hf-ar", "hf-assisted"}
     spec = [r for r in records if r["method"] == "spec"]
     assert spec and all(r["identical_to_ar"] for r in spec)  # the int4 target's own output
     report = (out / "report.md").read_text()
