@@ -122,7 +122,7 @@ def test_int8_draft_spec(tmp_path):
     assert any(hasattr(m, "_specdecode_qweight") for m in draft.model.modules())
     plain = resolve_draft(str(folder), None, dtype="bfloat16", device="cpu")
     assert not any(hasattr(m, "_specdecode_qweight") for m in plain.model.modules())
-    with pytest.raises(ValueError, match="bfloat16 on the CPU"):
+    with pytest.raises(ValueError, match="the dtype is float32: use --dtype bfloat16"):
         resolve_draft(f"{folder}:int8", None, dtype="float32", device="cpu")
     for spec in ("ngram:int8", "ngram:1-3:int8", "early-exit:2:int8", ":int8"):
         with pytest.raises(ValueError, match="quantizes a draft model"):

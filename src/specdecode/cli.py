@@ -148,7 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="the target alone vs speculative decoding on built-in prompts (fetches models)",
     )
-    dem.add_argument("--target", default=None, help="default: qwen2.5-coder-1.5b-instruct")
+    dem.add_argument(
+        "--target",
+        default=None,
+        help="default: qwen2.5-coder-1.5b-instruct (MODEL:int8 / MODEL:int4: quantized)",
+    )
     dem.add_argument(
         "--draft",
         default=None,

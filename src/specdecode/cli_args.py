@@ -23,7 +23,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     # --target, --draft, --dtype, --device and --k default to None: unset, they come from
     # --config, then from RunConfig's defaults (config.py)
     parser.add_argument(
-        "--target", default=None, help="preset name, local folder, .gguf or hub id (required)"
+        "--target",
+        default=None,
+        help="preset name, local folder, .gguf or hub id (required); MODEL:int8 / MODEL:int4 runs "
+        "it on int8 / 4-bit weights, the model whose output is then reproduced",
     )
     parser.add_argument(
         "--draft",
@@ -155,7 +158,7 @@ def engine_from_args(args: argparse.Namespace) -> SpeculativeDecoder:
 
         check_auto(auto, run)
 
-    target = load_model(run.target, dtype=run.dtype, device=run.device)
+    target = load_model(run.target, dtype=run.dtype, device=run.device, role="target")
     drafter = resolve_draft(draft, target, dtype=run.dtype, device=run.device)
     k, tree = run.k, run.tree
     if auto:  # this machine's calibration picks them (measured first where not cached)

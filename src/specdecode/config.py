@@ -11,7 +11,8 @@ One JSON object; every key is optional (a run still needs a target from somewher
       "per_category": {"code": {"k": 6}, "chat": {"draft": "ngram:1-3", "k": 2}}
     }
 
-`draft` takes what `--draft` takes: a model (`MODEL:int8` / `MODEL:int4` for int8 / 4-bit
+`target` takes what `--target` takes: a model, `MODEL:int8` / `MODEL:int4` for int8 / 4-bit
+weights (the model then reproduced). `draft` takes what `--draft` takes: a model (`MODEL:int8` / `MODEL:int4` for int8 / 4-bit
 weights), `early-exit:N` or `ngram[:MIN-MAX]`; null (the default) is autoregressive. `k` is the
 fixed k, the heuristic's starting k or the cost policy's k_max (policies.py). `tree`
 (`static:3,2,1` / `dynamic:NODES[,DEPTH,WIDTH[,FLOOR[,LEAF]]]`, drafters/tree_shape.py) drafts a
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specdecode.draft_spec import DraftSpec
+from specdecode.draft_spec import DraftSpec, ModelSpec
 from specdecode.drafters.model import check_confidence
 from specdecode.policies import K_POLICIES
 
@@ -43,7 +44,7 @@ CATEGORY_KEYS = ("draft", "k", "k_policy", "confidence", "tree")
 class RunConfig:
     """Validated on construction: ValueError with the offending key on a bad value."""
 
-    target: str | None = None  # preset, local folder, .gguf or hub id
+    target: str | None = None  # preset, local folder, .gguf or hub id, [:int8|:int4]
     draft: str | None = None  # None = autoregressive
     k: int = 4  # fixed k / heuristic's starting k / cost's k_max
     k_policy: str = "fixed"  # one of policies.K_POLICIES
@@ -56,6 +57,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         for key in ("target", "draft", "device"):
             _check_optional_str(key, getattr(self, key))
+        if self.target is not None:
+            ModelSpec.parse(self.target, "target")  # `MODEL[:int8|:int4]`
         _check_draft(self.draft)
         if not isinstance(self.dtype, str):
             raise ValueError(f"dtype must be a string (got {self.dtype!r})")

@@ -251,7 +251,7 @@ def main_demo(
 
     shape = "the calibration's choice" if tree == AUTO else f"tree {tree}" if tree else f"k={k}"
     print(f"target {target_spec}, draft {draft_spec}, {shape}, {dtype}", file=sys.stderr)
-    target = load_model(target_spec, dtype=dtype, device=device)
+    target = load_model(target_spec, dtype=dtype, device=device, role="target")
     try:
         draft = resolve_draft(draft_spec, target, dtype=dtype, device=device)
     except ValueError as err:

@@ -3,8 +3,8 @@ or `early-exit:N`.
 
 No heavy imports (no torch, no transformers), so the command line and the run config check a
 draft before any model is loaded. `drafters.resolve_draft` builds the drafter from a DraftSpec.
-`ModelSpec` is the model part on its own (`MODEL[:int8|:int4]`), so that a target can carry the
-same quantization suffix.
+`ModelSpec` is the model part on its own (`MODEL[:int8|:int4]`): what `--target` and `load_model`
+take, so that a target carries the same quantization suffix.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ Quantization = Literal["int8", "int4"]
 DraftKind = Literal["model", "ngram", "early-exit"]
 
 # MODEL:int8 runs its linears on int8 weights; MODEL:int4 on 4-bit weights (groups of 32, a tied
-# output layer int8); both on the CPU kernel (specdecode.kernels.quantize_linears)
+# output layer int8); both on the CPU kernel, for a draft or a target (models/quantized.py)
 QUANT_BITS: dict[str, int] = {"int8": 8, "int4": 4}
 DEFAULT_NGRAM = (1, 3)  # `ngram` alone: n-grams of 1 to 3 tokens
 

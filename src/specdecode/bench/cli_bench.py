@@ -39,7 +39,12 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Run every requested method on the same prompts in one process, interleaved "
         "per prompt after a warm-up, and write results.jsonl, summary.json, report.md and plots.",
     )
-    bench.add_argument("--target", default=None, help="target model (quick: smollm2-135m-instruct)")
+    bench.add_argument(
+        "--target",
+        default=None,
+        help="target model (quick: smollm2-135m-instruct); MODEL:int8 / MODEL:int4: on int8 / "
+        "4-bit weights, then `ar` and the identity checks are that model's",
+    )
     bench.add_argument(
         "--draft",
         action="append",
@@ -129,7 +134,9 @@ def _add_tune_parser(subparsers: argparse._SubParsersAction) -> None:
         "calibration did not see. Writes config.json (for --config), vllm.json, tune.md and "
         "tune.json.",
     )
-    tune.add_argument("--target", required=True, help="target model")
+    tune.add_argument(
+        "--target", required=True, help="target model (MODEL:int8 / MODEL:int4: quantized)"
+    )
     tune.add_argument(
         "--draft",
         action="append",

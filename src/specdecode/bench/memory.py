@@ -14,11 +14,14 @@ import torch
 
 
 def weights_bytes(*models: Any) -> int:
-    """Bytes of the parameters and buffers of `models`, each storage counted once."""
+    """Bytes of the parameters and buffers of `models`, each storage counted once (a freed
+    weight, on the meta device, holds none)."""
     seen: set[int] = set()
     total = 0
     for model in models:
         for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.is_meta:  # a quantized target's freed bfloat16 weight: no storage
+                continue
             key = tensor.untyped_storage().data_ptr()
             if key not in seen:
                 seen.add(key)

@@ -78,11 +78,18 @@ class Record:
     # a tuned config (`bench --config`): `setting` is its column, `ran` what this prompt ran
     tuned: bool = False
     ran: str | None = None
+    # the target every method ran, as named (`MODEL:int4` for a 4-bit one): `ar` and the identity
+    # checks' reference; None in records from before it was written
+    target: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON line's keys: the fields in order, then `extra`'s, then `tuned` and `ran`
-        for a tuned config's record only."""
-        out = {name: getattr(self, name) for name in _FIELDS}
+        """The JSON line's keys: the fields in order (`target` after `setting`, where known),
+        then `extra`'s, then `tuned` and `ran` for a tuned config's record only."""
+        out: dict[str, Any] = {}
+        for name in _FIELDS:
+            out[name] = getattr(self, name)
+            if name == "setting" and self.target is not None:
+                out["target"] = self.target
         out.update(self.extra)
         if self.tuned:
             out.update(tuned=True, ran=self.ran)
@@ -91,13 +98,15 @@ class Record:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Record:
         """The inverse of `to_dict`; keys it does not know go to `extra` (in their order)."""
-        known = {name: data[name] for name in (*_FIELDS, "tuned", "ran") if name in data}
+        known = {name: data[name] for name in (*_FIELDS, *_OPTIONAL) if name in data}
         extra = {key: value for key, value in data.items() if key not in known}
         return cls(**known, extra=extra)
 
 
-# the fields written as they are (not `extra`, nor a tuned config's `tuned` and `ran`)
-_FIELDS = tuple(f.name for f in fields(Record) if f.name not in ("extra", "tuned", "ran"))
+# the fields written only where set: a tuned config's `tuned` and `ran`, the target's name
+_OPTIONAL = ("tuned", "ran", "target")
+# the fields written as they are (not `extra`, nor the optional ones)
+_FIELDS = tuple(f.name for f in fields(Record) if f.name not in ("extra", *_OPTIONAL))
 
 
 def make_record(
@@ -113,9 +122,10 @@ def make_record(
     memory_bytes: int,
     memory_source: str,
     shared_prefill_s: float | None = None,
+    target: str | None = None,
 ) -> Record:
     """The record of one run of `setting` on `prompt_ids` (`Record.shared_prefill_s` says what
-    `shared_prefill_s` means)."""
+    `shared_prefill_s` means; `target` names the model it ran, suffix included)."""
     n = len(out.token_ids)
     decode_s = out.wall_time_s - out.ttft_s
     record = Record(
@@ -146,6 +156,7 @@ def make_record(
         peak_memory_bytes=memory_bytes,
         memory_source=memory_source,
         token_ids=out.token_ids,
+        target=target,
     )
     if out.stats is not None:
         _add_stats(record, out.stats)

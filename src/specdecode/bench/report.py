@@ -141,6 +141,16 @@ def divergence_table(summary: dict[str, Any]) -> str:
     return _table(header, rows)
 
 
+def _target(name: str | None) -> str:
+    """The target as the report names it; a quantized one says it is the reference."""
+    if name is None:
+        return "`?`"
+    bits = {"int8": "int8", "int4": "4-bit"}.get(name.rpartition(":")[2])
+    if bits is None:
+        return f"`{name}`"
+    return f"`{name}` ({bits} weights: `ar` and the identity checks are this quantized model's)"
+
+
 def render_markdown(summary: dict[str, Any], records: list[Record], info: dict) -> str:
     config = info.get("config", {})
     first = records[0]
@@ -149,7 +159,7 @@ def render_markdown(summary: dict[str, Any], records: list[Record], info: dict) 
         "",
         f"Command: `{info.get('command', '?')}`",
         "",
-        f"Target `{config.get('target', '?')}`, {first.dtype}, linear layers on "
+        f"Target {_target(config.get('target') or first.target)}, {first.dtype}, linear layers on "
         f"{info.get('kernel', 'eager')}"
         + (f", attention {info['attention']}" if info.get("attention") else "")
         + ", temperature "

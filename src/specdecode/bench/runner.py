@@ -85,9 +85,11 @@ class BenchConfig:
         for name, ks in (("--k", self.ks), ("--hf-k", self.hf_ks)):
             if ks is not None and (not ks or any(k < 1 for k in ks)):
                 raise ValueError(f"{name} takes look-aheads >= 1 (got {ks})")
-        from specdecode.draft_spec import DraftSpec
+        from specdecode.draft_spec import DraftSpec, ModelSpec
         from specdecode.drafters.tree_shape import parse_tree_spec
         from specdecode.policies import K_POLICIES
+
+        ModelSpec.parse(self.target, "target")  # `MODEL[:int8|:int4]`: the `ar` reference
 
         for policy in self.policies:
             if policy not in K_POLICIES:
@@ -143,7 +145,7 @@ def load_bench_models(config: BenchConfig) -> tuple[LoadedModel, dict[str, Any]]
     from specdecode.drafters import resolve_draft
     from specdecode.models.loading import load_model
 
-    target = load_model(config.target, dtype=config.dtype, device=config.device)
+    target = load_model(config.target, dtype=config.dtype, device=config.device, role="target")
     drafts = {
         spec: resolve_draft(spec, target, dtype=config.dtype, device=config.device)
         for spec in config.drafts
@@ -314,6 +316,7 @@ class _TurnRunner:
             memory_bytes=memory,
             memory_source=memory_source,
             shared_prefill_s=prefill_s,
+            target=config.target,
         )
         if setting.per_category:  # one column for the tuned config
             record.setting, record.tuned, record.ran = setting.label, True, runs.label

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from specdecode.draft_spec import DraftSpec, ModelSpec
+from specdecode.draft_spec import DraftSpec
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.early_exit import EarlyExitDrafter
 from specdecode.drafters.model import ModelDrafter
@@ -31,7 +29,7 @@ def resolve_draft(
     `None` -> None (autoregressive); `early-exit:N` -> an EarlyExitDrafter over `target` (a
     LoadedModel); `ngram` or `ngram:MIN-MAX` -> prompt lookup (default 1-3); a model is loaded
     with `load_model`, and `MODEL:int8` / `MODEL:int4` then runs its linears on int8 / 4-bit
-    weights (bfloat16 on a CPU with AVX2 only; `specdecode.kernels.quantize_linears`).
+    weights (bfloat16 on a CPU with AVX2 only; models/quantized.py), its bfloat16 weights kept.
     """
     if spec is None:
         return None
@@ -43,26 +41,4 @@ def resolve_draft(
         return EarlyExitDrafter(target.model, spec.depth)
     from specdecode.models.loading import load_model
 
-    model = spec.model
-    draft = load_model(model.name, dtype=dtype, device=device)
-    return quantized_draft(draft, model) if model.quantization else draft
-
-
-def quantized_draft(draft: Any, model: ModelSpec) -> Any:
-    """`draft` (a LoadedModel) with its linears on the weights `model.quantization` asks for
-    (int8 or int4); ValueError where that cannot run."""
-    from specdecode.kernels.build import KernelUnavailable
-    from specdecode.kernels.quantize import quant_name, quantize_linears
-
-    kind = model.quantization
-    if draft.dtype != torch.bfloat16 or draft.device.type != "cpu":
-        raise ValueError(
-            f"{model}: {kind} drafts run on the CPU kernel with bfloat16 activations; "
-            f"use --dtype bfloat16 on the CPU (the draft is {draft.dtype} on {draft.device})"
-        )
-    try:
-        quantize_linears(draft.model, bits=model.bits)
-    except KernelUnavailable as err:
-        raise ValueError(f"{model}: the {kind} CPU kernel cannot be used: {err}") from err
-    draft.kernel, draft.name = quant_name(model.bits), f"{draft.name}:{kind}"
-    return draft
+    return load_model(spec.model, dtype=dtype, device=device, keep_weights=True, role="draft")

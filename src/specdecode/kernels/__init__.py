@@ -1,7 +1,7 @@
 """Compute kernels that make decoding on CPU memory-bound (see linear_avx2.cpp for why).
 
 cpu.py: what this CPU runs them on; build.py: the extension and its switches; panels.py:
-bfloat16 weights in the kernel's panels; quantize.py: int8 / 4-bit drafts; cpu_linear.py: a
+bfloat16 weights in the kernel's panels; quantize.py: int8 / 4-bit weights (drafts and targets); cpu_linear.py: a
 model's linears onto the kernels, by mode; attention.py: attention for few query tokens.
 """
 

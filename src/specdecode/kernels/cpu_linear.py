@@ -39,7 +39,7 @@ from specdecode.kernels.panels import (
     shared_storages,
     unpack,
 )
-from specdecode.kernels.quantize import drop_quantized, quantized_call
+from specdecode.kernels.quantize import drop_quantized, quantized_call, weight_freed
 
 KERNEL_MODES = ("auto", "on", "off")
 ENV = "SPECDECODE_KERNEL"
@@ -69,7 +69,17 @@ def swap_linears(model: torch.nn.Module, panels: bool = True) -> int:
 
 def restore_linears(model: torch.nn.Module) -> int:
     """Undo `swap_linears` and `quantize_linears`: plain PyTorch linears on the model's own
-    weights again (the int8 copies are dropped); returns how many were restored."""
+    weights again (the int8 copies are dropped); returns how many were restored.
+
+    ValueError, before anything changes, where quantized layers have no bfloat16 weight left to
+    restore (`quantize_linears(keep_weights=False)`: a `MODEL:int4` / `MODEL:int8` target)."""
+    freed = sum(1 for module in model.modules() if on_kernel(module) and weight_freed(module))
+    if freed:
+        raise ValueError(
+            f"cannot restore the bfloat16 linears: {freed} quantized layer(s) freed their "
+            "bfloat16 weights (a MODEL:int4 / MODEL:int8 target, quantize_linears(keep_weights="
+            "False)); load the model again without the suffix to run it in bfloat16"
+        )
     count = 0
     for module in model.modules():
         if on_kernel(module):

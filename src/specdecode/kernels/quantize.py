@@ -1,9 +1,11 @@
-"""A drafter's linears on int8 or 4-bit copies of their weights (`quantize_linears`).
+"""A model's linears on int8 or 4-bit copies of their weights (`quantize_linears`).
 
-A draft spec's `:int8` or `:int4` suffix asks for it: int8 with one scale per output row, or 4-bit
-with a scale and a min per row and group of 32 k. Only a drafter may be quantized: the target
-verifies every drafted token, so the output stays the target's own, and the draft reads half
-(int8) or about a third (4-bit) of the bytes per forward (its acceptance may change; measure it).
+A model spec's `:int8` or `:int4` suffix asks for it (models/quantized.py): int8 with one scale per
+output row, or 4-bit with a scale and a min per row and group of 32 k. A quantized draft reads half
+(int8) or about a third (4-bit) of the bytes per forward (its acceptance may change; measure it)
+and the output stays the target's own. A quantized target is a different model: speculation over
+it reproduces the quantized target, not its bfloat16 original; `keep_weights=False` frees its
+bfloat16 weights.
 """
 
 from __future__ import annotations
@@ -94,7 +96,8 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     uint8 in 0..15, scale and min [N, K / 32] float16 (min the group's, scale = (max - min) / 15,
     both rounded to float16 before q is chosen on their grid; scale 1 where the group is
     constant). Weights on such a grid (GGUF Q4_K sub-blocks) come back exactly where their group
-    spans all 16 steps and the steps are float16 numbers."""
+    spans all 16 steps and its step and min are float16 numbers (rare in the presets, which are
+    also rounded to bfloat16: docs/lab-notes/2026-12-02-int4-targets.md)."""
     n, k = weight.shape
     if k % _INT4_GROUP:
         raise ValueError(f"int4 needs K a multiple of {_INT4_GROUP} (got {k})")
@@ -172,7 +175,7 @@ def _quantize_int8(module: torch.nn.Linear) -> None:
     set_forward(module, _int8_forward)
 
 
-def quantize_linears(model: torch.nn.Module, bits: int = 8) -> int:
+def quantize_linears(model: torch.nn.Module, bits: int = 8, keep_weights: bool = True) -> int:
     """Run every bfloat16 CPU `nn.Linear` of `model` on quantized copies of its weights for the
     AVX2 kernels; returns how many.
 
@@ -181,11 +184,13 @@ def quantize_linears(model: torch.nn.Module, bits: int = 8) -> int:
     row and group of 32 k (`quantize_int4`, `pack_int4_panels`, `int4_weights`) where K is a
     multiple of 32, except an output layer tied to the embedding (the logits keep int8).
 
-    For drafters only (a draft's output is verified; a target's would change). The bfloat16
-    weights stay (embeddings may be tied to the output layer; `restore_linears` undoes it), so
-    the model holds 1.5 (int8) or about 2.6 (4-bit) bytes per linear weight. Builds the kernel
-    first (KernelUnavailable when it cannot). Idempotent: a quantized layer stays as it is.
-    `quant_name(bits)` is the kernel name of the model it leaves.
+    With `keep_weights` (drafts) the bfloat16 weights stay (`restore_linears` undoes it), so
+    the model holds 1.5 (int8) or about 2.6 (4-bit) bytes per linear weight. `keep_weights=False`
+    (targets) frees the bfloat16 weight of every quantized layer whose storage nothing else shares
+    (`free_weight`; an output layer tied to the embedding keeps it, the embedding reads it): the
+    layers keep their shapes and compute as before, but cannot be restored. Builds the kernel
+    first (KernelUnavailable when it cannot). Idempotent: a quantized layer stays as it is (its
+    weight is freed if asked now). `quant_name(bits)` is the kernel name of the model it leaves.
     """
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8 (got {bits})")
@@ -194,20 +199,47 @@ def quantize_linears(model: torch.nn.Module, bits: int = 8) -> int:
     shared = shared_storages(model)
     with torch.no_grad():
         for module in model.modules():
-            if not eligible(module):
+            if is_quantized(module):
+                pass  # as it is (a freed weight is on the meta device: not `eligible`)
+            elif not eligible(module):
                 continue
-            if not is_quantized(module):
+            else:
                 tied = module.weight.untyped_storage().data_ptr() in shared
                 if bits == 4 and module.weight.shape[1] % _INT4_GROUP == 0 and not tied:
                     _quantize_int4(module)
                 else:
                     _quantize_int8(module)
+            if not keep_weights and _untied(module.weight, shared):
+                free_weight(module)  # a tied weight stays: its embedding reads it
             count += 1
     return count
 
 
+def _untied(weight: torch.Tensor, shared: set[int]) -> bool:
+    """A weight with storage that no other parameter or buffer shares (not freed already)."""
+    return not weight.is_meta and weight.untyped_storage().data_ptr() not in shared
+
+
 def is_quantized(module: torch.nn.Module) -> bool:
     return _QWEIGHT in module._buffers or _Q4 in module._buffers
+
+
+def free_weight(module: torch.nn.Linear) -> None:
+    """Drop a quantized layer's bfloat16 weight: it becomes a tensor of the same shape and dtype
+    on the meta device (no storage), so whatever reads its shape still works, whatever would
+    compute with it fails loudly, and the layer computes from its quantized copies (the kernel,
+    or the PyTorch fall-back from `int4_weights` / `int8_weights`)."""
+    if not is_quantized(module):
+        raise ValueError("only a quantized layer's weight can be freed (it computes without it)")
+    weight = module.weight
+    if not weight.is_meta:
+        module.weight = torch.nn.Parameter(weight.to("meta"), requires_grad=False)
+
+
+def weight_freed(module: torch.nn.Module) -> bool:
+    """Whether `module`'s weight was freed by `free_weight` (quantize_linears(keep_weights=False))."""
+    weight = getattr(module, "weight", None)
+    return isinstance(weight, torch.Tensor) and weight.is_meta
 
 
 def drop_quantized(module: torch.nn.Module) -> None:

@@ -1,7 +1,9 @@
 """`load_model`: one entry point for every way a model reaches specdecode.
 
 A spec is resolved in this order: an offline preset name, a `.gguf` file, a local folder saved with
-`save_pretrained`, and last a Hugging Face hub id (used as is).
+`save_pretrained`, and last a Hugging Face hub id (used as is). Any of them may end in `:int8` or
+`:int4` (`ModelSpec`, draft_spec.py): the model then runs its linears on int8 / 4-bit weights
+(models/quantized.py).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from specdecode.draft_spec import ModelSpec
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -36,11 +40,24 @@ class LoadedModel:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        return _first_parameter(self.model).device
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
+        return _first_parameter(self.model).dtype
+
+
+def _first_parameter(model: Any) -> torch.Tensor:
+    """The model's first parameter that holds data (a quantized target's freed weights are on the
+    meta device: kernels/quantize.py `free_weight`)."""
+    first = None
+    for param in model.parameters():
+        if not param.is_meta:
+            return param
+        first = first if first is not None else param
+    if first is None:
+        raise ValueError("the model has no parameters")
+    return first
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -94,23 +111,35 @@ def _load_folder(
 
 
 def load_model(
-    spec: str | Path,
+    spec: str | Path | ModelSpec,
     dtype: str | torch.dtype = "bfloat16",
     device: str | torch.device | None = None,
     kernel: str | None = None,
+    *,
+    keep_weights: bool = False,
+    role: str = "model",
 ) -> LoadedModel:
-    """Load a causal LM from a preset name, a `.gguf` file, a local folder or a hub id.
+    """Load a causal LM from a preset name, a `.gguf` file, a local folder or a hub id, each
+    optionally with `:int8` / `:int4`.
 
     Default dtype is bfloat16 (faster than float32 on CPU for these models: docs/benchmarks.md);
     exact-identity tests use float32. `kernel` ("auto", "on", "off"; None: $SPECDECODE_KERNEL,
     else "auto") puts a bfloat16 model's linear layers on the CPU kernels (`specdecode.kernels`).
+    `MODEL:int8` / `MODEL:int4` runs them on int8 / 4-bit weights (bfloat16 on an AVX2 CPU only,
+    kernel not off: ValueError before loading otherwise) and names the model `MODEL:int4`; its
+    bfloat16 weights are freed unless `keep_weights` (a draft's; models/quantized.py). `role`
+    ("target", "draft") names the model in error messages.
     """
     from specdecode.kernels.cpu_linear import apply_kernel, resolve_mode
+    from specdecode.models.quantized import check_quantizable, quantize_loaded
 
-    mode = resolve_mode(kernel)  # a bad mode fails before anything is loaded
-    loaded = _load(spec, dtype, device)
+    model_spec = spec if isinstance(spec, ModelSpec) else ModelSpec.parse(str(spec), role)
+    # a bad mode, and a quantization that cannot run, fail before anything is loaded
+    mode = resolve_mode(kernel)
+    check_quantizable(model_spec, dtype, device, mode, role)
+    loaded = _load(model_spec.name, dtype, device)
     loaded.kernel = apply_kernel(loaded.model, mode)
-    return loaded
+    return quantize_loaded(loaded, model_spec, keep_weights=keep_weights, role=role)
 
 
 def _load(
