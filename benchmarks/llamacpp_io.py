@@ -21,7 +21,7 @@ from specdecode import metrics
 
 LLAMA = "llama.cpp"  # the method label of llama.cpp's target alone: the ratios' baseline
 TOOLS = ("llama-completion", "llama-speculative-simple", "llama-bench")
-TARGET_FORMS = ("bf16", "int4")  # ours: the target's weights
+TARGET_FORMS = ("bf16", "int8", "int4")  # ours: the target's weights
 DRAFT_FORMS = ("bf16", "int8", "int4")  # ours: the draft's weights
 OURS_FORMS = "expected TARGET, TARGET+DRAFT:k=K or TARGET+DRAFT:tree=SHAPE (TARGET: bf16 or int4, DRAFT: bf16, int8 or int4)"
 DEFAULT_OURS = (

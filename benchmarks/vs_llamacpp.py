@@ -39,7 +39,6 @@ from specdecode.bench.records import Record, make_record, mark_identity, top2_ma
 from specdecode.bench.suites import CATEGORIES, BenchPrompt, interleave_by_category, load_suite
 from specdecode.drafters import resolve_draft
 from specdecode.drafters.tree_shape import parse_tree_spec
-from specdecode.kernels.quantize import quant_name, quantize_linears
 from specdecode.models.fetch import rebuild_gguf
 from specdecode.models.loading import LoadedModel, load_model
 
@@ -130,15 +129,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # Our side
 
 
-def load_int4_target(name: str) -> LoadedModel:
-    """The target on 4-bit weights (groups of 32, specdecode's CPU kernel). The engine's own
-    `TARGET:int4` target form replaces this function once it is in."""
-    loaded = load_model(name, dtype="bfloat16", device="cpu")
-    quantize_linears(loaded.model, bits=4)
-    loaded.kernel, loaded.name = quant_name(4), f"{name}:int4"
-    return loaded
-
-
 class Ours:
     """Our settings: one MethodRunner per target form, the drafts loaded once and shared."""
 
@@ -146,7 +136,8 @@ class Ours:
         self.specs = specs
         targets: dict[str, LoadedModel] = {}
         for form in dict.fromkeys(s.target for s in specs):
-            targets[form] = load_int4_target(target) if form == "int4" else load_model(target)
+            name = f"{target}:{form}" if form in ("int4", "int8") else target
+            targets[form] = load_model(name, role="target")
         drafts: dict[str, Any] = {}
         for form in dict.fromkeys(s.draft for s in specs if s.draft):
             label = draft if form == "bf16" else f"{draft}:{form}"
