@@ -192,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     from specdecode.bench.cli_bench import add_bench_parsers
 
     add_bench_parsers(sub)
+    from specdecode.bench.cli_compare import add_compare_parser
+
+    add_compare_parser(sub)
     return parser
 
 
