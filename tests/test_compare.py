@@ -393,6 +393,8 @@ def test_bad_variants_name_what_is_allowed():
     ]:
         with pytest.raises(ValueError, match=message):
             Variant.parse(text)
+    with pytest.raises(ValueError, match="--tree needs a model draft"):
+        CompareConfig("t", "ngram", variants=[], trees=["static:2,1"]).validate()
     with pytest.raises(ValueError, match="given twice"):
         parse_variants(["int4", "int4"])
     with pytest.raises(ValueError, match="bfloat16 on the CPU"):

@@ -82,9 +82,11 @@ class CompareConfig:
         from specdecode.draft_spec import DraftSpec
         from specdecode.drafters.tree_shape import parse_tree_spec
 
-        DraftSpec.parse(self.draft)
+        spec = DraftSpec.parse(self.draft)
         for tree in self.trees:
             parse_tree_spec(tree)
+        if self.trees and not spec.is_model_draft:
+            raise ValueError(f"--tree needs a model draft or early-exit:N (got {self.draft})")
         if not self.ks or any(k < 1 for k in self.ks):
             raise ValueError(f"--k takes look-aheads >= 1 (got {self.ks})")
         if self.sample_temperature < 0:
@@ -147,6 +149,11 @@ def run_compare(
         config.calibration_prompts,
         config.limit,
     )
+    if any(v.pruned for v in variants) and not calib_prompts:
+        raise ValueError(
+            "pruned variants calibrate on the last prompts of each category, which are then "
+            "never scored; no category here has more than one prompt: give more prompts"
+        )
     tasks = load_tasks(config.tasks) if config.tasks != 0 else []
     reference, draft = _load(config, target, draft, variants)
     ref_name = _SHORT_DTYPE.get(reference.dtype, str(reference.dtype).removeprefix("torch."))
