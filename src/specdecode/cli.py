@@ -199,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parsers(sub)
     add_calibrate_parser(sub)
+    from specdecode.bench.cli_compare import add_compare_parser
+
+    add_compare_parser(sub)
     return parser
 
 

@@ -27,6 +27,11 @@ def _key(record: Record) -> tuple:
     return (record.prompt_id, record.turn, record.repeat)
 
 
+def baseline_map(records: Iterable[Record]) -> dict[tuple, Record]:
+    """`records` keyed the way `paired_ratio` pairs them (prompt, turn, repeat): a baseline."""
+    return {_key(r): r for r in records}
+
+
 def _sum(records: Iterable[Record], field: str) -> float:
     return sum(getattr(r, field) or 0 for r in records)
 
