@@ -1,6 +1,6 @@
 """Arguments every subcommand that runs models shares, and the engine they describe.
 
-`cli.py` (generate, demo), `server/cli_serve.py`, `bench/cli_bench.py` and
+`cli.py` (generate, demo), `server/cli_serve.py`, `bench/cli_*.py` and
 `models/cli_models.py` import from here; nothing here imports them, so the root command imports
 its subcommands one way. Heavy modules are imported inside the functions: building the parser
 loads no model code.
@@ -16,6 +16,21 @@ if TYPE_CHECKING:
     from specdecode.engine import SpeculativeDecoder
 
 TREE_HELP = "static:3,2,2,1,1 or dynamic:NODES[,DEPTH,WIDTH[,FLOOR[,LEAF]]]"
+
+
+def csv_list(text: str) -> list[str]:
+    """ "a, b,,c" -> ["a", "b", "c"] (an argparse type)."""
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def int_csv(text: str) -> list[int]:
+    """ "1,2,4" -> [1, 2, 4] (an argparse type: a clear error for anything else)."""
+    try:
+        return [int(part) for part in csv_list(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:

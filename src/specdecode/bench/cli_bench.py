@@ -7,20 +7,7 @@ import shlex
 import time
 
 from specdecode.bench.methods import ALL_METHODS
-from specdecode.cli_args import add_kernel_arg
-
-
-def _csv(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
-
-
-def _int_csv(text: str) -> list[int]:
-    try:
-        return [int(part) for part in _csv(text)]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
+from specdecode.cli_args import add_kernel_arg, csv_list, int_csv
 
 
 def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
@@ -54,20 +41,20 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     bench.add_argument(
         "--methods",
-        type=_csv,
+        type=csv_list,
         default=None,
         help=f"comma-separated, from {','.join(ALL_METHODS)} (default: all that apply)",
     )
-    bench.add_argument("--k", type=_int_csv, default=None, help="look-aheads (default 1,2,4,6,8)")
+    bench.add_argument("--k", type=int_csv, default=None, help="look-aheads (default 1,2,4,6,8)")
     bench.add_argument(
         "--hf-k",
-        type=_int_csv,
+        type=int_csv,
         default=None,
         help="k of HF's constant-k assisted and prompt-lookup settings (default: --k)",
     )
     bench.add_argument(
         "--k-policy",
-        type=_csv,
+        type=csv_list,
         default=None,
         help="comma-separated k policies for spec (default fixed)",
     )
@@ -85,7 +72,9 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--max-new-tokens", type=int, default=None, help="default 64 (quick: 32)")
     bench.add_argument("--prompts", default=None, help="JSONL file (ours or Spec-Bench format)")
-    bench.add_argument("--categories", type=_csv, default=None, help="comma-separated categories")
+    bench.add_argument(
+        "--categories", type=csv_list, default=None, help="comma-separated categories"
+    )
     bench.add_argument("--limit", type=int, default=None, help="prompts per category (quick: 1)")
     bench.add_argument(
         "--turns", default="first", choices=["first", "all"], help="multi-turn prompts"
@@ -147,7 +136,7 @@ def _add_tune_parser(subparsers: argparse._SubParsersAction) -> None:
     tune.add_argument("--k-max", type=int, default=8, help="largest k considered (default 8)")
     tune.add_argument(
         "--k-policy",
-        type=_csv,
+        type=csv_list,
         default=None,
         help="adaptive k policies to try too, comma-separated (heuristic,cost), at k = k_max",
     )
@@ -162,7 +151,7 @@ def _add_tune_parser(subparsers: argparse._SubParsersAction) -> None:
     tune.add_argument(
         "--limit", type=int, default=2, help="prompts per category to calibrate (and validate)"
     )
-    tune.add_argument("--categories", type=_csv, default=None)
+    tune.add_argument("--categories", type=csv_list, default=None)
     tune.add_argument("--prompts", default=None, help="JSONL file (ours or Spec-Bench format)")
     tune.add_argument("--max-new-tokens", type=int, default=64)
     tune.add_argument("--no-chat", dest="chat", action="store_false")

@@ -6,22 +6,9 @@ import argparse
 import shlex
 import time
 
-from specdecode.cli_args import TREE_HELP, add_kernel_arg
+from specdecode.cli_args import TREE_HELP, add_kernel_arg, csv_list, int_csv
 
 DEFAULT_VARIANTS = "int8,int4,drop-layers=4,prune-mlp=0.25"
-
-
-def _csv(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
-
-
-def _int_csv(text: str) -> list[int]:
-    try:
-        return [int(part) for part in _csv(text)]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
 
 
 def add_compare_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -46,13 +33,13 @@ def add_compare_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--variants",
-        type=_csv,
-        default=_csv(DEFAULT_VARIANTS),
+        type=csv_list,
+        default=csv_list(DEFAULT_VARIANTS),
         help=f"comma-separated, from {VARIANT_FORMS} (default {DEFAULT_VARIANTS})",
     )
     parser.add_argument(
         "--k",
-        type=_int_csv,
+        type=int_csv,
         default=[4],
         help="look-aheads of the speculative rows; each row shows its fastest (default 4)",
     )
@@ -79,7 +66,7 @@ def add_compare_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="task problems of each kind (code, math; default all 40; 0: none)",
     )
-    parser.add_argument("--categories", type=_csv, default=None, help="comma-separated")
+    parser.add_argument("--categories", type=csv_list, default=None, help="comma-separated")
     parser.add_argument("--prompts", default=None, help="JSONL file (ours or Spec-Bench format)")
     parser.add_argument(
         "--calibration-prompts",
