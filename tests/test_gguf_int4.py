@@ -158,6 +158,19 @@ def test_int4_of_a_gguf_model_computes_with_the_files_codes(tmp_path, arch):
 
 
 @needs_kernel()
+def test_a_drafts_int4_takes_four_bits_everywhere(tmp_path):
+    # a draft is verified token by token: the file's int8 types would only slow it down
+    model, path, _ = gguf_made(tmp_path, "qwen2")
+    apply_kernel(model, "on")
+    loaded = LoadedModel(model, None, name="qwen2", extra={"gguf": path})
+    quantize_loaded(loaded, ModelSpec.parse("qwen2:int4"), keep_weights=True, role="draft")
+    assert loaded.extra["int4_weights"] == "requantized"
+    modules = dict(model.named_modules())
+    down = modules["model.layers.0.mlp.down_proj"]  # Q5_0 in the file: int8 for a target
+    assert is_quantized(down) and int4_weights(down).shape == down.weight.shape
+
+
+@needs_kernel()
 def test_a_file_of_another_model_falls_back_to_requantizing(tmp_path, capsys):
     model, path, _ = gguf_made(tmp_path, "qwen2")
     other = _model("qwen2", seed=1).to(torch.bfloat16)

@@ -90,7 +90,12 @@ def quantize_loaded(loaded: Any, spec: ModelSpec, *, keep_weights: bool, role: s
             f"int8 / 4-bit weights replace (transformers' Conv1D, e.g. GPT-2's, is not one): "
             f"drop the :{spec.quantization} suffix"
         )
-    codes = _file_codes(loaded, spec) if spec.bits == 4 else None
+    # a target's :int4 is the file's own model where it was made from a GGUF; a draft's is
+    # verified token by token, so it takes 4 bits everywhere (fewer bytes per draft forward)
+    file_grid = spec.bits == 4 and role != "draft"
+    codes = _file_codes(loaded, spec) if file_grid else None
+    if spec.bits == 4 and not file_grid:
+        loaded.extra["int4_weights"] = "requantized"
     try:
         quantize_linears(loaded.model, bits=spec.bits, keep_weights=keep_weights, int4_codes=codes)
     except KernelUnavailable as err:
