@@ -120,26 +120,23 @@ def check_fits(variant: Variant, target: LoadedModel) -> None:
 
 
 def quantized_target(target: LoadedModel, bits: int) -> LoadedModel:
-    """The target with its linears on int8 or 4-bit weights, as `MODEL:int8` / `MODEL:int4`
-    targets run (`quantize_linears(keep_weights=False)`), on a copy that shares the reference's
-    other tensors (its own bfloat16 linear weights are dropped, the reference's stay);
-    ValueError where the kernels cannot run it.
+    """The target with its linears on int8 or 4-bit weights exactly as a `MODEL:int8` /
+    `MODEL:int4` target gets them (models/quantized.py: a GGUF-made model's own 4-bit codes, its
+    bfloat16 linear weights dropped), on a copy that shares the reference's other tensors (the
+    reference keeps its own); ValueError where the kernels cannot run it.
 
     Speculation over it is lossless to it, not to the bfloat16 reference.
     """
-    from specdecode.kernels.build import KernelUnavailable
-    from specdecode.kernels.quantize import quant_name, quantize_linears
+    from specdecode.draft_spec import ModelSpec
     from specdecode.models.prune import shared_copy
+    from specdecode.models.quantized import quantize_loaded
 
     check_variants([Variant(f"int{bits}")], target.dtype, target.device)
-    model = shared_copy(target.model)
-    try:
-        count = quantize_linears(model, bits=bits, keep_weights=False)
-    except KernelUnavailable as err:
-        raise ValueError(f"int{bits}: the CPU kernel cannot be used: {err}") from err
-    if count == 0:  # never a silently unquantized model
-        raise ValueError(f"int{bits}: the target has no bfloat16 CPU linear to quantize")
-    return LoadedModel(model, target.tokenizer, f"{target.name}:int{bits}", kernel=quant_name(bits))
+    copy = LoadedModel(
+        shared_copy(target.model), target.tokenizer, target.name, dict(target.extra), target.kernel
+    )
+    spec = ModelSpec(target.name, f"int{bits}")  # type: ignore[arg-type]
+    return quantize_loaded(copy, spec, keep_weights=False, role="target")
 
 
 def make_variant(
