@@ -229,6 +229,8 @@ def test_memory_estimates_count_the_lean_cache_as_it_is_held():
     target_cache = kv_bytes_per_token(target) * 300
     assert own == models + target_cache + kv_bytes_per_token(draft) * 300
     assert lean_held == models + target_cache + cache_bytes(draft, 300)
+    both_lean = estimate_bytes(target, draft, 300, lean_draft=True, lean_target=True)
+    assert both_lean == models + cache_bytes(target, 300) + cache_bytes(draft, 300)
 
 
 @needs_kernel()

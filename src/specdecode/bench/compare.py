@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from specdecode.bench.aggregate import aggregate_group, baseline_map
-from specdecode.bench.memory import estimate_bytes
+from specdecode.bench.memory import decode_bytes
 from specdecode.bench.methods import MethodRunner, Setting
 from specdecode.bench.quality import OVERALL, QualityTally, score_text
 from specdecode.bench.records import Record, make_record, mark_identity, top2_margin
@@ -294,17 +294,10 @@ def _run_one(
     prompt: BenchPrompt,
     ids: list[int],
 ) -> Record:
-    from specdecode.lean import LeanCache
-
     runner = runners[job.variant, job.temperature]
     out = runner.run(job.setting, ids, config.max_new_tokens)
-    draft_model, lean = None, False
-    if job.speculative:
-        drafter = runner.engine(job.setting).drafter
-        draft_model = getattr(drafter, "model", None)
-        lean = isinstance(getattr(drafter, "cache", None), LeanCache)
-    target = models[job.variant].model
-    memory = estimate_bytes(target, draft_model, len(ids) + len(out.token_ids), lean_draft=lean)
+    drafter = runner.engine(job.setting).drafter if job.speculative else None
+    memory = decode_bytes(models[job.variant].model, drafter, len(ids) + len(out.token_ids))
     record = make_record(
         prompt,
         0,

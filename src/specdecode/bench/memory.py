@@ -43,25 +43,44 @@ def kv_bytes_per_token(model: Any, layers: int | None = None, element: int | Non
     return 2 * n_layers * kv_heads * head_dim * element
 
 
-def estimate_bytes(target: Any, draft: Any | None, n_tokens: int, lean_draft: bool = False) -> int:
+def estimate_bytes(
+    target: Any,
+    draft: Any | None,
+    n_tokens: int,
+    lean_draft: bool = False,
+    lean_target: bool = False,
+) -> int:
     """Weights of target (and draft model) + their caches over `n_tokens` (prompt + new).
 
     `draft` is the draft's model (an early-exit view shares the target's weights, so only its
     cache over its own layers counts) or None for the target alone and model-free drafters. A
-    draft on the lean forward (`lean_draft`: lean.py) holds a float32 cache of
+    model on the lean forward (`lean_draft`, `lean_target`: lean.py) holds a float32 cache of
     `capacity_for(n)` positions instead of the model's own.
     """
-    from specdecode.lean import capacity_for
-
-    total = weights_bytes(target) + kv_bytes_per_token(target) * n_tokens
+    total = weights_bytes(target) + _cache_bytes(target, None, n_tokens, lean_target)
     if isinstance(draft, torch.nn.Module):
         total += weights_bytes(draft) - _shared_bytes(target, draft)
-        if lean_draft:  # the lean forward's own cache: float32, preallocated
-            per_token = kv_bytes_per_token(draft, len(draft.model.layers), element=4)
-            total += per_token * capacity_for(n_tokens)
-        else:
-            total += kv_bytes_per_token(draft) * n_tokens
+        total += _cache_bytes(draft, len(draft.model.layers), n_tokens, lean_draft)
     return total
+
+
+def _cache_bytes(model: Any, layers: int | None, n_tokens: int, lean: bool) -> int:
+    from specdecode.lean import capacity_for
+
+    if lean:  # the lean forward's own cache: float32, preallocated
+        return kv_bytes_per_token(model, layers, element=4) * capacity_for(n_tokens)
+    return kv_bytes_per_token(model) * n_tokens
+
+
+def decode_bytes(target: Any, drafter: Any | None, n_tokens: int) -> int:
+    """`estimate_bytes` of a decode by our engine: the target and the drafter (None: the target
+    alone) each counted with the cache its forward holds (lean.target_cache / the drafter's)."""
+    from specdecode.lean import LeanCache, target_cache
+
+    draft = getattr(drafter, "model", None)
+    lean_draft = isinstance(getattr(drafter, "cache", None), LeanCache)
+    lean_target = isinstance(target_cache(target), LeanCache)
+    return estimate_bytes(target, draft, n_tokens, lean_draft, lean_target)
 
 
 def _shared_bytes(a: Any, b: Any) -> int:

@@ -20,9 +20,10 @@ from typing import Any
 import torch
 
 from specdecode.bench.aggregate import summarize
-from specdecode.bench.memory import estimate_bytes
+from specdecode.bench.memory import decode_bytes, estimate_bytes
 from specdecode.bench.methods import (
     ALL_METHODS,
+    OUR_METHODS,
     MethodRunner,
     Setting,
     config_drafts,
@@ -33,7 +34,6 @@ from specdecode.bench.methods import (
 from specdecode.bench.records import Record, make_record, mark_identity, top2_margin
 from specdecode.bench.suites import BenchPrompt, interleave_by_category, load_suite
 from specdecode.config import load_config
-from specdecode.lean import LeanCache
 from specdecode.models.loading import LoadedModel
 
 QUICK_TARGET = "smollm2-135m-instruct"
@@ -392,14 +392,13 @@ def _peak_or_estimate(
 ) -> int:
     if target.device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(target.device))
-    draft_model, lean = None, False
-    if setting.method == "spec":
-        drafter = runner.engine(setting).drafter
-        draft_model = getattr(drafter, "model", None)
-        lean = isinstance(getattr(drafter, "cache", None), LeanCache)
-    elif setting.method == "hf-assisted":
-        draft_model = runner.drafts[setting.draft].model  # through its own forward
-    return estimate_bytes(target.model, draft_model, n_tokens, lean_draft=lean)
+    if setting.method in OUR_METHODS:
+        drafter = runner.engine(setting).drafter if setting.method == "spec" else None
+        return decode_bytes(target.model, drafter, n_tokens)
+    draft_model = None  # Hugging Face's methods: every model through its own forward
+    if setting.method == "hf-assisted":
+        draft_model = runner.drafts[setting.draft].model
+    return estimate_bytes(target.model, draft_model, n_tokens)
 
 
 def _write_run_info(
