@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -29,8 +31,11 @@ from specdecode.kernels.build import bf16_dot_prefetch, panels_isa
 from specdecode.kernels.cpu_linear import swap_linears
 
 
-def seconds(layers: list[torch.nn.Linear], x: torch.Tensor, repeats: int) -> float:
-    """Median seconds of one pass of x through every layer (after one untimed pass)."""
+def seconds(
+    layers: Sequence[Callable[[torch.Tensor], Any]], x: torch.Tensor, repeats: int
+) -> float:
+    """Median seconds of one pass of x through every layer (any callable; after one untimed
+    pass)."""
     for layer in layers:
         layer(x)
     times = []

@@ -22,12 +22,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from specdecode.kernels.cpu_linear import swap_linears
 from specdecode.kernels.quantize import quantize_linears
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # kernel_rate, also when imported
+from kernel_rate import seconds
 
 GROUP = 32
 
@@ -78,18 +83,6 @@ KERNELS = {
     "torch-int4": (torch_int4, 4.0 + 32 / GROUP),
     "torch-int8": (torch_int8, 8.0),
 }
-
-
-def seconds(calls, x: torch.Tensor, repeats: int) -> float:
-    for call in calls:
-        call(x)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for call in calls:
-            call(x)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
