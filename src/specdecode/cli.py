@@ -202,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     from specdecode.bench.cli_compare import add_compare_parser
 
     add_compare_parser(sub)
+    from specdecode.bench.cli_bench_serve import add_bench_serve_parser
+
+    add_bench_serve_parser(sub)
     return parser
 
 
