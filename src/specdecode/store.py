@@ -1,7 +1,8 @@
 """The static key/value store: one model's cache for many sequences, preallocated.
 
-Each layer's keys and values live in [rows, Hkv, max_len, d] tensors made once; a sequence owns
-a row and a length. Keys and values are written by position, a rollback sets the row's length
+Each layer's keys and values live in [rows, Hkv, max_len + 1, d] tensors made once (the last
+position is scratch: where the keys of padded queries that would pass max_len land); a sequence
+owns a row and a length. Keys and values are written by position, a rollback sets the row's length
 (no copy, no crop), a token tree's compaction is a gather within the row. A batch of rows runs
 through the Hugging Face model's own forward (no forked model code) with per-row position ids
 and a 4D mask that shows each row its own valid positions, so ragged rows (different lengths,
@@ -72,13 +73,14 @@ class StaticStore(RowPool):
 
     def __init__(self, model: Any, rows: int, max_len: int) -> None:
         super().__init__(rows, max_len)
-        check_tree_attention(model, "target")  # the store's rows are fed a custom 4D mask
+        # the store's rows are fed a custom 4D mask
+        check_tree_attention(model, "target", "batched rows (the static key/value store)")
         self.model = model
         param = next(model.parameters())
         layers, kv_heads, head_dim = kv_shape(model)
-        shape = (rows, kv_heads, max_len, head_dim)
+        shape = (rows, kv_heads, max_len + 1, head_dim)  # + 1: the padding's scratch position
         make = lambda: torch.zeros(shape, dtype=param.dtype, device=param.device)  # noqa: E731
-        self.keys = [make() for _ in range(layers)]  # [rows, Hkv, max_len, d] per layer
+        self.keys = [make() for _ in range(layers)]  # [rows, Hkv, max_len + 1, d] per layer
         self.values = [make() for _ in range(layers)]
         self.lengths = [0] * rows
 
@@ -168,7 +170,9 @@ class StoreRow:
         """One forward of the model over several rows' new tokens (cache.forward_rows).
 
         The batch is padded to the longest row's n; a padded query attends causally (its output
-        is dropped) and its key lands beyond the row's length, where the next write overwrites it.
+        is dropped) and its key lands beyond the row's length, where the next write overwrites it
+        (past max_len: on the scratch position, which no query reads). So a row needs room for
+        its own inputs only, whatever the other rows feed.
         """
         store = rows[0].store
         if any(r.store is not store or r.closed for r in rows):
@@ -177,13 +181,13 @@ class StoreRow:
         sizes = [int(ids.shape[0]) for ids in inputs]
         pasts = [len(r) for r in rows]
         n = max(sizes)
-        for past in pasts:
-            if past + n > store.max_len:
+        for past, size in zip(pasts, sizes, strict=True):
+            if past + size > store.max_len:
                 raise StoreFull(
-                    f"a sequence of {past + n} positions does not fit the store's "
+                    f"a sequence of {past + size} positions does not fit the store's "
                     f"max_len of {store.max_len}"
                 )
-        span = max(pasts) + n  # key positions the forward attends over
+        span = min(max(pasts) + n, store.max_len)  # key positions the forward attends over
         ids = torch.zeros(len(rows), n, dtype=torch.long, device=device)  # [B, n]
         pos = torch.empty(len(rows), n, dtype=torch.long, device=device)  # [B, n]
         allowed = torch.zeros(len(rows), n, span, dtype=torch.bool, device=device)  # [B, n, L]
@@ -196,9 +200,8 @@ class StoreRow:
             if p is not None:
                 pos[b, :size] = p.to(device)
             # every query sees the row's prefix and, causally, the forward's own keys ...
-            allowed[b, :, : past + n] = (
-                torch.arange(past + n, device=device) <= past + steps[:, None]
-            )
+            width = min(past + n, span)
+            allowed[b, :, :width] = torch.arange(width, device=device) <= past + steps[:, None]
             if m is not None:  # ... unless the caller's mask (a token tree) says otherwise
                 given = m.reshape(size, past + size).to(device)
                 allowed[b, :size, : past + size] = (
@@ -232,8 +235,9 @@ class _RowsView:
         self.store, self.span = store, span
         device = store.keys[0].device
         self.rows = torch.tensor(rows, device=device)  # [B]
-        # [B, n]: where each new key goes
-        self.slots = torch.tensor(pasts, device=device)[:, None] + torch.arange(n, device=device)
+        # [B, n]: where each new key goes; padding past max_len onto the scratch position
+        slots = torch.tensor(pasts, device=device)[:, None] + torch.arange(n, device=device)
+        self.slots = slots.clamp(max=store.max_len)
         first = rows[0]
         # rows first, first + 1, ...: a slice of the store, no gather
         self.contiguous = rows == list(range(first, first + len(rows)))
