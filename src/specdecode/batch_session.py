@@ -80,7 +80,10 @@ class BatchSession:
         if max_len is None:
             max_len = min([DEFAULT_MAX_LEN, *limits])
         self.max_len = max_len
-        self.store = make_store(target, max_rows, max_len)
+        # a token tree's nodes sit in the cache until the step compacts it to the accepted path
+        shape = getattr(decoder.drafter, "shape", None)
+        slack = getattr(shape, "nodes", 0) + 1
+        self.store = make_store(target, max_rows, max_len + slack)
         self.clock = clock_for(decoder.target.device)
         meter = ForwardMeter(self.clock if decoder.time_forwards else None)
         self.batch = Batch(

@@ -33,7 +33,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="an OpenAI-compatible HTTP server with speculative decoding and live metrics",
         description=(
             "Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics "
-            "(Prometheus). One generation runs at a time; other requests wait in a bounded queue."
+            "(Prometheus). Up to --max-batch generations decode together (continuous "
+            "batching); other requests wait in a bounded queue."
         ),
     )
     add_model_args(parser)  # --target, --draft, --dtype, --device, --kernel
