@@ -205,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     from specdecode.bench.cli_bench_serve import add_bench_serve_parser
 
     add_bench_serve_parser(sub)
+
+    from specdecode.distill.cli_distill import add_distill_parser
+
+    add_distill_parser(sub)
     return parser
 
 
