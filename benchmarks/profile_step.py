@@ -18,8 +18,9 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from specdecode import SpeculativeDecoder, decode, load_model, tree_decode
+from specdecode import SpeculativeDecoder, load_model, tree_decode
 from specdecode import step as chain_step
+from specdecode.batch import Batch
 from specdecode.cache import KVCache
 from specdecode.demo import DEMO_PROMPTS
 from specdecode.drafters import resolve_draft
@@ -64,20 +65,19 @@ def main() -> None:
     spec.generate(DEMO_PROMPTS[0][1], 4, chat=True, temperature=0.0)  # warm-up
 
     target_model = target.model
-    KVCache.forward = timed(
-        lambda cache, *a: "target forward" if cache.model is target_model else "draft forwards",
-        KVCache.forward,
-    )
-    LeanCache.forward = timed("draft forwards", LeanCache.forward)  # the lean draft forward
+    for cache in (KVCache, LeanCache):  # a batch of one runs each cache's own forward
+        cache.forward = timed(
+            lambda c, *a: "target forward" if c.model is target_model else "draft forwards",
+            cache.forward,
+        )
     for cache in (KVCache, LeanCache):
         cache.rollback = timed("cache moves", cache.rollback)
         cache.compact = timed("cache moves", cache.compact)
     for module in (chain_step, tree_decode):
         for name in dir(module):
-            if name.startswith("verify_"):
+            if name.startswith("verify_") and name != "verify_rows":  # not the forward
                 setattr(module, name, timed("verification", getattr(module, name)))
-    for step_fn in ("speculative_step", "tree_step"):  # the names decode.py's loop calls
-        setattr(decode, step_fn, timed("step", getattr(decode, step_fn), step=True))
+    Batch.step = timed("step", Batch.step, step=True)  # decode.py's loop: a batch of one
 
     tokens = steps = 0
     for _, prompt in DEMO_PROMPTS[: args.limit]:

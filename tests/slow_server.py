@@ -23,19 +23,17 @@ STEP_DELAY_S = 0.1  # k = 3: at most 4 tokens a step, so 200 tokens take 5 s or 
 
 
 class SlowEngine(SpeculativeDecoder):
-    # the worker calls stream_request (stream calls it too)
-    def stream_request(self, *args, **kwargs):
-        chunks = super().stream_request(*args, **kwargs)
+    # the worker steps a batch session: each step waits first
+    def batch_session(self, *args, **kwargs):
+        session = super().batch_session(*args, **kwargs)
+        step = session.step
 
         def slowly():
-            try:
-                for chunk in chunks:
-                    time.sleep(STEP_DELAY_S)
-                    yield chunk
-            finally:
-                chunks.close()
+            time.sleep(STEP_DELAY_S)
+            return step()
 
-        return slowly()
+        session.step = slowly
+        return session
 
 
 def main(port: int, graceful_timeout_s: float) -> int:
@@ -43,7 +41,7 @@ def main(port: int, graceful_timeout_s: float) -> int:
     target = tiny_llama(seed=0, vocab=len(tokenizer))
     engine = SlowEngine(wrap_model(target, tokenizer, name="tiny"), noisy_copy(target, 0.05), k=3)
     engine.eos_token_ids = set()
-    app = create_app(engine, "tiny", queue_size=4)
+    app = create_app(engine, "tiny", queue_size=4, max_batch=1)  # one running, one queued
     serve(app, "127.0.0.1", port, graceful_timeout_s=graceful_timeout_s, log_level="warning")
     return 0
 

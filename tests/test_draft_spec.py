@@ -35,6 +35,9 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "specdecode"
         ("ngram:02-5", DraftSpec("ngram", ngram=(2, 5)), "ngram:2-5"),
         ("ngram:4-4", DraftSpec("ngram", ngram=(4, 4)), None),
         ("early-exit:8", DraftSpec("early-exit", depth=8), None),
+        ("distilled:runs/d", DraftSpec("distilled", ModelSpec("runs/d")), None),
+        ("distilled:runs/d:int4", DraftSpec("distilled", ModelSpec("runs/d", "int4")), None),
+        ("distilled-model", DraftSpec("model", ModelSpec("distilled-model")), None),
     ],
 )  # fmt: skip
 def test_every_form_parses_and_prints_canonically(text, expected, canonical):
@@ -120,7 +123,9 @@ def test_model_spec_is_the_model_part_alone():
 # -- properties over generated specs --------------------------------------------------------
 
 _names = st.text(st.characters(codec="ascii", exclude_characters=":"), min_size=1, max_size=12)
-_names = _names.filter(lambda name: not name.startswith(("ngram", "early-exit")))
+_names = _names.filter(
+    lambda name: not name.startswith(("ngram", "early-exit")) and name != "distilled"
+)
 _specs = st.one_of(
     st.builds(
         lambda name, q: DraftSpec("model", ModelSpec(name, q)),
@@ -133,6 +138,11 @@ _specs = st.one_of(
         st.integers(0, 50),
     ),
     st.builds(lambda depth: DraftSpec("early-exit", depth=depth), st.integers(1, 200)),
+    st.builds(
+        lambda name, q: DraftSpec("distilled", model=ModelSpec(name, q)),
+        _names,
+        st.sampled_from([None, "int8", "int4"]),
+    ),
 )
 
 
@@ -141,7 +151,9 @@ def test_round_trip(spec):
     assert DraftSpec.parse(str(spec)) == spec
 
 
-@given(st.text(max_size=24) | st.from_regex(r"(ngram|early-exit|m)(:[0-9a-z\-]{0,6}){0,3}"))
+@given(
+    st.text(max_size=24) | st.from_regex(r"(ngram|early-exit|distilled|m)(:[0-9a-z\-]{0,6}){0,3}")
+)
 def test_any_text_parses_canonically_or_is_refused_with_the_forms(text):
     try:
         spec = DraftSpec.parse(text)
@@ -199,6 +211,8 @@ def test_the_vllm_export_reads_the_spec():
     int4 = to_vllm_speculative_config(RunConfig(draft="org/m:int4", k=2))
     assert int4 == {"method": "draft_model", "model": "org/m", "num_speculative_tokens": 2}
     assert to_vllm_speculative_config(RunConfig(draft="ngram:2-2"))["prompt_lookup_max"] == 2
+    with pytest.raises(ValueError, match="a distilled draft is an adapter merged at load time"):
+        to_vllm_speculative_config(RunConfig(draft="distilled:runs/d"))
 
 
 def test_bench_and_tune_refuse_a_bad_draft_before_loading():

@@ -35,7 +35,19 @@ def imported_after(statement: str) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "module", ["decode", "step", "tree_decode", "tree", "policies", "drafter", "types", "request"]
+    "module",
+    [
+        "decode",
+        "batch",
+        "store",
+        "step",
+        "tree_decode",
+        "tree",
+        "policies",
+        "drafter",
+        "types",
+        "request",
+    ],
 )
 def test_the_core_imports_nothing_outside_it(module):
     loaded = imported_after(f"import specdecode.{module}")

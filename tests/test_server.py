@@ -372,19 +372,17 @@ class SlowEngine(SpeculativeDecoder):
 
     delay_s = 0.03
 
-    # the worker calls stream_request (stream calls it too)
-    def stream_request(self, *args, **kwargs):
-        chunks = super().stream_request(*args, **kwargs)  # validates now, as the real one
+    # the worker steps a batch session: each step waits first
+    def batch_session(self, *args, **kwargs):
+        session = super().batch_session(*args, **kwargs)
+        step = session.step
 
         def slowly():
-            try:
-                for chunk in chunks:
-                    time.sleep(self.delay_s)
-                    yield chunk
-            finally:
-                chunks.close()
+            time.sleep(self.delay_s)
+            return step()
 
-        return slowly()
+        session.step = slowly
+        return session
 
 
 def _slow_engine(models) -> SlowEngine:

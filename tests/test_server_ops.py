@@ -133,7 +133,7 @@ def test_big_body_gets_413_while_a_stream_keeps_flowing(models):
 
 
 def test_full_queue_answers_429_before_the_body_is_read(models):
-    with serving(_slow_engine(models), queue_size=0) as base:
+    with serving(_slow_engine(models), queue_size=0, max_batch=1) as base:
         stream = _Stream(base, {**GOOD, "max_tokens": 30})
         stream.start()
         _wait_for(base, "vllm:num_requests_running", 1)

@@ -9,7 +9,7 @@ after a token tree, `compact(keep)` moves the accepted path next to the prefix a
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import cache as memoize
 from typing import Any, Protocol
 
@@ -41,6 +41,35 @@ class Cache(Protocol):
 
 # model -> an empty cache for it (KVCache, or lean.target_cache where the target runs lean)
 NewCache = Callable[[Any], Cache]
+
+
+def forward_rows(
+    caches: Sequence[Cache],
+    inputs: Sequence[torch.Tensor],  # one [n_b] int64 per cache
+    *,
+    last_only: bool = False,
+    positions: Sequence[torch.Tensor | None] | None = None,  # one [n_b] or None per cache
+    masks: Sequence[torch.Tensor | None] | None = None,  # one [1, 1, n_b, len_b + n_b] or None
+) -> list[torch.Tensor]:
+    """Several sequences' forwards as one: each cache grows by its own inputs and gets its own
+    logits ([n_b, V], or [1, V] with `last_only`), exactly as `cache.forward` would give them.
+
+    Caches of one class with a `forward_many` class method (LeanCache, StoreRow: one pass over
+    the model's weights for every row) run together; any other cache runs its own forward.
+    """
+    n = len(caches)
+    positions = list(positions) if positions is not None else [None] * n
+    masks = list(masks) if masks is not None else [None] * n
+    if not n == len(inputs) == len(positions) == len(masks):
+        raise ValueError("forward_rows needs one input, position and mask entry per cache")
+    kind = type(caches[0]) if caches else None
+    many = getattr(kind, "forward_many", None)
+    if n > 1 and many is not None and all(type(c) is kind for c in caches):
+        return many(caches, inputs, last_only=last_only, positions=positions, masks=masks)
+    return [
+        cache.forward(ids, last_only, position_ids=pos, attention_mask=mask)
+        for cache, ids, pos, mask in zip(caches, inputs, positions, masks, strict=True)
+    ]
 
 
 @memoize

@@ -202,6 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
     from specdecode.bench.cli_compare import add_compare_parser
 
     add_compare_parser(sub)
+    from specdecode.bench.cli_bench_serve import add_bench_serve_parser
+
+    add_bench_serve_parser(sub)
+
+    from specdecode.distill.cli_distill import add_distill_parser
+
+    add_distill_parser(sub)
     return parser
 
 

@@ -146,6 +146,11 @@ def to_vllm_speculative_config(config: RunConfig) -> dict[str, Any]:
     spec = DraftSpec.parse(draft)
     if spec.kind == "early-exit":
         raise ValueError(f"vLLM has no early-exit (self-speculative) drafting: {draft!r}")
+    if spec.kind == "distilled":
+        raise ValueError(
+            f"{draft!r}: a distilled draft is an adapter merged at load time, which vLLM's "
+            "draft-model method does not load; export the base draft, or merge and save it first"
+        )
     if spec.kind == "ngram":
         low, high = spec.ngram
         return {

@@ -1,5 +1,6 @@
-"""The `--draft` text, parsed once: `MODEL`, `MODEL:int8`, `MODEL:int4`, `ngram`, `ngram:MIN-MAX`
-or `early-exit:N`.
+"""The `--draft` text, parsed once: `MODEL`, `MODEL:int8`, `MODEL:int4`, `ngram`, `ngram:MIN-MAX`,
+`early-exit:N` or `distilled:DIR[:int8|:int4]` (a draft trained for its target by
+`specdecode distill`: DIR/distill.json names the base draft, DIR/adapter holds what it learnt).
 
 No heavy imports (no torch, no transformers), so the command line and the run config check a
 draft before any model is loaded. `drafters.resolve_draft` builds the drafter from a DraftSpec.
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 Quantization = Literal["int8", "int4"]
-DraftKind = Literal["model", "ngram", "early-exit"]
+DraftKind = Literal["model", "ngram", "early-exit", "distilled"]
 
 # MODEL:int8 runs its linears on int8 weights; MODEL:int4 on 4-bit weights (groups of 32, a tied
 # output layer int8); both on the CPU kernel, for a draft or a target (models/quantized.py)
@@ -23,9 +24,11 @@ DEFAULT_NGRAM = (1, 3)  # `ngram` alone: n-grams of 1 to 3 tokens
 
 MODEL_FORMS = "expected MODEL, MODEL:int8 or MODEL:int4 (int8 / 4-bit weights)"
 DRAFT_FORMS = (
-    "a draft is MODEL, MODEL:int8, MODEL:int4, ngram, ngram:MIN-MAX or early-exit:N (e.g. "
-    "qwen2.5-coder-0.5b-instruct:int4, ngram:1-3, early-exit:8)"
+    "a draft is MODEL, MODEL:int8, MODEL:int4, ngram, ngram:MIN-MAX, early-exit:N or "
+    "distilled:DIR[:int8|:int4] (e.g. qwen2.5-coder-0.5b-instruct:int4, ngram:1-3, early-exit:8, "
+    "distilled:runs/distill:int4)"
 )
+DISTILLED = "distilled:"  # the prefix of a distilled draft's spec
 
 _NUMBER = re.compile(r"[0-9]+")  # ASCII only: str.isdigit() also takes '²', which int() refuses
 _LOOKS_QUANTIZED = re.compile(r"(?i)(int|q|fp|bf)[0-9]+\w*")  # `:int2`, `:INT8`, `:q4_0`, `:fp8`
@@ -85,9 +88,10 @@ def _name_problem(name: str) -> str | None:
 
 @dataclass(frozen=True)
 class DraftSpec:
-    """What drafts: `kind` "model" (`model` set), "ngram" (`ngram` = (MIN, MAX) n-gram sizes) or
-    "early-exit" (`depth` = the target's layers it runs). `str(spec)` is the canonical text, which
-    `DraftSpec.parse` reads back to an equal spec."""
+    """What drafts: `kind` "model" (`model` set), "ngram" (`ngram` = (MIN, MAX) n-gram sizes),
+    "early-exit" (`depth` = the target's layers it runs) or "distilled" (`model`: its name is the
+    distillation's folder DIR, its quantization the merged draft's). `str(spec)` is the canonical
+    text, which `DraftSpec.parse` reads back to an equal spec."""
 
     kind: DraftKind
     model: ModelSpec | None = None
@@ -95,20 +99,26 @@ class DraftSpec:
     depth: int | None = None
 
     def __post_init__(self) -> None:
-        fields = {"model": "model", "ngram": "ngram", "early-exit": "depth"}  # kind -> its field
+        # kind -> its field
+        fields = {"model": "model", "ngram": "ngram", "early-exit": "depth", "distilled": "model"}
         if self.kind not in fields:
             raise ValueError(f"bad draft kind {self.kind!r}: {DRAFT_FORMS}")
-        given = [name for name in fields.values() if getattr(self, name) is not None]
+        given = [name for name in dict.fromkeys(fields.values()) if getattr(self, name) is not None]
         if given != [fields[self.kind]]:
             raise ValueError(
                 f"a {self.kind} DraftSpec sets {fields[self.kind]} alone (got {given})"
             )
-        if self.model is not None and _kind(self.model.name) != "model":  # would not read back
+        if self.kind == "model" and _kind(self.model.name) != "model":  # would not read back
             raise _bad_draft(str(self.model), f"a model's name reads as {_kind(self.model.name)}")
         if self.ngram is not None and not 1 <= self.ngram[0] <= self.ngram[1]:
             raise _bad_draft(str(self), "n-gram sizes need 1 <= min <= max")
         if self.depth is not None and self.depth < 1:
             raise _bad_draft(str(self), "an early-exit draft needs a depth >= 1")
+
+    @property
+    def distilled_dir(self) -> str | None:
+        """The folder a distilled draft was written to (`distilled:DIR`), else None."""
+        return self.model.name if self.kind == "distilled" else None  # type: ignore[union-attr]
 
     @property
     def is_model_draft(self) -> bool:
@@ -121,6 +131,8 @@ class DraftSpec:
             return f"ngram:{self.ngram[0]}-{self.ngram[1]}"  # type: ignore[index]
         if self.kind == "early-exit":
             return f"early-exit:{self.depth}"
+        if self.kind == "distilled":
+            return f"{DISTILLED}{self.model}"
         return str(self.model)
 
     @classmethod
@@ -128,12 +140,20 @@ class DraftSpec:
         """A `--draft` value -> DraftSpec (ValueError naming the allowed forms if bad)."""
         head, quantization = _split_quantization(text)
         kind = _kind(head)
-        if quantization is not None and (kind != "model" or not head):
+        if quantization is not None and (kind not in ("model", "distilled") or not head):
             raise _bad_draft(
                 text,
                 f":{quantization} quantizes a draft model; n-gram drafts have no weights and "
                 "early-exit shares the target's",
             )
+        if kind == "distilled":
+            folder = head[len(DISTILLED) :]
+            if not folder:
+                raise _bad_draft(text, "a distilled draft needs its folder, distilled:DIR")
+            problem = _name_problem(folder)
+            if problem:
+                raise _bad_draft(text, problem)
+            return cls("distilled", model=ModelSpec(folder, quantization))  # type: ignore[arg-type]
         if kind == "model":
             problem = _name_problem(head)
             if problem:
@@ -158,9 +178,11 @@ def _bad_draft(text: str, why: str) -> ValueError:
 
 def _kind(head: str) -> DraftKind:
     """The kind a draft text names. Anything starting `early-exit` is meant as one (a missing
-    colon is a typo, not a model's name); `ngram` only alone or before a colon."""
+    colon is a typo, not a model's name); `ngram` and `distilled` only alone or before a colon."""
     if head.startswith("early-exit"):
         return "early-exit"
+    if head == "distilled" or head.startswith(DISTILLED):
+        return "distilled"
     if head == "ngram" or head.startswith("ngram:"):
         return "ngram"
     return "model"

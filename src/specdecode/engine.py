@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from specdecode.batch_session import BatchSession
 from specdecode.cache import Cache
 from specdecode.decode import decode
 from specdecode.drafter import Drafter
@@ -350,12 +351,56 @@ class SpeculativeDecoder:
         prompt_ids = self.encode_prompt(prompt, chat=request.chat)
         chunks = self._start(prompt_ids, request, stats)
         token_ids = [t for chunk in chunks for t in chunk]
+        return self._result(prompt_ids, token_ids, stats, request)
+
+    def _result(
+        self, prompt_ids: list[int], token_ids: list[int], stats: Stats, request: GenerationRequest
+    ) -> GenerationResult:
         text = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
             if stats.stop_reason == "stop":
                 text = _cut_at_stop(text, request.stops)
         return GenerationResult(token_ids, text, stats, prompt_ids)
+
+    # -- many at once --------------------------------------------------------------------------
+
+    def batch_session(self, max_rows: int = 8, max_len: int | None = None) -> BatchSession:
+        """A `BatchSession` over this decoder: up to `max_rows` generations decoding together,
+        each of up to `max_len` positions (prompt + new tokens); what a server drives."""
+        return BatchSession(self, max_rows, max_len)
+
+    def generate_batch(
+        self,
+        prompts: Sequence[Prompt],
+        max_new_tokens: int = 64,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = 0,
+        stop: str | Sequence[str] | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+        chat: bool = False,
+        *,
+        max_batch: int | None = None,
+    ) -> list[GenerationResult]:
+        """`generate` for every prompt, decoded together (batch.py): one `GenerationResult`
+        per prompt, in order, each with its own stats. `max_batch` rows at a time (default: all
+        of them); every row uses the same options (the seed seeds each row's generator, so a
+        sampled row draws what it would alone with that seed and a fixed k). All prompts are
+        validated before any runs."""
+        if isinstance(prompts, str) or not len(prompts):
+            raise ValueError("generate_batch takes a non-empty list of prompts")
+        params = self.sampling_params(temperature, top_k, top_p)
+        request = GenerationRequest(max_new_tokens, params, seed, stop, eos_token_ids, chat)
+        for prompt in prompts:  # validate all first: a bad prompt must not cost the others
+            self._check_length(len(self.encode_prompt(prompt, chat=chat)), max_new_tokens)
+        rows = max_batch if max_batch is not None else len(prompts)
+        if not isinstance(rows, int) or rows < 1:
+            raise ValueError(f"max_batch must be an integer >= 1 (got {max_batch!r})")
+        session = self.batch_session(min(rows, len(prompts)))
+        done = session.generate_all(prompts, request)
+        return [self._result(g.prompt_ids, g.token_ids, g.stats, request) for g in done]
 
 
 def _cut_at_stop(text: str, stops: Sequence[str]) -> str:

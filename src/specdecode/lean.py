@@ -37,8 +37,9 @@ SPECDECODE_TARGET_FORWARD=hf for every target.
 from __future__ import annotations
 
 import copy
+import itertools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -46,6 +47,7 @@ import torch.nn.functional as F
 
 from specdecode.cache import KVCache, compaction
 from specdecode.kernels.cpu_linear import direct_linear
+from specdecode.store import RowPool, StoreFull, kv_shape
 
 FAMILIES = ("llama", "qwen2", "mistral")
 ENV = "SPECDECODE_DRAFT_FORWARD"  # "hf": Hugging Face's forward for every draft; else "lean"
@@ -137,7 +139,16 @@ class LeanCache:
     rollback moves a number and a compaction is one gather.
     """
 
-    def __init__(self, model: Any, fused_tokens: int = FUSED_TOKENS) -> None:
+    def __init__(
+        self,
+        model: Any,
+        fused_tokens: int = FUSED_TOKENS,
+        *,
+        kv: torch.Tensor | None = None,
+        release: Callable[[], None] | None = None,
+    ) -> None:
+        """`kv` (a LeanStore's row, [layers, 2, Hkv, max_len, d] float32): a fixed store to
+        write into, never grown (StoreFull past it); `release` gives it back (`close`)."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the lean forward cannot run this model: {reason}")
@@ -154,9 +165,13 @@ class LeanCache:
         self.length = 0
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
-        self.kv = torch.empty(
-            len(self.layers), 2, self.kv_heads, CAPACITY, self.head_dim, device=self.device
-        )
+        self.fixed = kv is not None
+        self._release = release
+        if kv is None:
+            kv = torch.empty(
+                len(self.layers), 2, self.kv_heads, CAPACITY, self.head_dim, device=self.device
+            )
+        self.kv = kv
         self._fused = _fused_ops(model, self.dtype, self.device, self.head_dim)
         # per layer (q, k, v, o, gate, up, down), then the output layer: the kernel calls
         # themselves where the draft's linears run on specdecode's kernels
@@ -170,10 +185,18 @@ class LeanCache:
         return self.length
 
     def copy(self) -> LeanCache:
-        """An independent cache over the same positions (a prompt prefilled once, reused)."""
+        """An independent cache over the same positions (a prompt prefilled once, reused); a
+        store row's copy is a cache of its own, outside the store."""
         twin = copy.copy(self)
         twin.kv = self.kv.clone()
+        twin.fixed, twin._release = False, None
         return twin
+
+    def close(self) -> None:
+        """Give a store row back to its store (a no-op for a cache of its own)."""
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
     def rollback(self, length: int) -> None:
         """Forget every cached position at or after `length`."""
@@ -192,6 +215,10 @@ class LeanCache:
 
     def _reserve(self, needed: int) -> None:
         capacity = self.kv.shape[3]
+        if needed > capacity and self.fixed:
+            raise StoreFull(
+                f"a sequence of {needed} positions does not fit the store's max_len of {capacity}"
+            )
         if needed > capacity:
             grown = torch.empty(
                 *self.kv.shape[:3],
@@ -211,7 +238,7 @@ class LeanCache:
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Run the draft over new tokens appended to the cached ones; the cache grows by n.
+        """Run the model over new tokens appended to the cached ones; the cache grows by n.
 
         input_ids: [n] int64; position_ids [n] (default: the next n positions); attention_mask
         [1, 1, n, len(self) + n], additive or bool (default: causal). Returns logits [n, V] in
@@ -224,29 +251,89 @@ class LeanCache:
                 for start in range(0, n, PREFILL_CHUNK)
             ]
             return parts[-1] if last_only else torch.cat(parts)
-        past = self.length
-        self._reserve(past + n)
-        if position_ids is None:
-            position_ids = torch.arange(past, past + n, device=self.device)
+        return self._forward_rows([self], [input_ids], last_only, [position_ids], [attention_mask])[
+            0
+        ]
+
+    @classmethod
+    def forward_many(
+        cls,
+        caches: Sequence[LeanCache],
+        inputs: Sequence[torch.Tensor],
+        *,
+        last_only: bool = False,
+        positions: Sequence[torch.Tensor | None],
+        masks: Sequence[torch.Tensor | None],
+    ) -> list[torch.Tensor]:
+        """`forward` of several sequences over one model in one pass (cache.forward_rows): the
+        rows of all of them go through each linear together (the weights are read once), each
+        sequence attends over its own cache. Row for row the same arithmetic as its own forward
+        (the fused path's rows are batch invariant), so each gets the logits it would alone."""
+        model = caches[0].model
+        if any(cache.model is not model for cache in caches):
+            raise ValueError("forward_many needs caches over one model")
+        return caches[0]._forward_rows(list(caches), list(inputs), last_only, positions, masks)
+
+    @torch.inference_mode()
+    def _forward_rows(
+        self,
+        caches: list[LeanCache],
+        inputs: list[torch.Tensor],  # one [n_b] per cache
+        last_only: bool,
+        positions: Sequence[torch.Tensor | None],
+        masks: Sequence[torch.Tensor | None],
+    ) -> list[torch.Tensor]:
+        sizes = [int(ids.shape[0]) for ids in inputs]
+        pasts = [cache.length for cache in caches]
+        for cache, past, n in zip(caches, pasts, sizes, strict=True):
+            cache._reserve(past + n)
+        position_ids = torch.cat(
+            [
+                pos if pos is not None else torch.arange(past, past + n, device=self.device)
+                for pos, past, n in zip(positions, pasts, sizes, strict=True)
+            ]
+        )  # [N]
         base = self.model.model
-        x = base.embed_tokens(input_ids)  # [n, D]
-        cos, sin = base.rotary_emb(x[None], position_ids[None])  # [1, n, d] each
-        cos, sin = cos[0].float(), sin[0].float()  # [n, d]
-        mask = self._mask(n, past, attention_mask)  # [n, L] float32 or None (causal)
-        fused = self._fused if n <= self.fused_tokens else None
+        x = base.embed_tokens(torch.cat(inputs) if len(inputs) > 1 else inputs[0])  # [N, D]
+        cos, sin = base.rotary_emb(x[None], position_ids[None])  # [1, N, d] each
+        cos, sin = cos[0].float(), sin[0].float()  # [N, d]
+        row_masks = [
+            cache._mask(n, past, mask)  # [n, L] float32 or None (causal)
+            for cache, n, past, mask in zip(caches, sizes, pasts, masks, strict=True)
+        ]
+        # the fused operations are row by row: the longest sequence's rows decide, not the sum
+        fused = self._fused if max(sizes) <= self.fused_tokens else None
         attend = self._attend_fused if fused is not None else self._attend
+        bounds = list(itertools.accumulate(sizes, initial=0))
         delta = None  # the last block's output, added to x by the next norm
         for index, layer in enumerate(self.layers):
             q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj = self._linears[index]
             x, h = self._add_norm(x, delta, layer.input_layernorm, fused)
-            out = attend(q_proj(h), k_proj(h), v_proj(h), cos, sin, self.kv[index], past, mask)
-            x, h = self._add_norm(x, o_proj(out), layer.post_attention_layernorm, fused)  # [n, D]
+            q, k, v = q_proj(h), k_proj(h), v_proj(h)  # [N, H * d], [N, Hkv * d] x 2
+            if len(caches) == 1:
+                out = attend(q, k, v, cos, sin, self.kv[index], pasts[0], row_masks[0])
+            else:  # each sequence over its own cache (row slices of contiguous [N, .] stay so)
+                out = torch.cat(
+                    [
+                        attend(q[a:b], k[a:b], v[a:b], cos[a:b], sin[a:b], c.kv[index], past, m)
+                        for c, a, b, past, m in zip(
+                            caches, bounds[:-1], bounds[1:], pasts, row_masks, strict=True
+                        )
+                    ]
+                )  # [N, H * d]
+            x, h = self._add_norm(x, o_proj(out), layer.post_attention_layernorm, fused)  # [N, D]
             delta = down_proj(self._silu_mul(gate_proj(h), up_proj(h), fused))
-        if last_only:
-            x, delta = x[-1:].contiguous(), delta[-1:].contiguous()
-        self.length = past + n
+        for cache, past, n in zip(caches, pasts, sizes, strict=True):
+            cache.length = past + n
+        if last_only:  # each sequence's last row
+            last = torch.tensor(bounds[1:], device=self.device) - 1
+            x, delta = x[last].contiguous(), delta[last].contiguous()
+            bounds = list(range(len(caches) + 1))
         _, h = self._add_norm(x, delta, base.norm, fused)
-        return self._lm_head(h)  # [n or 1, V]
+        logits = self._lm_head(h)  # [N or B, V]
+        if len(caches) == 1:
+            return [logits]
+        return [logits[a:b] for a, b in itertools.pairwise(bounds)]
 
     @staticmethod
     def _silu_mul(gate: torch.Tensor, up: torch.Tensor, fused: Any) -> torch.Tensor:
@@ -316,6 +403,32 @@ class LeanCache:
         out = torch.bmm(scores.softmax(-1), kv[1, :, :kv_len])  # [Hkv, group * n, d]
         out = out.view(kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, self.heads * d)
         return out.to(self.dtype)
+
+
+class LeanStore(RowPool):
+    """The static key/value store of a target on the lean forward: one float32 tensor
+    [rows, layers, 2, Hkv, max_len, d] made once; `open_row()` hands out a row as a LeanCache
+    that writes into it and never grows (store.py has the same for Hugging Face's forward)."""
+
+    def __init__(self, model: Any, rows: int, max_len: int, fused_tokens: int = VERIFY_TOKENS):
+        super().__init__(rows, max_len)
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"the lean forward cannot run this model: {reason}")
+        self.model, self.fused_tokens = model, fused_tokens
+        layers, kv_heads, head_dim = kv_shape(model)
+        device = next(model.parameters()).device
+        self.kv = torch.empty(rows, layers, 2, kv_heads, max_len, head_dim, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def open_row(self) -> LeanCache:
+        row = self.take()
+        return LeanCache(
+            self.model, self.fused_tokens, kv=self.kv[row], release=lambda: self.give_back(row)
+        )
 
 
 def layer_projections(layer: Any) -> tuple[torch.nn.Module, ...]:

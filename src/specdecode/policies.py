@@ -108,22 +108,29 @@ class _Mean:
 
 
 class CostK:
-    """Picks the k in 0..k_max that maximises expected emitted tokens per unit of time.
+    """Picks the k in 0..k_max that maximises expected emitted tokens per unit of time, for one
+    sequence or for a batch of them (`next_batch_k`).
 
     Estimates, all online:
     - acceptance a_j per draft position j: the mean of "accepted" over the steps where position j
       was drafted and positions 1..j-1 were accepted, shrunk towards a prior of weight
       `prior_weight`: a_1's prior is `prior_acceptance`, a_j's is the estimate of a_{j-1}
       (untried deep positions inherit the last tried one). Reset at `begin()`: acceptance
-      depends on the prompt.
-    - target forward time T(n) over n+1 tokens, averaged per n; an n not seen yet is
-      interpolated linearly between the nearest seen n, or extrapolated from the nearest with
-      the slope fitted to the seen ones. v(k) = T(k) / T(0).
-    - draft time per drafted token d; c = d / T(0).
+      depends on the prompt. A batch's rows share one estimate.
+    - target forward time T(n) over n rows (a step of B sequences drafting k verifies B(k+1)),
+      averaged per n; an n not seen yet is interpolated linearly between the nearest seen n, or
+      extrapolated from the nearest with the slope fitted to the seen ones. v(k) = T(B(k+1)) /
+      T(1): at B = 1 the verify cost of the glossary.
+    - draft time per depth D(B) (one forward of the draft model over the batch's B rows); c =
+      D(B) / T(1).
     Costs are properties of the models and the machine, so they carry over between sequences.
-    Without a clock (untimed forwards) the priors stand in: v(k) = 1 + `verify_slope`·k and
-    c = `cost_ratio` (the engine passes the draft/target parameter ratio); choices are then
-    deterministic for a given sequence of acceptances.
+    Without a clock (untimed forwards) the priors stand in: T(n) / T(1) = 1 + `verify_slope`·(n -
+    1) and c = `cost_ratio` (the engine passes the draft/target parameter ratio), times the same
+    slope's growth for B rows; choices are then deterministic for a given sequence of
+    acceptances.
+
+    A batch's rate at k is B x expected emitted per row / (k·c + v(k)): where v grows with the
+    rows (arithmetic-bound forwards), large batches pick small k, down to 0.
 
     Every `explore_every`-th step drafts a neighbour of the best k instead (alternately one
     more and one fewer) so the estimates of other ks do not go stale; when the best k is 0
@@ -153,8 +160,8 @@ class CostK:
         self.cost_ratio, self.verify_slope = cost_ratio, verify_slope
         self.prior_acceptance, self.prior_weight = prior_acceptance, prior_weight
         self.memory, self.explore_every = memory, explore_every
-        self._target = [_Mean(memory) for _ in range(k_max + 1)]  # T(n), n = 0..k_max
-        self._draft = _Mean(memory)  # seconds per drafted token
+        self._target: dict[int, _Mean] = {}  # rows verified -> seconds of the forward
+        self._draft: dict[int, _Mean] = {}  # batch rows -> seconds per drafted depth
         self.begin()
 
     def begin(self) -> None:
@@ -172,59 +179,52 @@ class CostK:
             out.append(prior)
         return out
 
-    def _target_time(self, n: int) -> float | None:
-        """T(n): seconds of a target forward over n+1 tokens (None before any timed step)."""
-        seen = [(i, m.mean) for i, m in enumerate(self._target) if m.n]
-        if not seen:
-            return None
-        below = [(i, t) for i, t in seen if i <= n]
-        above = [(i, t) for i, t in seen if i >= n]
-        if below and above:
-            (i0, t0), (i1, t1) = below[-1], above[0]
-            return t0 if i0 == i1 else t0 + (t1 - t0) * (n - i0) / (i1 - i0)
-        i0, t0 = below[-1] if below else above[0]
-        # extrapolate from the nearest seen n with the slope of a least-squares line through
-        # all seen points (one point: the prior's relative slope), never sloping down
-        if len(seen) >= 2:
-            xm = sum(i for i, _ in seen) / len(seen)
-            ym = sum(t for _, t in seen) / len(seen)
-            var = sum((i - xm) ** 2 for i, _ in seen)
-            slope = max(0.0, sum((i - xm) * (t - ym) for i, t in seen) / var)
-        else:
-            slope = t0 * self.verify_slope / (1 + self.verify_slope * i0)
-        # a forward is never free: floor at a tenth of the cheapest seen
-        return max(t0 + slope * (n - i0), 0.1 * min(t for _, t in seen))
+    def _target_time(self, rows: int) -> float | None:
+        """T(rows): seconds of a target forward over that many rows (None before any timed
+        step)."""
+        return _estimate(self._target, rows, self.verify_slope)
 
-    def costs(self) -> tuple[float, list[float]]:
-        """(c, [v(0) .. v(k_max)]) from measurements where there are any, else the priors."""
-        t0 = self._target_time(0)
-        if t0 is None:
-            return self.cost_ratio, [1 + self.verify_slope * k for k in range(self.k_max + 1)]
-        times = [self._target_time(k) or t0 for k in range(self.k_max + 1)]  # all set here
-        v = [max(1.0, t / t0) for t in times]  # clamp: noise must not make k+1 tokens cheaper
-        c = self._draft.mean / t0 if self._draft.n else self.cost_ratio
+    def costs(self, rows: int = 1) -> tuple[float, list[float]]:
+        """(c, [v(0) .. v(k_max)]) for a batch of `rows` sequences, from measurements where
+        there are any, else the priors; v(k) = T(rows (k + 1)) / T(1)."""
+        growth = 1 + self.verify_slope * (rows - 1)  # the prior's cost of B rows over one
+        t1 = self._target_time(1)
+        if t1 is None:
+            v = [1 + self.verify_slope * (rows * (k + 1) - 1) for k in range(self.k_max + 1)]
+            return self.cost_ratio * growth, v
+        times = [self._target_time(rows * (k + 1)) or t1 for k in range(self.k_max + 1)]
+        # clamp: noise must not make more rows cheaper than the step's own k = 0
+        v = [max(t, times[0]) / t1 for t in times]
+        v = [max(1.0, x) for x in v] if rows == 1 else v
+        draft = _estimate(self._draft, rows, self.verify_slope)
+        c = draft / t1 if draft is not None else self.cost_ratio * growth
         return c, v
 
-    def rates(self, k_limit: int | None = None) -> list[float]:
-        """Expected emitted tokens per target-single-token time, for k = 0..k_limit."""
+    def rates(self, k_limit: int | None = None, rows: int = 1) -> list[float]:
+        """Expected emitted tokens per target-single-token time, for k = 0..k_limit, for a
+        batch of `rows` sequences."""
         k_limit = self.k_max if k_limit is None else min(k_limit, self.k_max)
-        c, v = self.costs()
+        c, v = self.costs(rows)
         a = self.acceptance()
         rates, emitted, reach = [], 1.0, 1.0
         for k in range(k_limit + 1):
             if k:
                 reach *= a[k - 1]  # P(positions 1..k all accepted)
                 emitted += reach
-            rates.append(emitted / (k * c + v[k]))
+            rates.append(rows * emitted / (k * c + v[k]))
         return rates
 
     # -- the policy -------------------------------------------------------------------------
 
     def next_k(self, max_k_allowed: int) -> int:
+        return self.next_batch_k(max_k_allowed, 1)
+
+    def next_batch_k(self, max_k_allowed: int, rows: int) -> int:
+        """The k every row of a batch of `rows` sequences drafts this step."""
         limit = min(self.k_max, max_k_allowed)
         if limit <= 0:
             return 0
-        rates = self.rates(limit)
+        rates = self.rates(limit, rows)
         best = max(range(limit + 1), key=rates.__getitem__)  # ties: the smaller k
         self._steps += 1
         if self.explore_every and self._steps % self.explore_every == 0:
@@ -241,15 +241,52 @@ class CostK:
     def observe(
         self, drafted: int, accepted: int, draft_s: float | None, target_s: float | None
     ) -> None:
-        # positions 1..accepted were accepted; position accepted+1 (if drafted) was rejected;
-        # later positions were never judged
-        for j in range(min(accepted + 1, drafted, self.k_max)):
-            self._accept[j].add(1.0 if j < accepted else 0.0)
-        if target_s is not None and drafted <= self.k_max:
-            self._target[drafted].add(target_s)
-        # per drafted token: with confidence stops the one unused forward is charged to them
-        if draft_s is not None and drafted:
-            self._draft.add(draft_s / drafted)
+        self.observe_step([(drafted, accepted)], draft_s, target_s, drafted + 1)
+
+    def observe_step(
+        self,
+        rows: list[tuple[int, int]],
+        draft_s: float | None,
+        target_s: float | None,
+        verified: int,
+    ) -> None:
+        """Learn one step of a batch: (drafted, accepted) per row, the seconds of its draft and
+        target forwards, and the rows the target forward verified."""
+        for drafted, accepted in rows:
+            # positions 1..accepted were accepted; position accepted+1 (if drafted) was
+            # rejected; later positions were never judged
+            for j in range(min(accepted + 1, drafted, self.k_max)):
+                self._accept[j].add(1.0 if j < accepted else 0.0)
+        depth = max(drafted for drafted, _ in rows)
+        if target_s is not None and verified <= len(rows) * (self.k_max + 1):
+            self._target.setdefault(verified, _Mean(self.memory)).add(target_s)
+        # per drafted depth: with confidence stops the one unused forward is charged to them
+        if draft_s is not None and depth:
+            self._draft.setdefault(len(rows), _Mean(self.memory)).add(draft_s / depth)
+
+
+def _estimate(seen_means: dict[int, _Mean], n: int, prior_slope: float) -> float | None:
+    """A time at n from the means measured at other n: linear between the nearest seen n on
+    either side, else extrapolated from the nearest with the least-squares slope of all seen
+    (one point: the prior's relative slope), never sloping down and never below a tenth of the
+    cheapest seen. None when nothing was measured."""
+    seen = sorted((i, m.mean) for i, m in seen_means.items() if m.n)
+    if not seen:
+        return None
+    below = [(i, t) for i, t in seen if i <= n]
+    above = [(i, t) for i, t in seen if i >= n]
+    if below and above:
+        (i0, t0), (i1, t1) = below[-1], above[0]
+        return t0 if i0 == i1 else t0 + (t1 - t0) * (n - i0) / (i1 - i0)
+    i0, t0 = below[-1] if below else above[0]
+    if len(seen) >= 2:
+        xm = sum(i for i, _ in seen) / len(seen)
+        ym = sum(t for _, t in seen) / len(seen)
+        var = sum((i - xm) ** 2 for i, _ in seen)
+        slope = max(0.0, sum((i - xm) * (t - ym) for i, t in seen) / var)
+    else:
+        slope = t0 * prior_slope / (1 + prior_slope * (i0 - 1))
+    return max(t0 + slope * (n - i0), 0.1 * min(t for _, t in seen))
 
 
 def make_k_policy(name: str, k: int, *, cost_ratio: float | None = None) -> KPolicy:

@@ -7,16 +7,17 @@ into `Stats`; forward times only through the caller's `ForwardMeter` clock. The 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from specdecode.cache import Cache, KVCache, NewCache
+from specdecode.cache import Cache, KVCache, NewCache, forward_rows
 from specdecode.drafter import Drafter
 from specdecode.sampling import SamplingParams, logits_to_probs
-from specdecode.types import Stats, StepResult
+from specdecode.types import Draft, ForwardMeter, Stats, StepResult
 from specdecode.verify import verify_greedy, verify_sampling
 
 
@@ -57,6 +58,72 @@ def prefill(
     return DecodeState(tokens=list(prompt_ids), target_cache=cache)
 
 
+@dataclass
+class Verification:
+    """One row's share of a step's target forward: what to feed it and what to do with its
+    logits. A chain's and a tree's steps both make one; the step (or a batch of them, batch.py)
+    runs the forward and hands each row its logits."""
+
+    inputs: torch.Tensor  # [n] int64: the last committed token, then the drafted tokens
+    positions: torch.Tensor | None  # [n] (a tree's); None: the next n positions
+    mask: torch.Tensor | None  # [1, 1, n, past + n] (a tree's); None: causal
+    # logits [n, V] -> what the step committed (verifies, commits, rolls the cache back)
+    settle: Callable[[torch.Tensor], StepResult]
+
+
+def verify_rows(caches: list[Cache], rows: list[Verification], meter: ForwardMeter) -> list[Any]:
+    """One target forward over every row's inputs (`forward_rows`), then each row settled:
+    the StepResults in order."""
+    with meter.forward("target", sum(int(row.inputs.shape[0]) for row in rows)):
+        logits = forward_rows(
+            caches,
+            [row.inputs for row in rows],
+            positions=[row.positions for row in rows],
+            masks=[row.mask for row in rows],
+        )
+    return [row.settle(row_logits) for row, row_logits in zip(rows, logits, strict=True)]
+
+
+def draft_chain(state: DecodeState, drafter: Drafter | None, k: int) -> Draft | None:
+    """A drafter's chain of up to k tokens after the committed ones (None: nothing to draft)."""
+    return drafter.propose(state.tokens, k) if drafter is not None and k > 0 else None
+
+
+def chain_verification(
+    state: DecodeState,
+    drafter: Drafter | None,
+    draft: Draft | None,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> Verification:
+    """The verification of a chain `draft` (None or empty: one autoregressive step)."""
+    cache = state.target_cache
+    device = next(cache.model.parameters()).device
+    drafted = draft.tokens if draft is not None else torch.empty(0, dtype=torch.long)
+    drafted = drafted.to(device)  # [k'], k' <= k
+    # the last committed token and the drafts
+    inputs = torch.cat([torch.tensor(state.tokens[-1:], device=device), drafted])  # [k'+1]
+
+    def settle(logits: torch.Tensor) -> StepResult:  # logits [k'+1, V]
+        if params.greedy:
+            n_accepted, next_token = verify_greedy(drafted, logits)
+        else:
+            p_target = logits_to_probs(logits, params)  # [k'+1, V]
+            q_draft = draft.q_draft if draft is not None else None
+            if q_draft is not None and q_draft.shape[-1] < p_target.shape[-1]:
+                # the drafter samples from the common vocabulary: zero mass beyond it
+                q_draft = F.pad(q_draft, (0, p_target.shape[-1] - q_draft.shape[-1]))
+            n_accepted, next_token = verify_sampling(drafted, q_draft, p_target, generator)
+        committed = [*drafted[:n_accepted].tolist(), next_token]
+        state.tokens.extend(committed)
+        cache.rollback(len(state.tokens) - 1)  # keep committed tokens minus the last
+        if draft is not None:
+            drafter.observe(n_accepted)  # type: ignore[union-attr]
+        return StepResult(committed, depth=len(drafted), nodes=len(drafted), accepted=n_accepted)
+
+    return Verification(inputs, None, None, settle)
+
+
 @torch.inference_mode()
 def speculative_step(
     state: DecodeState,
@@ -70,30 +137,6 @@ def speculative_step(
 
     k == 0, no drafter, or an empty draft is one plain autoregressive step.
     """
-    cache = state.target_cache
-    device = next(cache.model.parameters()).device
-    draft = drafter.propose(state.tokens, k) if drafter is not None and k > 0 else None
-    drafted = draft.tokens if draft is not None else torch.empty(0, dtype=torch.long)
-    drafted = drafted.to(device)  # [k'], k' <= k
-
-    # one target forward over the last committed token and the drafts
-    inputs = torch.cat([torch.tensor(state.tokens[-1:], device=device), drafted])  # [k'+1]
-    with stats.meter.forward("target", inputs.shape[0]):
-        logits = cache.forward(inputs)  # [k'+1, V]
-
-    if params.greedy:
-        n_accepted, next_token = verify_greedy(drafted, logits)
-    else:
-        p_target = logits_to_probs(logits, params)  # [k'+1, V]
-        q_draft = draft.q_draft if draft is not None else None
-        if q_draft is not None and q_draft.shape[-1] < p_target.shape[-1]:
-            # the drafter samples from the common vocabulary: zero mass beyond it
-            q_draft = F.pad(q_draft, (0, p_target.shape[-1] - q_draft.shape[-1]))
-        n_accepted, next_token = verify_sampling(drafted, q_draft, p_target, generator)
-
-    committed = [*drafted[:n_accepted].tolist(), next_token]
-    state.tokens.extend(committed)
-    cache.rollback(len(state.tokens) - 1)  # keep committed tokens minus the last
-    if draft is not None:
-        drafter.observe(n_accepted)  # type: ignore[union-attr]
-    return StepResult(committed, depth=len(drafted), nodes=len(drafted), accepted=n_accepted)
+    draft = draft_chain(state, drafter, k)
+    row = chain_verification(state, drafter, draft, params, generator)
+    return verify_rows([state.target_cache], [row], stats.meter)[0]

@@ -130,13 +130,14 @@ def verification_inputs(
     return input_ids, past + depth, additive_mask(allowed, dtype)
 
 
-def check_tree_attention(model: Any, role: str = "target") -> None:
-    """Refuse models whose attention would not honour a custom 4D tree mask."""
+def check_tree_attention(model: Any, role: str = "target", use: str = "token trees") -> None:
+    """Refuse models whose attention would not honour a custom 4D tree mask; `use` names
+    what needs the mask in the message (token trees, a static store's batched rows)."""
     config = model.config
     impl = getattr(config, "_attn_implementation", None) or "eager"
     if impl not in TREE_ATTENTION:
         raise ValueError(
-            f"token trees need an attention implementation that takes a custom 4D mask "
+            f"{use} need an attention implementation that takes a custom 4D mask "
             f"({', '.join(TREE_ATTENTION)}); the {role} uses {impl!r}: load it with "
             f"attn_implementation='sdpa'"
         )
@@ -146,7 +147,7 @@ def check_tree_attention(model: Any, role: str = "target") -> None:
     )
     if windowed or any(t != "full_attention" for t in layer_types):
         # a custom mask replaces the model's own, sliding windows included
-        raise ValueError(f"token trees do not support the {role}'s sliding-window attention")
+        raise ValueError(f"{use} do not support the {role}'s sliding-window attention")
 
 
 @runtime_checkable

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.sampling import SamplingParams, logits_to_probs
-from specdecode.step import DecodeState, speculative_step
-from specdecode.tree import TreeDrafter, verification_inputs
+from specdecode.step import DecodeState, Verification, speculative_step, verify_rows
+from specdecode.tree import TokenTree, TreeDrafter, verification_inputs
 from specdecode.types import Stats, StepResult
 from specdecode.verify_tree import verify_tree_greedy, verify_tree_sampling
 
@@ -32,36 +32,48 @@ def tree_step(
     """
     if max_depth is not None and max_depth < 1:
         return speculative_step(state, None, 0, params, generator, stats)
+    tree = drafter.propose_tree(state.tokens, max_depth if max_depth is not None else 1 << 30)
+    row = tree_verification(state, drafter, tree, params, generator, stats)
+    return verify_rows([state.target_cache], [row], stats.meter)[0]
+
+
+def tree_verification(
+    state: DecodeState,
+    drafter: TreeDrafter,
+    tree: TokenTree,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    stats: Stats,
+) -> Verification:
+    """The verification of a token tree: the root (last committed token) and every node in
+    one forward, each row seeing the prefix and its ancestors only; settling commits the
+    accepted path and compacts the cache to it."""
     cache = state.target_cache
     model = cache.model
     device = next(model.parameters()).device
-    tree = drafter.propose_tree(state.tokens, max_depth if max_depth is not None else 1 << 30)
     tree.tokens = tree.tokens.to(device)
-
-    # one target forward over the root (last committed token) and every node, each row seeing
-    # the prefix and its ancestors only
     past = len(cache)  # == len(state.tokens) - 1 (docs/architecture.md, Invariants 2)
     dtype = next(model.parameters()).dtype
     inputs, positions, mask = verification_inputs(tree, state.tokens[-1], past, dtype)
-    with stats.meter.forward("target", inputs.shape[0]):
-        logits = cache.forward(inputs, position_ids=positions, attention_mask=mask)  # [N+1, V]
 
-    if params.greedy:
-        path, next_token = verify_tree_greedy(tree, logits)
-    else:
-        p_target = logits_to_probs(logits, params)  # [N+1, V]
-        if tree.q_draft is not None:
-            q_draft = tree.q_draft.to(p_target.device)  # [N, V_common]
-            # the drafter samples from the common vocabulary: zero mass beyond it
-            tree.q_draft = F.pad(q_draft, (0, p_target.shape[-1] - q_draft.shape[-1]))
-        path, next_token = verify_tree_sampling(tree, p_target, generator)
+    def settle(logits: torch.Tensor) -> StepResult:  # logits [N+1, V]
+        if params.greedy:
+            path, next_token = verify_tree_greedy(tree, logits)
+        else:
+            p_target = logits_to_probs(logits, params)  # [N+1, V]
+            if tree.q_draft is not None:
+                q_draft = tree.q_draft.to(p_target.device)  # [N, V_common]
+                # the drafter samples from the common vocabulary: zero mass beyond it
+                tree.q_draft = F.pad(q_draft, (0, p_target.shape[-1] - q_draft.shape[-1]))
+            path, next_token = verify_tree_sampling(tree, p_target, generator)
+        committed = [*tree.tokens[path].tolist(), next_token]
+        state.tokens.extend(committed)
+        # keep the prefix, the root and the accepted nodes (row i + 1 sits at past + 1 + i)
+        path_rows = torch.tensor(path, dtype=torch.long) + past + 1
+        cache.compact(torch.cat([torch.arange(past + 1), path_rows]))
+        drafter.observe_path(path)
+        result = StepResult(committed, depth=tree.max_depth, nodes=len(tree), accepted=len(path))
+        stats.nodes_verified += result.nodes  # a chain's nodes are its depth: trees only
+        return result
 
-    committed = [*tree.tokens[path].tolist(), next_token]
-    state.tokens.extend(committed)
-    # keep the prefix, the root and the accepted nodes (row i + 1 sits at past + 1 + i)
-    path_rows = torch.tensor(path, dtype=torch.long) + past + 1
-    cache.compact(torch.cat([torch.arange(past + 1), path_rows]))
-    drafter.observe_path(path)
-    result = StepResult(committed, depth=tree.max_depth, nodes=len(tree), accepted=len(path))
-    stats.nodes_verified += result.nodes  # a chain's nodes are its depth: counted for trees only
-    return result
+    return Verification(inputs, positions, mask, settle)

@@ -64,6 +64,13 @@ class ForwardMeter:
         yield
         self.seconds[kind] = self.seconds.get(kind, 0.0) + self.clock() - start
 
+    def add(self, kind: str, n_tokens: int, seconds: float | None) -> None:
+        """Count a forward timed elsewhere (a row's share of a batch's forward)."""
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+        self.tokens[kind] = self.tokens.get(kind, 0) + n_tokens
+        if seconds is not None and self.clock is not None:
+            self.seconds[kind] = self.seconds.get(kind, 0.0) + seconds
+
 
 @dataclass
 class Stats:

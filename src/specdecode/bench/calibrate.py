@@ -161,7 +161,19 @@ def canonical_draft(name: str) -> str:
     spec = DraftSpec.parse(name)
     if spec.model is None:
         return str(spec)
-    return str(ModelSpec(_absolute(spec.model.name), spec.model.quantization))
+    model = str(ModelSpec(_absolute(spec.model.name), spec.model.quantization))
+    if spec.kind == "distilled":  # the adapter's hash too: a new distillation in DIR is a new draft
+        return f"distilled:{model}@{_adapter_hash(spec.model.name)}"
+    return model
+
+
+def _adapter_hash(folder: str) -> str:
+    """The start of a distillation's adapter hash (DIR/distill.json), or "unfinished"."""
+    try:
+        record = json.loads((Path(folder).expanduser() / "distill.json").read_text())
+        return str(record["adapter"]["sha256"])[:16]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "unfinished"
 
 
 def cache_path(

@@ -30,6 +30,8 @@ def resolve_draft(
     LoadedModel); `ngram` or `ngram:MIN-MAX` -> prompt lookup (default 1-3); a model is loaded
     with `load_model`, and `MODEL:int8` / `MODEL:int4` then runs its linears on int8 / 4-bit
     weights (bfloat16 on a CPU with AVX2 only; models/quantized.py), its bfloat16 weights kept.
+    `distilled:DIR[:int8|:int4]` loads the base draft DIR/distill.json names with DIR's adapter
+    merged (then quantized, where asked), checked against `target`'s tokenizer.
     """
     if spec is None:
         return None
@@ -41,4 +43,23 @@ def resolve_draft(
         return EarlyExitDrafter(target.model, spec.depth)
     from specdecode.models.loading import load_model
 
+    if spec.kind == "distilled":
+        return _load_distilled(spec, target, dtype, device)
     return load_model(spec.model, dtype=dtype, device=device, keep_weights=True, role="draft")
+
+
+def _load_distilled(spec: DraftSpec, target: Any, dtype: Any, device: Any):
+    from specdecode.distill.result import check_target, read_result
+    from specdecode.draft_spec import ModelSpec
+    from specdecode.models.loading import load_model
+
+    folder = spec.distilled_dir
+    record = read_result(folder)  # a half-written or missing result fails before loading
+    check_target(record, folder, target)
+    base = ModelSpec(record["draft"], spec.model.quantization)  # type: ignore[union-attr]
+    loaded = load_model(
+        base, dtype=dtype, device=device, keep_weights=True, role="draft", adapter=folder
+    )
+    loaded.name = str(spec)
+    loaded.extra["distilled"] = {"folder": folder, "base": record["draft"]}
+    return loaded

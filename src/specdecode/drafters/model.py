@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from specdecode.cache import KVCache
+from specdecode.cache import KVCache, forward_rows
 from specdecode.lean import LeanCache, draft_cache
 from specdecode.sampling import SamplingParams, logits_to_probs, sample
 from specdecode.types import Draft, ForwardMeter
@@ -72,31 +73,62 @@ class ModelDrafter(DraftModelState):
         self._context_len = 0
         self._cached_drafts = 0  # drafted tokens the cache holds after propose()
 
-    @torch.inference_mode()
     def propose(self, context: list[int], k: int) -> Draft:
-        assert self.cache is not None, "begin() first"
-        inputs = self._ids(context[len(self.cache) :])  # [1 or 2]
-        tokens, qs = [], []
-        self._context_len, self._cached_drafts = len(context), k - 1
-        for i in range(k):
-            with self.meter.forward("draft", inputs.shape[0]):
-                logits = self.cache.forward(inputs, last_only=True)[0]  # [V_draft]
-            logits = logits[: self.vocab_size]  # [V_common]
-            # greedy drafts judge their confidence on the plain softmax
-            q = logits_to_probs(logits, self.params) if not self.params.greedy else None
-            if self.confidence is not None and i > 0:
-                top = (q if q is not None else logits.softmax(-1)).max()
-                if top < self.confidence:  # unsure: stop before this token
-                    self._cached_drafts = i
-                    break
-            if q is None:
-                token = logits.argmax()
-            else:
-                token = sample(q, self.generator)  # q: [V_common]
-                qs.append(q)
-            tokens.append(token)
-            inputs = token.view(1)
-        return Draft(torch.stack(tokens), torch.stack(qs) if qs else None)
+        return type(self).propose_many([self], [context], [k])[0]
+
+    @classmethod
+    @torch.inference_mode()
+    def propose_many(
+        cls, drafters: Sequence[ModelDrafter], contexts: Sequence[list[int]], ks: Sequence[int]
+    ) -> list[Draft]:
+        """Each drafter's `propose(context, k)`, with the drafts of one depth in one forward of
+        the draft model over all of them (cache.forward_rows): a batch's drafting costs about
+        one row's. Row for row the same tokens as drafting alone (the lean forward's rows are
+        batch invariant; on Hugging Face's forward, up to rounding)."""
+        tokens: list[list[torch.Tensor]] = [[] for _ in drafters]
+        qs: list[list[torch.Tensor]] = [[] for _ in drafters]
+        inputs = []
+        for drafter, context, k in zip(drafters, contexts, ks, strict=True):
+            assert drafter.cache is not None, "begin() first"
+            if k < 1:
+                raise ValueError(f"a draft needs k >= 1 (got {k})")
+            inputs.append(drafter._ids(context[len(drafter.cache) :]))  # [1 or 2]
+            drafter._context_len, drafter._cached_drafts = len(context), k - 1
+        active = list(range(len(drafters)))
+        for depth in range(max(ks)):
+            with drafters[active[0]].meter.forward("draft", sum(len(inputs[i]) for i in active)):
+                logits = forward_rows(
+                    [drafters[i].cache for i in active],
+                    [inputs[i] for i in active],
+                    last_only=True,
+                )
+            still = []
+            for i, row_logits in zip(active, logits, strict=True):
+                drafter = drafters[i]
+                row_logits = row_logits[0, : drafter.vocab_size]  # [V_common]
+                # greedy drafts judge their confidence on the plain softmax
+                q = None if drafter.params.greedy else logits_to_probs(row_logits, drafter.params)
+                if drafter.confidence is not None and depth > 0:
+                    top = (q if q is not None else row_logits.softmax(-1)).max()
+                    if top < drafter.confidence:  # unsure: stop before this token
+                        drafter._cached_drafts = depth
+                        continue
+                if q is None:
+                    token = row_logits.argmax()
+                else:
+                    token = sample(q, drafter.generator)  # q: [V_common]
+                    qs[i].append(q)
+                tokens[i].append(token)
+                inputs[i] = token.view(1)
+                if depth + 1 < ks[i]:
+                    still.append(i)
+            active = still
+            if not active:
+                break
+        return [
+            Draft(torch.stack(t), torch.stack(q) if q else None)
+            for t, q in zip(tokens, qs, strict=True)
+        ]
 
     def observe(self, n_accepted: int) -> None:
         assert self.cache is not None

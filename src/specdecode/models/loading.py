@@ -118,6 +118,7 @@ def load_model(
     *,
     keep_weights: bool = False,
     role: str = "model",
+    adapter: str | Path | None = None,
 ) -> LoadedModel:
     """Load a causal LM from a preset name, a `.gguf` file, a local folder or a hub id, each
     optionally with `:int8` / `:int4`.
@@ -128,7 +129,9 @@ def load_model(
     `MODEL:int8` / `MODEL:int4` runs them on int8 / 4-bit weights (bfloat16 on an AVX2 CPU only,
     kernel not off: ValueError before loading otherwise) and names the model `MODEL:int4`; its
     bfloat16 weights are freed unless `keep_weights` (a draft's; models/quantized.py). `role`
-    ("target", "draft") names the model in error messages.
+    ("target", "draft") names the model in error messages. `adapter`: a distillation's folder
+    (`specdecode distill --out DIR`) whose adapter is merged into the weights first, so that the
+    kernel and the quantization take the trained weights (distill/result.py).
     """
     from specdecode.kernels.cpu_linear import apply_kernel, resolve_mode
     from specdecode.models.quantized import check_quantizable, quantize_loaded
@@ -138,6 +141,10 @@ def load_model(
     mode = resolve_mode(kernel)
     check_quantizable(model_spec, dtype, device, mode, role)
     loaded = _load(model_spec.name, dtype, device)
+    if adapter is not None:
+        from specdecode.distill.result import merge_adapter
+
+        loaded.model = merge_adapter(loaded.model, adapter)
     loaded.kernel = apply_kernel(loaded.model, mode)
     return quantize_loaded(loaded, model_spec, keep_weights=keep_weights, role=role)
 

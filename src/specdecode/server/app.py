@@ -48,6 +48,8 @@ def create_app(
     model_name: str,
     *,
     queue_size: int = 16,
+    max_batch: int = 8,
+    max_len: int | None = None,
     timeout_s: float | None = 600.0,
     max_prompt_tokens: int | None = None,
     max_prompt_chars: int | None = None,
@@ -60,6 +62,8 @@ def create_app(
     uvicorn's shutdown ends it gracefully (run.py does so on SIGTERM)."""
     options = ServerOptions(
         queue_size=queue_size,
+        max_batch=max_batch,
+        max_len=max_len,
         timeout_s=timeout_s,
         max_prompt_tokens=max_prompt_tokens,
         max_prompt_chars=max_prompt_chars,

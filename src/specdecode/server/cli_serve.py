@@ -33,7 +33,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="an OpenAI-compatible HTTP server with speculative decoding and live metrics",
         description=(
             "Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics "
-            "(Prometheus). One generation runs at a time; other requests wait in a bounded queue."
+            "(Prometheus). Up to --max-batch generations decode together (continuous "
+            "batching); other requests wait in a bounded queue."
         ),
     )
     add_model_args(parser)  # --target, --draft, --dtype, --device, --kernel
@@ -58,6 +59,20 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         type=float,
         default=600.0,
         help="seconds per request from its arrival, queueing included; 0 = none (default 600)",
+    )
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=8,
+        help="generations decoding together; requests join the running batch between steps "
+        "(default 8; 1 = one at a time)",
+    )
+    parser.add_argument(
+        "--max-len",
+        type=int,
+        default=None,
+        help="positions (prompt + new tokens) per sequence in the preallocated key/value store "
+        "(default: the model's context, at most 4096)",
     )
     parser.add_argument(
         "--max-prompt-tokens",
@@ -108,6 +123,10 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"k must be an integer >= 1 (got {args.k})")
     if args.queue_size < 0:
         raise ValueError(f"queue-size must be >= 0 (got {args.queue_size})")
+    if args.max_batch < 1:
+        raise ValueError(f"max-batch must be >= 1 (got {args.max_batch})")
+    if args.max_len is not None and args.max_len < 2:
+        raise ValueError(f"max-len must be >= 2 positions (got {args.max_len})")
     if args.timeout < 0:
         raise ValueError(f"timeout must be >= 0 seconds (got {args.timeout})")
     for name in ("max_prompt_tokens", "max_prompt_chars"):
@@ -145,12 +164,20 @@ def handle_serve(args: argparse.Namespace) -> int:
         engine,
         args.model_name or engine.target.name,
         queue_size=args.queue_size,
+        max_batch=args.max_batch,
+        max_len=args.max_len,
         timeout_s=args.timeout or None,
         max_prompt_tokens=args.max_prompt_tokens,
         max_prompt_chars=args.max_prompt_chars,
         max_body_bytes=args.max_body_bytes,
         api_key=args.api_key,
         metrics_auth=args.metrics_auth,
+    )
+    session = app.state.server.worker.session
+    print(
+        f"specdecode: a batch of up to {session.max_rows} sequences of {session.max_len} "
+        f"positions; key/value store preallocated: {session.store_bytes / 2**20:.1f} MiB",
+        file=sys.stderr,
     )
     serve(
         app,

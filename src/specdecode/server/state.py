@@ -12,7 +12,7 @@ from specdecode.engine import SpeculativeDecoder
 from specdecode.server.errors import APIError
 from specdecode.server.limits import DEFAULT_MAX_BODY_BYTES, prompt_char_limit
 from specdecode.server.telemetry import ServerMetrics
-from specdecode.server.worker import OPENAI_SAMPLING, GenerationWorker, context_limit
+from specdecode.server.worker import OPENAI_SAMPLING, GenerationWorker
 
 DRAIN_POLL_S = 0.05
 # after the graceful timeout, how long the step in progress may take to end (one step: a
@@ -24,7 +24,10 @@ log = logging.getLogger("specdecode.server")
 
 @dataclass(frozen=True)
 class ServerOptions:
-    """`queue_size`: requests allowed to wait while one generates (more get 429). `timeout_s`:
+    """`max_batch`: generations decoding together (1: one at a time). `max_len`: positions per
+    sequence in the key/value store (None: the model's context, at most
+    batch_session.DEFAULT_MAX_LEN). `queue_size`: requests allowed to wait while the batch is
+    full (more get 429). `timeout_s`:
     the limit per request from its arrival, queueing included (None: none). `max_prompt_tokens`:
     a limit below the model's context (None: the context only). `max_prompt_chars`: a limit in
     characters, checked before tokenizing (None: derived from the token limit, see limits.py).
@@ -32,6 +35,8 @@ class ServerOptions:
     /v1/* (and /metrics with `metrics_auth`)."""
 
     queue_size: int = 16
+    max_batch: int = 8
+    max_len: int | None = None
     timeout_s: float | None = 600.0
     max_prompt_tokens: int | None = None
     max_prompt_chars: int | None = None
@@ -42,6 +47,10 @@ class ServerOptions:
     def check(self) -> None:
         if self.queue_size < 0:
             raise ValueError(f"queue_size must be >= 0 (got {self.queue_size})")
+        if not isinstance(self.max_batch, int) or self.max_batch < 1:
+            raise ValueError(f"max_batch must be an integer >= 1 (got {self.max_batch!r})")
+        if self.max_len is not None and self.max_len < 2:
+            raise ValueError(f"max_len must be >= 2 positions (got {self.max_len})")
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise ValueError(f"timeout must be > 0 seconds (got {self.timeout_s})")
         for name in ("max_prompt_tokens", "max_prompt_chars"):
@@ -79,14 +88,28 @@ class ServerState:
     def __init__(self, engine: SpeculativeDecoder, model_name: str, options: ServerOptions) -> None:
         self.options, self.model_name = options, model_name
         self.worker = GenerationWorker(
-            engine, queue_size=options.queue_size, max_prompt_tokens=options.max_prompt_tokens
+            engine,
+            queue_size=options.queue_size,
+            max_prompt_tokens=options.max_prompt_tokens,
+            max_batch=options.max_batch,
+            max_len=options.max_len,
+        )
+        session = self.worker.session
+        log.info(
+            "batch of up to %d sequences of %d positions: key/value store of %.1f MiB",
+            session.max_rows,
+            session.max_len,
+            session.store_bytes / 2**20,
         )
         self.metrics = ServerMetrics(
-            model_name, lambda: self.worker.queue_depth, lambda: self.worker.running
+            model_name,
+            lambda: self.worker.queue_depth,
+            lambda: self.worker.running,
+            store_bytes=session.store_bytes,
         )
         self.worker.metrics = self.metrics
         # the prompt limits known without tokenizing (the worker checks the exact count)
-        self.max_prompt_tokens = _smallest(options.max_prompt_tokens, context_limit(engine))
+        self.max_prompt_tokens = _smallest(options.max_prompt_tokens, self.worker.position_limit)
         derived = prompt_char_limit(self.max_prompt_tokens, engine.tokenizer)
         self.max_prompt_chars = _smallest(options.max_prompt_chars, derived)
         self.generation_defaults = sampling_card(engine)

@@ -30,6 +30,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 # seconds: a tiny model answers in milliseconds, a 1.5B model on a CPU in tens of seconds
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300, 600)
 # tokens per request, 1-2-5 steps as vLLM's
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
 
 # vLLM's finished_reason values; specdecode's other outcomes (timeout, cancelled by the client,
@@ -47,13 +48,22 @@ class ServerMetrics:
         model_name: str,
         queue_depth: Callable[[], float],
         running: Callable[[], float],
+        store_bytes: float = 0.0,
     ) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self._vllm_series()
         self._specdecode_series()
         self.running = self._gauge(
-            "vllm:num_requests_running", "generations running (0 or 1)", running
+            "vllm:num_requests_running", "generations running (in the batch)", running
+        )
+        self.store_bytes = self._gauge(
+            "specdecode_kv_store_bytes",
+            "bytes of the target's preallocated key/value store",
+            lambda: store_bytes,
+        )
+        self.batch_size = self._histogram(
+            "specdecode_batch_size", "generations in the batch at each step", BATCH_BUCKETS
         )
         self.waiting = self._gauge(
             "vllm:num_requests_waiting", "requests waiting for the generation worker", queue_depth

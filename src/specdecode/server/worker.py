@@ -1,10 +1,12 @@
-"""One generation at a time, on one thread: the queue in front of the model.
+"""Continuous batching on one thread: the queue in front of the model, and the running batch.
 
-The engine holds one model state (KV caches, the drafter's cache), so every call into it, the
-tokenizer included, runs on the worker's single thread. Requests wait in a bounded FIFO; a full
-queue refuses at once (429). Cancellation (client gone, or the server's drain at shutdown) and the
-per-request deadline are checked between speculative steps: the engine's generator is closed
-there, which stops generation at once.
+Every call into the engine, the tokenizer included, runs on the worker's single thread. Up to
+`max_batch` generations decode together in one `BatchSession` (batch_session.py): between two
+steps, waiting requests join the batch (each validated before it joins, so a bad request never
+touches the running ones) and finished, cancelled or expired ones leave it. Beyond the batch,
+requests wait in a bounded FIFO; a full queue refuses at once (429). Cancellation (client gone,
+or the server's drain at shutdown) and the per-request deadline are checked between steps.
+`max_batch=1` is one generation at a time.
 
 Results go back as events through each job's `deliver` callback (the app posts them to its event
 loop): `Started`, any number of `Delta`, then exactly one of `Finished` or `Failed`.
@@ -19,13 +21,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from specdecode.batch_session import Generation
 from specdecode.engine import SpeculativeDecoder
 from specdecode.models.compat import context_length
 from specdecode.request import GenerationRequest
 from specdecode.sampling import SamplingParams
 from specdecode.server.errors import APIError
 from specdecode.server.telemetry import ServerMetrics
-from specdecode.textstream import TextStream
+from specdecode.store import StoreFull
 from specdecode.types import Stats
 
 log = logging.getLogger("specdecode.server")
@@ -91,6 +94,14 @@ Event = Started | Delta | Finished | Failed
 
 
 @dataclass(eq=False)
+class Running:
+    """A job's generation in the batch, and when its first token came."""
+
+    generation: Generation
+    ttft: float | None = None
+
+
+@dataclass(eq=False)
 class Job:
     params: GenerationParams
     endpoint: str
@@ -118,6 +129,8 @@ class GenerationWorker:
         queue_size: int = 16,
         max_prompt_tokens: int | None = None,
         metrics: ServerMetrics | None = None,
+        max_batch: int = 8,
+        max_len: int | None = None,
     ) -> None:
         if engine.tokenizer is None:
             raise ValueError("serving needs a model with a tokenizer")
@@ -125,8 +138,14 @@ class GenerationWorker:
         self.queue_size = queue_size
         self.max_prompt_tokens = max_prompt_tokens
         self.metrics = metrics
+        # the key/value store is made here, once: its size is known (and printed) at start
+        self.session = engine.batch_session(max_batch, max_len)
+        self.max_batch = max_batch
+        # positions a sequence may fill: the models' context and the store's rows
+        limits = [n for n in (context_limit(engine), self.session.max_len) if n is not None]
+        self.position_limit = min(limits)
         self._waiting: deque[Job] = deque()
-        self._running: Job | None = None
+        self._running: dict[Job, Running] = {}
         self._closed = False
         self._draining = False  # the server is shutting down: no new jobs
         self._cond = threading.Condition()
@@ -142,12 +161,12 @@ class GenerationWorker:
     @property
     def running(self) -> int:
         with self._cond:
-            return int(self._running is not None)
+            return len(self._running)
 
     @property
     def idle(self) -> bool:
         with self._cond:
-            return self._running is None and not self._waiting
+            return not self._running and not self._waiting
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="specdecode-worker", daemon=True)
@@ -157,8 +176,8 @@ class GenerationWorker:
         with self._cond:
             self._closed = True
             waiting, self._waiting = list(self._waiting), deque()
-            if self._running is not None:
-                self._interrupt(self._running, "shutdown")
+            for job in self._running:
+                self._interrupt(job, "shutdown")
             self._cond.notify_all()
         for job in waiting:
             self._end_unstarted(job, "shutdown")
@@ -174,10 +193,11 @@ class GenerationWorker:
             self._end_unstarted(job, "shutdown")
 
     def interrupt_running(self, outcome: str = "shutdown") -> None:
-        """Stop the running job at its next step; it ends normally, finished by `outcome`."""
+        """Stop the running jobs at their next step; each ends normally, finished by
+        `outcome`."""
         with self._cond:
-            if self._running is not None:
-                self._interrupt(self._running, outcome)
+            for job in self._running:
+                self._interrupt(job, outcome)
 
     def check_room(self) -> None:
         """APIError 503 when shutting down, 429 when `queue_size` requests already wait: called
@@ -188,8 +208,8 @@ class GenerationWorker:
     def _check_room(self) -> None:
         if self._closed or self._draining:
             raise APIError(503, "the server is shutting down", type="server_error")
-        idle = self._running is None and not self._waiting
-        if not idle and len(self._waiting) >= self.queue_size:
+        room = len(self._running) + len(self._waiting) < self.max_batch  # joins at once
+        if not room and len(self._waiting) >= self.queue_size:
             raise APIError(
                 429,
                 f"the server is busy ({len(self._waiting)} requests waiting): retry later",
@@ -226,21 +246,91 @@ class GenerationWorker:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._waiting and not self._closed:
+                while not self._waiting and not self._running and not self._closed:
                     self._cond.wait()
-                if self._closed:
+                if self._closed and not self._running:
                     return
-                job = self._running = self._waiting.popleft()
-                job.started = time.monotonic()
-            try:
-                self._run(job)
-            except Exception:  # never let one request kill the worker
-                log.exception("generation failed")
+                joining = []
+                while self._waiting and len(self._running) + len(joining) < self.max_batch:
+                    job = self._waiting.popleft()
+                    job.started = time.monotonic()
+                    joining.append(job)
+            for job in joining:
+                self._join(job)
+            if self.session.generations:
+                self._step()
+
+    def _join(self, job: Job) -> None:
+        """Validate `job` and prefill it into the batch; a bad request ends here, alone."""
+        if job.cancelled.is_set() or job.expired():
+            cancelled = job.cancelled.is_set()
+            self._end_unstarted(job, (job.interrupt or "cancelled") if cancelled else "timeout")
+            return
+        try:
+            prompt_ids, max_new = self._plan(job.params)
+            request = job.params.request(self.engine, max_new)
+            generation = self.session.add(prompt_ids, request)
+        except APIError as err:
+            job.deliver(Failed(err))
+            return
+        except StoreFull as err:  # not expected (rows are counted), but never evict a row
+            job.deliver(Failed(APIError(429, str(err), type="rate_limit_exceeded")))
+            return
+        except ValueError as err:
+            job.deliver(Failed(APIError(400, str(err))))
+            return
+        except Exception:  # never let one request kill the worker
+            log.exception("prefill failed")
+            self._count(job, "error", None)
+            job.deliver(Failed(APIError(500, "generation failed", type="server_error")))
+            return
+        with self._cond:
+            self._running[job] = Running(generation)
+        job.deliver(Started(len(prompt_ids)))
+
+    def _step(self) -> None:
+        """One batched step; then every row's news, and the rows that leave."""
+        if self.metrics is not None:
+            self.metrics.batch_size.observe(len(self.session.generations))
+        try:
+            self.session.step()
+        except Exception:  # the batch's forward failed: every row in it ends with an error
+            log.exception("generation failed")
+            for job, running in list(self._running.items()):
+                self.session.cancel(running.generation, "error")
                 self._count(job, "error", None)
+                self._leave(job)
                 job.deliver(Failed(APIError(500, "generation failed", type="server_error")))
-            finally:
-                with self._cond:
-                    self._running = None
+            return
+        for job, running in list(self._running.items()):
+            generation = running.generation
+            if generation.new_ids and running.ttft is None:
+                running.ttft = time.monotonic() - job.arrival
+            if generation.new_text:
+                job.deliver(Delta(generation.new_text))
+                generation.new_text = ""
+            if not generation.finished:
+                if job.cancelled.is_set():
+                    self.session.cancel(generation, job.interrupt or "cancelled")
+                elif job.expired():
+                    self.session.cancel(generation, "timeout")
+            if generation.finished:
+                self._end(job, running)
+
+    def _end(self, job: Job, running: Running) -> None:
+        generation = running.generation
+        if generation.new_text:  # the rest a finished stream held back
+            job.deliver(Delta(generation.new_text))
+        finish = generation.finish_reason
+        text = generation.text
+        assert text is not None  # serving needs a tokenizer
+        self._count(job, finish, generation.stats, running.ttft)
+        self._leave(job)
+        job.deliver(Finished(Outcome(text.final_text, text.ids, finish, generation.stats)))
+
+    def _leave(self, job: Job) -> None:
+        with self._cond:
+            self._running.pop(job, None)
 
     def _end_unstarted(self, job: Job, outcome: str = "cancelled") -> None:
         stats = Stats()
@@ -276,77 +366,25 @@ class GenerationWorker:
                 param=where,
                 code="context_length_exceeded",
             )
-        limit = context_limit(self.engine)
-        room = None if limit is None else limit - n
-        if room is not None and room < 1:
+        limit = self.position_limit
+        room = limit - n
+        if room < 1:
             raise APIError(
                 400,
-                f"the prompt has {n} tokens and fills the model's context of {limit} tokens",
+                f"the prompt has {n} tokens and fills the {limit} positions a sequence may "
+                "use (the model's context, or the server's --max-len)",
                 param=where,
                 code="context_length_exceeded",
             )
         max_new = params.max_tokens
         if max_new is None:
             max_new = room if room is not None else FALLBACK_MAX_TOKENS
-        elif room is not None and max_new > room:
+        elif max_new > room:
             raise APIError(
                 400,
-                f"prompt ({n} tokens) + max_tokens ({max_new}) exceeds the model's context of "
-                f"{limit} tokens",
+                f"prompt ({n} tokens) + max_tokens ({max_new}) exceeds the {limit} positions a "
+                "sequence may use (the model's context, or the server's --max-len)",
                 param="max_tokens",
                 code="context_length_exceeded",
             )
         return ids, max_new
-
-    def _run(self, job: Job) -> None:
-        if job.cancelled.is_set() or job.expired():
-            cancelled = job.cancelled.is_set()
-            self._end_unstarted(job, (job.interrupt or "cancelled") if cancelled else "timeout")
-            return
-        params, engine = job.params, self.engine
-        stats = Stats()
-        try:
-            prompt_ids, max_new = self._plan(params)
-            request = params.request(engine, max_new)
-            # the engine feeds `text` each step (its stop check): the stream reads it from there
-            text = engine.text_stream(request)
-            chunks = engine.stream_request(prompt_ids, request, stats=stats, text=text)
-        except APIError as err:
-            job.deliver(Failed(err))
-            return
-        except ValueError as err:
-            job.deliver(Failed(APIError(400, str(err))))
-            return
-        job.deliver(Started(len(prompt_ids)))
-
-        ttft: float | None = None
-        interrupted = ""
-        try:
-            for committed in chunks:
-                if ttft is None:
-                    ttft = time.monotonic() - job.arrival
-                delta = text.take()
-                if delta:
-                    job.deliver(Delta(delta))
-                if self._over(stats, max_new, committed, text):
-                    continue  # the engine's generator ends by itself at the next step
-                if job.cancelled.is_set():
-                    interrupted = job.interrupt or "cancelled"
-                    break
-                if job.expired():
-                    interrupted = "timeout"
-                    break
-        finally:
-            chunks.close()  # stops generation now (also when the loop raised)
-
-        rest = text.finish()
-        if rest:
-            job.deliver(Delta(rest))
-        finish = interrupted or ("length" if stats.stop_reason == "length" else "stop")
-        self._count(job, finish, stats, ttft)
-        job.deliver(Finished(Outcome(text.final_text, text.ids, finish, stats)))
-
-    def _over(self, stats: Stats, max_new: int, committed: list[int], text: TextStream) -> bool:
-        """Whether the step just yielded was the last one (length, EOS or a stop string)."""
-        eos = bool(committed) and committed[-1] in self.engine.eos_token_ids
-        return stats.new_tokens >= max_new or eos or text.stopped

@@ -1,0 +1,250 @@
+"""Many sequences decoding together: the core's unit of work.
+
+A `Batch` holds rows, one per sequence (`Row`: its committed tokens and target cache, its own
+drafter, sampling parameters, generator, EOS ids, `max_new_tokens` and counters). One `step()`
+advances every running row: each drafts (the model drafters of all rows in one forward per
+depth where they can, `propose_chains`), then one target forward verifies every row's last
+committed token and drafts together (`step.verify_rows` over `cache.forward_rows`), then each row
+accepts, commits and rolls back on its own (ragged acceptance). Rows join (`add`) and leave
+(`remove`, or by finishing) between steps: continuous batching. The one-sequence loop
+(decode.py) is a batch of one.
+
+How many tokens the rows draft is one decision per step for the whole batch, made by the
+batch's `KPolicy` from measured costs at this batch size (policies.CostK: k = 0, plain batched
+decoding, when speculation no longer pays). Pure data in, data out: no printing, no clock
+(docs/architecture.md, Invariants 4); forward times only through the caller's `ForwardMeter`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specdecode.cache import Cache, KVCache, NewCache
+from specdecode.drafter import Drafter
+from specdecode.policies import FixedK, KPolicy, forward_seconds, seconds_since
+from specdecode.sampling import SamplingParams
+from specdecode.step import (
+    DecodeState,
+    Verification,
+    chain_verification,
+    prefill,
+    verify_rows,
+)
+from specdecode.tree import TreeDrafter
+from specdecode.tree_decode import tree_verification
+from specdecode.types import Draft, ForwardMeter, Stats, StepResult
+
+
+@dataclass(eq=False)
+class Row:
+    """One sequence of a batch. `committed` holds what the last step added (after stops) for
+    the caller to read; `done` is set once it hit `max_new_tokens` or an EOS."""
+
+    state: DecodeState
+    drafter: Drafter | TreeDrafter | None
+    params: SamplingParams
+    generator: torch.Generator | None
+    max_new_tokens: int
+    eos_token_ids: Collection[int]
+    stats: Stats
+    produced: int = 0
+    done: bool = False
+    committed: list[int] = field(default_factory=list)
+
+    @property
+    def allowed(self) -> int:
+        """The most tokens the next step may draft: it emits up to that many + 1."""
+        return self.max_new_tokens - self.produced - 1
+
+
+def fork_drafter(drafter: Drafter | TreeDrafter | None) -> Drafter | TreeDrafter | None:
+    """A drafter for one more row: the same model and settings, its own per-sequence state
+    (`begin` gives it a fresh cache)."""
+    return copy.copy(drafter) if drafter is not None else None
+
+
+def propose_chains(
+    drafters: Sequence[Drafter], contexts: Sequence[list[int]], k: int
+) -> list[Draft]:
+    """Each drafter's chain of up to k tokens after its context. Drafters of one class with a
+    `propose_many` class method (model drafters: one forward per depth for all of them) draft
+    together; others one by one."""
+    kind = type(drafters[0])
+    many = getattr(kind, "propose_many", None)
+    if len(drafters) > 1 and many is not None and all(type(d) is kind for d in drafters):
+        return many(drafters, contexts, [k] * len(drafters))
+    return [d.propose(ctx, k) for d, ctx in zip(drafters, contexts, strict=True)]
+
+
+class Batch:
+    """Rows decoding together over one target (see the module docstring).
+
+    `policy` chooses each step's k for the whole batch (default FixedK(4)); `meter` counts and
+    times the batch's forwards (each row's `Stats.meter` also gets its share of the target's).
+    `new_cache(target)` makes a joining row's cache (a store's `open_row` for a static store).
+    """
+
+    def __init__(
+        self,
+        target: Any,
+        *,
+        policy: KPolicy | None = None,
+        meter: ForwardMeter | None = None,
+        new_cache: NewCache = KVCache,
+    ) -> None:
+        self.target = target
+        self.policy = policy if policy is not None else FixedK(4)
+        self.meter = meter if meter is not None else ForwardMeter()
+        self.new_cache = new_cache
+        self.rows: list[Row] = []
+        self._policy_started = False
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def add(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        *,
+        drafter: Drafter | TreeDrafter | None = None,
+        params: SamplingParams | None = None,
+        generator: torch.Generator | None = None,
+        eos_token_ids: Collection[int] = (),
+        stats: Stats | None = None,
+        prefilled: Cache | None = None,
+    ) -> Row:
+        """Prefill a new row (target and drafter) and add it; it takes part from the next step.
+
+        `drafter` is the row's own (`fork_drafter` of a shared one); every row of a batch drafts
+        with the same kind of drafter, or none.
+        """
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0 (got {max_new_tokens!r})")
+        params = params or SamplingParams()
+        stats = stats if stats is not None else Stats()
+        stats.k_max = self.policy.k_max if drafter is not None else 0
+        stats.k_policy = self.policy.name if drafter is not None else ""
+        stats.prompt_tokens = len(prompt_ids)
+        state = prefill(self.target, prompt_ids, stats, prefilled, self.new_cache)
+        if drafter is not None:
+            with torch.inference_mode():  # the draft's prefill: no autograd graph
+                drafter.begin(prompt_ids, params, generator, self.meter)
+        if drafter is not None and not self._policy_started:
+            self.policy.begin()
+            self._policy_started = True
+        row = Row(state, drafter, params, generator, max_new_tokens, eos_token_ids, stats)
+        if max_new_tokens == 0:
+            stats.stop_reason, row.done = "length", True
+        self.rows.append(row)
+        return row
+
+    def remove(self, row: Row) -> None:
+        """Take a row out (finished, cancelled or failed); its store row, if any, is freed."""
+        self.rows.remove(row)
+        close = getattr(row.state.target_cache, "close", None)
+        if close is not None:
+            close()
+
+    def running(self) -> list[Row]:
+        return [row for row in self.rows if not row.done]
+
+    @torch.inference_mode()
+    def step(self) -> list[Row]:
+        """One step of every running row; returns them, each with its `committed` tokens."""
+        rows = self.running()
+        if not rows:
+            return []
+        spent = forward_seconds(self.meter)
+        k = self._next_k(rows)
+        verifications = self._verifications(rows, k)
+        results = verify_rows([r.state.target_cache for r in rows], verifications, self.meter)
+        self._observe(rows, results, spent)
+        for row, result in zip(rows, results, strict=True):
+            self._commit(row, result, min(k, max(row.allowed, 0)) if row.drafter else 0)
+        return rows
+
+    # -- one step, in parts -----------------------------------------------------------------
+
+    def _next_k(self, rows: list[Row]) -> int:
+        drafting = [r for r in rows if r.drafter is not None and r.allowed > 0]
+        if not drafting:
+            return 0
+        allowed = max(r.allowed for r in drafting)
+        ask = getattr(self.policy, "next_batch_k", None)
+        k = ask(allowed, len(rows)) if ask is not None and len(rows) > 1 else None
+        k = self.policy.next_k(allowed) if k is None else k
+        return max(0, min(k, allowed))
+
+    def _verifications(self, rows: list[Row], k: int) -> list[Verification]:
+        """Draft for every row (k tokens at most, never past a row's `max_new_tokens`; trees
+        their own shape) and turn each draft into its row's share of the target forward."""
+        drafts: dict[int, Any] = {}
+        chains = [
+            i
+            for i, r in enumerate(rows)
+            if isinstance(r.drafter, Drafter) and min(k, r.allowed) > 0
+        ]
+        # rows with less room draft alone, so that no row drafts past its end
+        for depth in sorted({min(k, rows[i].allowed) for i in chains}):
+            group = [i for i in chains if min(k, rows[i].allowed) == depth]
+            proposed = propose_chains(
+                [rows[i].drafter for i in group], [rows[i].state.tokens for i in group], depth
+            )
+            drafts.update(zip(group, proposed, strict=True))
+        out = []
+        for i, r in enumerate(rows):
+            if isinstance(r.drafter, TreeDrafter) and r.allowed > 0:
+                tree = r.drafter.propose_tree(r.state.tokens, r.allowed)
+                out.append(
+                    tree_verification(r.state, r.drafter, tree, r.params, r.generator, r.stats)
+                )
+            else:
+                drafter = r.drafter if i in drafts else None
+                out.append(
+                    chain_verification(r.state, drafter, drafts.get(i), r.params, r.generator)
+                )
+        return out
+
+    def _observe(self, rows: list[Row], results: list[StepResult], spent: Any) -> None:
+        """The policy learns the step: each row's acceptance, the batch's forward times."""
+        draft_s, target_s = seconds_since(self.meter, spent)
+        verified = sum(r.nodes + 1 for r in results)
+        for row, result in zip(rows, results, strict=True):
+            if row.stats.meter is not self.meter:  # the row's share of the batch's forward
+                row.stats.meter.add("target", result.nodes + 1, target_s)
+        if not any(r.drafter is not None for r in rows):
+            return
+        learn = getattr(self.policy, "observe_step", None)
+        if learn is not None:
+            learn([(r.depth, r.accepted) for r in results], draft_s, target_s, verified)
+        else:  # a policy that knows one sequence only: per row, untimed when rows share a step
+            timed = len(rows) == 1
+            for result in results:
+                times = (draft_s, target_s) if timed else (None, None)
+                self.policy.observe(result.depth, result.accepted, *times)
+
+    @staticmethod
+    def _commit(row: Row, result: StepResult, k: int) -> None:
+        """Exact stops (docs/architecture.md, Invariants 3): the first EOS ends the row's
+        output (the EOS is its last token); never more than max_new_tokens."""
+        stats = row.stats
+        stats.k_hist[k] = stats.k_hist.get(k, 0) + 1
+        committed, n_accepted = result.committed, result.accepted
+        eos_at = next((i for i, t in enumerate(committed) if t in row.eos_token_ids), None)
+        if eos_at is not None:
+            committed = committed[: eos_at + 1]
+            n_accepted = min(n_accepted, eos_at + 1)  # an accepted EOS counts
+        stats.record_step(result.depth, n_accepted, len(committed))
+        row.produced += len(committed)
+        stats.new_tokens = row.produced
+        row.committed = committed
+        if eos_at is not None:
+            stats.stop_reason, row.done = "eos", True
+        elif row.produced >= row.max_new_tokens:
+            stats.stop_reason, row.done = "length", True

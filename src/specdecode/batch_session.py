@@ -1,0 +1,212 @@
+"""`BatchSession`: many generations at once over one `SpeculativeDecoder` (continuous batching).
+
+The object a server drives: `add(prompt, request)` validates a request and prefills it into a
+free row of the target's static key/value store, `step()` advances every running generation by
+one batched step (batch.py) and says what each one produced, `cancel(generation)` takes one out
+at once. Each generation keeps its own sampling parameters, seed, stop strings, EOS ids,
+`max_new_tokens` and exact counters (`Stats`); a stop string ends its row only.
+
+The store is made once, for `max_rows` sequences of up to `max_len` positions each (`LeanStore`
+where the target runs the lean forward, else `store.StaticStore` over the model's own forward);
+`store_bytes` says its size. A full store refuses a new row (`StoreFull`) rather than evicting
+a running one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from specdecode.batch import Batch, Row, fork_drafter
+from specdecode.lean import LeanCache, LeanStore, target_cache
+from specdecode.models.compat import context_length
+from specdecode.request import GenerationRequest
+from specdecode.sampling import make_generator
+from specdecode.store import StaticStore, StoreFull
+from specdecode.textstream import TextStream
+from specdecode.types import ForwardMeter, GenerationResult, Stats
+
+DEFAULT_MAX_LEN = 4096  # positions per row when the model's context is longer or unknown
+
+
+def make_store(target: Any, rows: int, max_len: int) -> LeanStore | StaticStore:
+    """The target's static key/value store: the lean forward's where the target runs on it
+    (`lean.target_cache`), else one over the model's own forward (ValueError for attention it
+    cannot feed a 4D mask)."""
+    if isinstance(target_cache(target), LeanCache):
+        return LeanStore(target, rows, max_len)
+    return StaticStore(target, rows, max_len)
+
+
+@dataclass(eq=False)
+class Generation:
+    """One request running in a BatchSession. After each `step()`: `new_ids` (and `new_text`,
+    when the model has a tokenizer) are what that step added; `finished` once it is over, with
+    `finish_reason` "length", "stop" (EOS or a stop string) or the reason it was cancelled."""
+
+    prompt_ids: list[int]
+    request: GenerationRequest
+    stats: Stats
+    text: TextStream | None
+    row: Row
+    started: float
+    token_ids: list[int] = field(default_factory=list)
+    new_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    finished: bool = False
+    finish_reason: str = ""
+
+    def result(self) -> GenerationResult:
+        """The generation as `SpeculativeDecoder.generate` returns it."""
+        text = self.text.final_text if self.text is not None else None
+        return GenerationResult(list(self.token_ids), text, self.stats, self.prompt_ids)
+
+
+class BatchSession:
+    """Up to `max_rows` generations of `decoder` decoding together (see the module docstring).
+
+    `max_len`: positions per row (prompt + new tokens); default the model's context, at most
+    DEFAULT_MAX_LEN. The decoder's k policy is the batch's: with `k_policy="cost"` it chooses
+    each step's k for the batch size it runs at, 0 included.
+    """
+
+    def __init__(self, decoder: Any, max_rows: int = 8, max_len: int | None = None) -> None:
+        from specdecode.engine import clock_for  # the engine imports this module's users
+
+        self.decoder = decoder
+        target = decoder.target.model
+        limits = [n for n in (context_length(m) for _, m in decoder.context_models()) if n]
+        if max_len is None:
+            max_len = min([DEFAULT_MAX_LEN, *limits])
+        self.max_len = max_len
+        # a token tree's nodes sit in the cache until the step compacts it to the accepted path
+        shape = getattr(decoder.drafter, "shape", None)
+        slack = getattr(shape, "nodes", 0) + 1
+        self.store = make_store(target, max_rows, max_len + slack)
+        self.clock = clock_for(decoder.target.device)
+        meter = ForwardMeter(self.clock if decoder.time_forwards else None)
+        self.batch = Batch(
+            target,
+            policy=decoder.k_policy,
+            meter=meter,
+            new_cache=lambda model: self.store.open_row(),
+        )
+        self.generations: list[Generation] = []
+
+    @property
+    def max_rows(self) -> int:
+        return self.store.rows
+
+    @property
+    def store_bytes(self) -> int:
+        """The preallocated key/value store's size in bytes."""
+        return self.store.nbytes
+
+    @property
+    def free_rows(self) -> int:
+        return self.store.free_rows
+
+    def __len__(self) -> int:
+        return len(self.generations)
+
+    def add(self, prompt: Any, request: GenerationRequest) -> Generation:
+        """Validate `request` for `prompt` (ValueError on bad input, before anything runs),
+        then prefill it into a free row (StoreFull when none is free); it takes part from the
+        next `step()`."""
+        decoder = self.decoder
+        prompt_ids = decoder.encode_prompt(prompt, chat=request.chat)
+        decoder._check_length(len(prompt_ids), request.max_new_tokens)
+        if len(prompt_ids) + request.max_new_tokens > self.max_len:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({request.max_new_tokens}) "
+                f"exceeds the batch's {self.max_len} positions per sequence"
+            )
+        if request.stops and decoder.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        if not self.store.free_rows:
+            raise StoreFull(f"all {self.max_rows} rows of the batch are in use")
+        params = request.params if request.params is not None else decoder.sampling_params()
+        generator = None if params.greedy else make_generator(decoder.target.device, request.seed)
+        eos = decoder.eos_token_ids if request.eos_token_ids is None else request.eos_token_ids
+        stats = Stats()
+        if decoder.time_forwards:
+            stats.meter = ForwardMeter(self.clock)
+        started = self.clock()
+        row = self.batch.add(
+            prompt_ids,
+            request.max_new_tokens,
+            drafter=fork_drafter(decoder.drafter),
+            params=params,
+            generator=generator,
+            eos_token_ids=eos,
+            stats=stats,
+        )
+        text = decoder.text_stream(request) if decoder.tokenizer is not None else None
+        generation = Generation(prompt_ids, request, stats, text, row, started)
+        self.generations.append(generation)
+        return generation
+
+    def step(self) -> list[Generation]:
+        """One batched step of every running generation; returns them with this step's
+        `new_ids` / `new_text`. Finished ones leave the batch (their row is freed)."""
+        stepped = {id(row) for row in self.batch.step()}
+        now = self.clock()
+        out = []
+        for generation in list(self.generations):
+            if id(generation.row) not in stepped:
+                continue
+            self._take(generation, now)
+            out.append(generation)
+        return out
+
+    def cancel(self, generation: Generation, reason: str = "cancelled") -> None:
+        """End a generation now (its row leaves the batch before the next step)."""
+        if not generation.finished:
+            self._finish(generation, reason)
+
+    def generate_all(self, prompts: Sequence[Any], request: GenerationRequest) -> list[Generation]:
+        """Every prompt with the same request, `max_rows` at a time, in order."""
+        pending = list(prompts)
+        done: list[Generation] = []
+        order: dict[int, int] = {}
+        while pending or self.generations:
+            while pending and self.store.free_rows:
+                generation = self.add(pending.pop(0), request)
+                order[id(generation)] = len(order)
+                done.append(generation)
+            self.step()
+        return sorted(done, key=lambda g: order[id(g)])
+
+    # -- inside a step ------------------------------------------------------------------------
+
+    def _take(self, generation: Generation, now: float) -> None:
+        row, stats, text = generation.row, generation.stats, generation.text
+        committed = row.committed
+        if not stats.ttft_s:
+            stats.ttft_s = now - generation.started
+        if text is not None:
+            kept = text.feed(committed)  # the step's one decode, and its stop check
+            if text.stopped:  # a stop string ended the output inside this block
+                stats.emitted -= len(committed) - len(kept)
+                stats.new_tokens -= len(committed) - len(kept)
+                stats.stop_reason = "stop"
+                committed = kept
+            generation.new_text = text.take()
+        generation.new_ids = list(committed)
+        generation.token_ids.extend(committed)
+        stats.wall_time_s = now - generation.started
+        if text is not None and text.stopped:
+            self._finish(generation, "stop")
+        elif row.done:
+            self._finish(generation, "length" if stats.stop_reason == "length" else "stop")
+
+    def _finish(self, generation: Generation, reason: str) -> None:
+        generation.finished, generation.finish_reason = True, reason
+        if generation.text is not None:
+            generation.new_text += generation.text.finish()
+        if reason not in ("length", "stop"):
+            generation.stats.stop_reason = reason
+        generation.stats.wall_time_s = self.clock() - generation.started
+        self.generations.remove(generation)
+        self.batch.remove(generation.row)

@@ -1,0 +1,222 @@
+"""The prompts a distillation answers: a suite (the bench suite or a user's JSONL) split by id into
+prompts trained on and prompts held out, and prompts the target writes itself from seed topics.
+
+The split (`split_heldout`) is per category and depends on the ids alone: a category's prompts are
+ordered by the SHA-256 of their id and the first round(share x n) are held out (at least one, at
+most n - 1, for a category of two or more; a category of one prompt is trained on). The held-out
+prompts are never answered here, so never trained on: `benchmarks/distill_gain.py` measures on
+them. For the built-in suite at the default share 0.25 that is 2 of the 8 prompts per category
+(`tests/test_distill.py` pins the list; docs/benchmarks.md shows it).
+
+Self-written prompts (`--self-prompts N`, with the built-in suite only): for each category, N
+prompts the target writes when asked for one user request about a seed topic (four topics per
+category, taken in turn), sampled at temperature 1.0, top-p 0.95, one seed per attempt, as long
+as an answer may be (`--max-new-tokens`); empty and
+duplicate answers are dropped and up to 2N attempts made. They are trained on (with the suite's
+training prompts); the held-out prompts stay the suite's. Cached in DIR/data/self_prompts.jsonl.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specdecode.bench.suites import BenchPrompt, load_suite
+from specdecode.distill.store import write_atomic
+
+# category -> (what to ask for, seed topics)
+SEED_TOPICS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "code_generation": (
+        "a request to a coding assistant for a short function or script",
+        ("parsing dates", "a small command-line tool", "reading a CSV file", "a retry helper"),
+    ),
+    "code_editing": (
+        "a request to improve a short piece of code, with the code included",
+        ("a slow loop", "missing error handling", "unclear variable names", "duplicated code"),
+    ),
+    "chat": (
+        "a question someone might ask a friendly assistant in a conversation",
+        ("cooking at home", "planning a trip", "learning a language", "keeping fit"),
+    ),
+    "creative_writing": (
+        "a request for a short poem, story or dialogue",
+        ("the sea at night", "a robot learning to paint", "an old bookshop", "the first snow"),
+    ),
+    "summarization": (
+        "a request to summarize a short passage, with the passage of a few sentences included",
+        ("a company announcement", "a science news item", "a meeting's notes", "a book review"),
+    ),
+    "translation": (
+        "a request to translate two or three sentences, with the sentences included",
+        ("English to French", "German to English", "English to Spanish", "Italian to English"),
+    ),
+    "question_answering": (
+        "a factual question with a short answer",
+        ("history", "geography", "biology", "everyday physics"),
+    ),
+    "math_reasoning": (
+        "a short word problem in arithmetic or algebra",
+        ("shopping and prices", "travel times", "sharing things fairly", "percentages"),
+    ),
+    "extraction_rag": (
+        "a request to pull facts out of a short text, with the text included",
+        ("an invoice", "a job advert", "a product page", "an event announcement"),
+    ),
+}
+SELF_PROMPTS_FILE = "self_prompts.jsonl"
+SELF_TEMPERATURE, SELF_TOP_P = 1.0, 0.95
+
+
+@dataclass(frozen=True)
+class DistillPrompt:
+    """A prompt answered for training (its first user turn) or held out."""
+
+    id: str
+    category: str
+    text: str
+
+    @property
+    def digest(self) -> str:
+        """A short hash of the text: an answer cached for an id whose text changed is redone."""
+        return hashlib.sha256(self.text.encode()).hexdigest()[:12]
+
+
+def _rank(prompt_id: str) -> str:
+    return hashlib.sha256(prompt_id.encode()).hexdigest()
+
+
+def held_out_count(n: int, share: float) -> int:
+    """How many of a category's n prompts are held out."""
+    if share <= 0 or n < 2:
+        return 0
+    return min(n - 1, max(1, int(share * n + 0.5)))
+
+
+def split_heldout(
+    prompts: Sequence[BenchPrompt], share: float
+) -> tuple[list[BenchPrompt], list[BenchPrompt]]:
+    """(trained on, held out), each in the suite's order; see the module's docstring."""
+    by_category: dict[str, list[BenchPrompt]] = {}
+    for p in prompts:
+        by_category.setdefault(p.category, []).append(p)
+    held: set[str] = set()
+    for members in by_category.values():
+        ranked = sorted(members, key=lambda p: _rank(p.id))
+        held.update(p.id for p in ranked[: held_out_count(len(members), share)])
+    return [p for p in prompts if p.id not in held], [p for p in prompts if p.id in held]
+
+
+def suite_prompts(
+    path: str | None, categories: Sequence[str] | None, share: float
+) -> tuple[list[DistillPrompt], list[BenchPrompt]]:
+    """The suite's training prompts (first turns) and its held-out prompts; ValueError for an
+    empty or bad suite and when nothing is left to train on."""
+    try:
+        prompts = load_suite(path, categories=categories)
+    except ValueError as err:
+        raise ValueError(f"no prompts to distil on: {err}") from None
+    train, held = split_heldout(prompts, share)
+    if not train:
+        raise ValueError(
+            f"no prompts to distil on: all {len(prompts)} prompts are held out (--holdout {share})"
+        )
+    return [DistillPrompt(p.id, p.category, p.turns[0]) for p in train], held
+
+
+def _cached_self_prompts(data_dir: Path) -> dict[str, list[dict[str, Any]]]:
+    path = data_dir / SELF_PROMPTS_FILE
+    kept: dict[str, list[dict[str, Any]]] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                kept.setdefault(row["category"], []).append(row)
+    return kept
+
+
+def _chosen(kept: dict[str, list[dict[str, Any]]], categories: Sequence[str], n: int):
+    rows = [r for c in categories for r in kept.get(c, [])[:n]]
+    return [DistillPrompt(r["id"], r["category"], r["prompt"]) for r in rows]
+
+
+def cached_self_prompts(
+    data_dir: Path, categories: Sequence[str], per_category: int
+) -> list[DistillPrompt] | None:
+    """The self-written prompts when every category already has what was asked (else None: the
+    target must write some)."""
+    kept = _cached_self_prompts(data_dir)
+    if any(len(kept.get(c, [])) < per_category for c in categories):
+        return None
+    return _chosen(kept, categories, per_category)
+
+
+def check_self_prompt_categories(categories: Sequence[str]) -> None:
+    unknown = [c for c in categories if c not in SEED_TOPICS]
+    if unknown:
+        raise ValueError(
+            f"--self-prompts has seed topics for the built-in categories only, not {unknown[0]!r}"
+        )
+
+
+def self_prompts(
+    engine: Any,
+    categories: Sequence[str],
+    per_category: int,
+    data_dir: Path,
+    chat: bool,
+    max_new_tokens: int,
+) -> tuple[list[DistillPrompt], dict[str, Any]]:
+    """`per_category` prompts per category written by the target (`engine`, a SpeculativeDecoder;
+    each at most `max_new_tokens` long, the answers' length),
+    cached in data_dir/self_prompts.jsonl (a category already there is not asked again); and
+    what it took this run (attempts, dropped)."""
+    check_self_prompt_categories(categories)
+    path = data_dir / SELF_PROMPTS_FILE
+    kept = _cached_self_prompts(data_dir)
+    report = {"per_category": per_category, "attempts": 0, "dropped": 0}
+    for category in categories:
+        rows = kept.setdefault(category, [])
+        if len(rows) >= per_category:
+            continue
+        ask, topics = SEED_TOPICS[category]
+        seen = {r["prompt"] for r in rows}
+        for attempt in range(len(rows), 2 * per_category):
+            if len(rows) >= per_category:
+                break
+            topic = topics[attempt % len(topics)]
+            instruction = (
+                f"Write {ask}, about {topic}. Reply with the request alone, as the user would "
+                "write it, and nothing else."
+            )
+            result = engine.generate(
+                instruction,
+                max_new_tokens=max_new_tokens,
+                temperature=SELF_TEMPERATURE,
+                top_p=SELF_TOP_P,
+                seed=attempt,
+                chat=chat,
+            )
+            report["attempts"] += 1
+            text = (result.text or "").strip()
+            if not text or text in seen:
+                report["dropped"] += 1
+                continue
+            seen.add(text)
+            rows.append(
+                {
+                    "id": f"self-{category}-{len(rows) + 1:03d}",
+                    "category": category,
+                    "prompt": text,
+                    "topic": topic,
+                    "seed": attempt,
+                }
+            )
+        body = "".join(json.dumps(r) + "\n" for c in kept for r in kept[c])
+        write_atomic(path, "the self-written prompts", lambda p, body=body: p.write_text(body))
+    chosen = _chosen(kept, categories, per_category)
+    report["written"] = len(chosen)
+    return chosen, report

@@ -1,0 +1,292 @@
+"""Training the draft on the target's answers: LoRA adapters (peft) on every linear layer of the
+draft but its output layer, float32 master weights, bfloat16 autocast where the draft serves in
+bfloat16 (on the CPU and on a GPU that has it), AdamW.
+
+One step = `batch_size` answers (gradients accumulated one answer at a time, so no padding and
+little memory), the loss (loss.py) averaged over their tokens, gradients clipped to norm 1, a
+learning rate warmed up over the first `WARMUP_STEPS` steps. The answers are visited in a seeded
+order, reshuffled per pass: step s always trains on the same answers, so a resumed run is the
+run that was interrupted.
+
+A budget (settings.Budget) bounds it: trained tokens (a step that would pass it is not run), or
+seconds of training summed over resumed runs (no step starts that the mean step time says would
+pass it). A token budget below the first step's tokens, or a time budget shorter than the first
+step took, is a ValueError: nothing would be learnt. Checkpoints (DIR/checkpoints/step-N.pt: the
+adapter's weights, the optimizer's state, the step, tokens, seconds and the loss curve) every
+`checkpoint_every` steps, at the end and on an interrupt; the two newest are kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdecode.distill.data import Answer
+from specdecode.distill.loss import distill_loss
+from specdecode.distill.settings import Budget, DistillSettings
+from specdecode.distill.store import load_tensors, save_tensors
+
+WARMUP_STEPS = 10
+KEEP_CHECKPOINTS = 2
+EVAL_ANSWERS = 8  # answers the loss before / after training is measured on
+
+
+class Interrupted(Exception):
+    """Ctrl-C during a distillation: what was kept, and how to resume, is the message."""
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    curve: list[list[float]] = field(default_factory=list)  # [step, tokens, loss] per step
+
+
+def peft_modules() -> Any:
+    try:
+        import peft
+    except ImportError:
+        raise ValueError(
+            "distillation trains LoRA adapters with peft, which is not installed: "
+            "pip install 'specdecode[distill]' (or pip install peft)"
+        ) from None
+    return peft
+
+
+def add_lora(model: Any, rank: int, alpha: float, seed: int = 0) -> Any:
+    """`model` with trainable LoRA adapters on its linear layers (all but the output layer); its
+    own weights frozen. The adapters' random start is seeded (B = 0: the draft is unchanged)."""
+    peft = peft_modules()
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules="all-linear", bias="none"
+    )
+    with quiet_peft(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return peft.get_peft_model(model, config)
+
+
+@contextlib.contextmanager
+def quiet_peft() -> Any:
+    """peft asks transformers 5 for a deprecated attribute, a FutureWarning per model."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=".*is_gradient_checkpointing", category=FutureWarning
+        )
+        yield
+
+
+def autocast_dtype(settings: DistillSettings, device: torch.device) -> torch.dtype | None:
+    """bfloat16 autocast (`--autocast auto`) where the draft serves in bfloat16 (`--dtype`) and
+    the device computes in it; `bf16` asks for it, `off` trains in float32."""
+    if settings.autocast == "off":
+        return None
+    if settings.autocast == "auto" and settings.dtype not in ("bfloat16", "bf16"):
+        return None
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        if settings.autocast == "bf16":
+            raise ValueError(f"--autocast bf16: {device} does not compute in bfloat16")
+        return None
+    return torch.bfloat16
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None) -> Any:
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def answers_digest(answers: Sequence[Answer]) -> str:
+    """Which answers training sees, in order: part of what a checkpoint must match."""
+    return hashlib.sha256("\n".join(a.key for a in answers).encode()).hexdigest()[:16]
+
+
+def step_indices(step: int, n: int, batch_size: int, seed: int) -> list[int]:
+    """The answers step `step` trains on: positions step·B .. step·B + B - 1 of the passes over
+    `n` answers, each pass in its own seeded order."""
+    out = []
+    for position in range(step * batch_size, (step + 1) * batch_size):
+        epoch, index = divmod(position, n)
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        out.append(int(order[index]))
+    return out
+
+
+def _input(answer: Answer, device: torch.device) -> torch.Tensor:
+    ids = torch.cat([answer.prompt_ids, answer.answer_ids[:-1]]).long()  # [P + T - 1]
+    return ids[None].to(device)
+
+
+def answer_loss(
+    model: Any, answer: Answer, vocab: int, kind: str, device: torch.device, dtype: Any
+) -> torch.Tensor:
+    """The summed loss over one answer's positions (a 0-d tensor with its graph)."""
+    with _autocast(device, dtype):
+        logits = model(input_ids=_input(answer, device), logits_to_keep=answer.tokens).logits
+    logits = logits[0, :, :vocab].float()  # [T, vocab]
+    return distill_loss(
+        logits,
+        answer.top_logprobs.to(device),
+        answer.top_ids.to(device),
+        answer.tail.to(device),
+        kind,
+    ).sum()
+
+
+@torch.no_grad()
+def mean_loss(
+    model: Any, answers: Sequence[Answer], vocab: int, kind: str, device: torch.device, dtype: Any
+) -> float:
+    """The loss per token over `answers` (no training)."""
+    total = sum(float(answer_loss(model, a, vocab, kind, device, dtype)) for a in answers)
+    return total / max(1, sum(a.tokens for a in answers))
+
+
+def _one_step(
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    batch: Sequence[Answer],
+    vocab: int,
+    kind: str,
+    device: torch.device,
+    dtype: Any,
+) -> float:
+    """One optimizer step on `batch`; its loss per token."""
+    optimizer.zero_grad(set_to_none=True)
+    tokens = sum(a.tokens for a in batch)
+    total = 0.0
+    for answer in batch:
+        loss = answer_loss(model, answer, vocab, kind, device, dtype) / tokens
+        loss.backward()
+        total += float(loss.detach())
+    params = [p for p in model.parameters() if p.requires_grad]
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
+    return total
+
+
+class Checkpoints:
+    """DIR/checkpoints/step-N.pt: write, find the newest, load (checking it is this run's)."""
+
+    def __init__(self, folder: Path, key: dict[str, Any]) -> None:
+        self.folder, self.key = folder, key
+
+    def paths(self) -> list[Path]:
+        return sorted(self.folder.glob("step-*.pt")) if self.folder.exists() else []
+
+    def save(self, model: Any, optimizer: torch.optim.Optimizer, state: TrainState) -> Path:
+        peft = peft_modules()
+        path = self.folder / f"step-{state.step:07d}.pt"
+        data = {
+            "key": json.dumps(self.key, sort_keys=True),
+            "state": state.__dict__,
+            "lora": peft.get_peft_model_state_dict(model),
+            "optimizer": optimizer.state_dict(),
+        }
+        save_tensors(path, data, f"checkpoint {path.name}")
+        for old in self.paths()[:-KEEP_CHECKPOINTS]:
+            old.unlink()
+        return path
+
+    def resume(self, model: Any, optimizer: torch.optim.Optimizer) -> TrainState | None:
+        """The newest checkpoint loaded into `model` and `optimizer`, or None."""
+        paths = self.paths()
+        if not paths:
+            return None
+        data = load_tensors(paths[-1])
+        held = json.loads(data["key"])
+        if held != self.key:
+            differ = sorted(k for k in {*held, *self.key} if held.get(k) != self.key.get(k))
+            raise ValueError(
+                f"{paths[-1]} was trained with other settings ({', '.join(differ)} differ): run "
+                f"with the same settings to resume, or remove {self.folder} to train afresh"
+            )
+        peft_modules().set_peft_model_state_dict(model, data["lora"])
+        optimizer.load_state_dict(data["optimizer"])
+        return TrainState(**data["state"])
+
+
+def too_small(budget: Budget, why: str) -> ValueError:
+    return ValueError(
+        f"--budget {budget.text} is too small for one training step ({why}): raise --budget, "
+        "or lower --batch-size"
+    )
+
+
+def train(
+    model: Any,
+    answers: Sequence[Answer],
+    settings: DistillSettings,
+    vocab: int,
+    device: torch.device,
+    checkpoints: Checkpoints,
+    progress: bool = True,
+) -> TrainState:
+    """Train `model` (with its LoRA adapters) within the budget, resuming from `checkpoints`;
+    the final state (also checkpointed). Interrupted on Ctrl-C, after a checkpoint."""
+    from tqdm import tqdm
+
+    dtype = autocast_dtype(settings, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
+    state = checkpoints.resume(model, optimizer) or TrainState()
+    budget = settings.budget
+    if budget.tokens is not None:  # the bar counts the budget: tokens or seconds
+        total, done, unit = budget.tokens, min(state.tokens, budget.tokens), "tok"
+    else:
+        total, done, unit = round(budget.seconds or 0, 1), round(state.seconds, 1), "s"
+    bar = tqdm(total=total, initial=done, unit=unit, desc="training", disable=not progress)
+    model.train()
+    try:
+        while True:
+            batch = [
+                answers[i]
+                for i in step_indices(state.step, len(answers), settings.batch_size, settings.seed)
+            ]
+            tokens = sum(a.tokens for a in batch)
+            if budget.tokens is not None and state.tokens + tokens > budget.tokens:
+                if state.step == 0:
+                    raise too_small(budget, f"its first step trains {tokens} tokens")
+                break
+            mean_step = state.seconds / state.step if state.step else 0.0
+            if (
+                budget.seconds is not None
+                and state.step
+                and state.seconds + mean_step > budget.seconds
+            ):
+                break
+            for group in optimizer.param_groups:
+                group["lr"] = settings.lr * min(1.0, (state.step + 1) / WARMUP_STEPS)
+            start = time.perf_counter()
+            loss = _one_step(model, optimizer, batch, vocab, settings.loss, device, dtype)
+            seconds = time.perf_counter() - start
+            if budget.seconds is not None and state.step == 0 and seconds > budget.seconds:
+                raise too_small(budget, f"the first step took {seconds:.1f} s")
+            state.step += 1
+            state.tokens += tokens
+            state.seconds += seconds
+            state.curve.append([state.step, state.tokens, round(loss, 6)])
+            bar.update(tokens if budget.tokens is not None else round(seconds, 1))
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / seconds:.0f}", refresh=False)
+            if state.step % settings.checkpoint_every == 0:
+                checkpoints.save(model, optimizer, state)
+    except KeyboardInterrupt:
+        bar.close()
+        path = checkpoints.save(model, optimizer, state)
+        raise Interrupted(
+            f"interrupted at training step {state.step}: saved {path}. Run the same command "
+            "again to resume from it (the data is cached in the --out folder)"
+        ) from None
+    bar.close()
+    model.eval()
+    checkpoints.save(model, optimizer, state)
+    return state

@@ -1,0 +1,474 @@
+"""`specdecode distill` on a tiny random float32 pair: the loss falls, the adapter loads as
+`distilled:DIR` and decodes token for token as the target alone, interrupted runs resume to the
+same result, held-out prompts are never trained on, and bad input is one clear message."""
+
+from __future__ import annotations
+
+import errno
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdecode import SpeculativeDecoder, load_model
+from specdecode.bench.suites import load_suite
+from specdecode.cli import main
+from specdecode.distill import data as data_module
+from specdecode.distill import result as result_module
+from specdecode.distill import store as store_module
+from specdecode.distill import train as train_module
+from specdecode.distill.data import AnswerStore
+from specdecode.distill.loss import distill_loss
+from specdecode.distill.prompts import held_out_count, split_heldout
+from specdecode.distill.result import read_result
+from specdecode.distill.settings import Budget, DistillSettings, parse_temperatures
+from specdecode.draft_spec import DraftSpec, ModelSpec
+from specdecode.drafters import resolve_draft
+
+from conftest import char_tokenizer, noisy_copy, tiny_llama
+
+pytest.importorskip("peft")
+
+CHAT = (
+    "{% for m in messages %}{{ m['role'][0] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}a: {% endif %}"
+)
+# the built-in suite's held-out prompts at the default share (docs/benchmarks.md lists them)
+BUILTIN_HELD_OUT = [
+    "code_generation-01", "code_generation-05", "code_editing-04", "code_editing-05",
+    "chat-03", "chat-06", "creative_writing-03", "creative_writing-05", "summarization-02",
+    "summarization-04", "translation-04", "translation-08", "question_answering-03",
+    "question_answering-06", "math_reasoning-01", "math_reasoning-08", "extraction_rag-03",
+    "extraction_rag-06",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A tiny target, a draft that often disagrees with it, a draft with another tokenizer, and
+    a prompt file of two categories x three prompts."""
+    root = tmp_path_factory.mktemp("distill-models")
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = CHAT
+    target = tiny_llama(seed=0, vocab=len(tokenizer))
+    for name, model in (("target", target), ("draft", noisy_copy(target, 0.3))):
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    other = char_tokenizer(extra="0123456789")
+    other.chat_template = CHAT
+    tiny_llama(seed=1, vocab=len(other)).save_pretrained(root / "foreign")
+    other.save_pretrained(root / "foreign")
+    lines = [
+        {"id": f"{cat}-{i}", "category": cat, "prompt": f"tell me about {what}, part {i}."}
+        for cat, what in (("qa", "the sea"), ("writing", "a cat"))
+        for i in "abc"
+    ]
+    (root / "prompts.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return root
+
+
+def distill_args(pair: Path, out: Path, *extra: str, budget: str = "240") -> list[str]:
+    return [
+        "distill",
+        "--target", str(pair / "target"),
+        "--draft", str(pair / "draft"),
+        "--prompts", str(pair / "prompts.jsonl"),
+        "--out", str(out),
+        "--dtype", "float32",
+        "--max-new-tokens", "12",
+        "--budget", budget,
+        "--lr", "1e-2",
+        "--batch-size", "2",
+        "--lora-rank", "4",
+        "--checkpoint-every", "4",
+        *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def distilled(pair, tmp_path_factory):
+    out = tmp_path_factory.mktemp("distilled") / "run"
+    assert main(distill_args(pair, out)) == 0
+    return out
+
+
+def adapter_weights(out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(out / "adapter" / "adapter_model.safetensors")
+
+
+def with_data(distilled: Path, out: Path) -> Path:
+    """A fresh output folder holding the fixture's cached answers (no answering needed)."""
+    out.mkdir(parents=True)
+    shutil.copytree(distilled / "data", out / "data")
+    return out
+
+
+# -- pieces -----------------------------------------------------------------------------------
+
+
+def test_the_builtin_split_is_by_id_and_pinned():
+    prompts = load_suite()
+    train, held = split_heldout(prompts, 0.25)
+    assert [p.id for p in held] == BUILTIN_HELD_OUT  # 2 of the 8 per category
+    assert len(train) == len(prompts) - len(held) and not {p.id for p in train} & set(
+        BUILTIN_HELD_OUT
+    )
+    _, held_again = split_heldout(list(reversed(prompts)), 0.25)  # the order does not matter
+    assert {p.id for p in held_again} == set(BUILTIN_HELD_OUT)
+    assert [held_out_count(n, 0.25) for n in (1, 2, 3, 8, 9)] == [0, 1, 1, 2, 2]
+    assert held_out_count(4, 0.99) == 3 and held_out_count(8, 0) == 0  # one is always trained on
+
+
+def test_budgets_and_temperatures_parse_or_say_what_they_take():
+    assert Budget.parse("30m").seconds == 1800 and Budget.parse("1.5h").seconds == 5400
+    assert Budget.parse("90s").seconds == 90 and Budget.parse("5ms").seconds == 0.005
+    assert Budget.parse("200k").tokens == 200_000 and Budget.parse("2M").tokens == 2_000_000
+    assert Budget.parse("5000").tokens == 5000
+    for bad in ("0", "-3", "abc", "1.5", "10 minutes", ""):
+        with pytest.raises(ValueError, match="a budget is a training time"):
+            Budget.parse(bad)
+    assert parse_temperatures("0, 0.7,0") == [0.0, 0.7]
+    for bad in ("", "hot", "-1"):
+        with pytest.raises(ValueError, match="--temperatures"):
+            parse_temperatures(bad)
+
+
+def test_the_loss_is_zero_at_the_target_and_positive_elsewhere():
+    gen = torch.Generator().manual_seed(0)
+    target = torch.randn(5, 40, generator=gen) * 3  # [T, V]
+    top = torch.log_softmax(target, -1).topk(8, dim=-1)
+    tail = 1 - top.values.exp().sum(-1)
+    for kind in ("kl", "tv"):
+        assert distill_loss(target, top.values.half(), top.indices.int(), tail, kind).abs().max() < 2e-3  # fmt: skip
+        other = torch.randn(5, 40, generator=gen, requires_grad=True)
+        loss = distill_loss(other, top.values.half(), top.indices.int(), tail, kind)
+        assert (loss > 0.01).all()
+        loss.sum().backward()
+        assert torch.isfinite(other.grad).all()
+    # the top-k covering the vocabulary: an empty tail, finite gradients
+    full = torch.log_softmax(target, -1).topk(40, dim=-1)
+    other = torch.randn(5, 40, generator=gen, requires_grad=True)
+    loss = distill_loss(other, full.values.half(), full.indices.int(), torch.zeros(5), "kl")
+    loss.sum().backward()
+    assert torch.isfinite(loss).all() and torch.isfinite(other.grad).all()
+
+
+def test_distilled_draft_specs_parse_and_print_back():
+    spec = DraftSpec.parse("distilled:runs/d:int4")
+    assert spec == DraftSpec("distilled", model=ModelSpec("runs/d", "int4"))
+    assert spec.distilled_dir == "runs/d" and spec.is_model_draft
+    assert str(spec) == "distilled:runs/d:int4" and DraftSpec.parse(str(spec)) == spec
+    assert DraftSpec.parse("distilled:/a:b").distilled_dir == "/a:b"  # a colon in the folder
+    for bad, message in (("distilled", "needs its folder"), ("distilled:", "needs its folder")):
+        with pytest.raises(ValueError, match=message):
+            DraftSpec.parse(bad)
+    with pytest.raises(ValueError, match="unknown quantization 'int3'"):
+        DraftSpec.parse("distilled:d:int3")
+
+
+# -- a whole distillation ---------------------------------------------------------------------
+
+
+def test_the_loss_falls_and_the_distilled_draft_is_lossless(pair, distilled):
+    record = read_result(distilled)
+    training = record["training"]
+    assert training["steps"] >= 5 and len(training["curve"]) == training["steps"]
+    assert training["tokens"] <= 240  # the budget
+    assert training["loss_after"] < 0.7 * training["loss_before"]
+    assert record["draft"] == str(pair / "draft") and record["target"] == str(pair / "target")
+
+    target = load_model(pair / "target", dtype="float32")
+    draft = resolve_draft(f"distilled:{distilled}", target, dtype="float32")
+    assert draft.name == f"distilled:{distilled}"
+    # merged: a plain model, no adapter modules left for the kernels or the lean forward to meet
+    assert not any("lora" in name for name, _ in draft.model.named_modules())
+    original = resolve_draft(str(pair / "draft"), target, dtype="float32")
+    ar = SpeculativeDecoder(target)
+    accepted = {"original": [0, 0], "distilled": [0, 0]}
+    for prompt in load_suite(pair / "prompts.jsonl"):
+        text = prompt.turns[0]
+        expected = ar.generate(text, max_new_tokens=20, chat=True).token_ids
+        for name, d in (("original", original), ("distilled", draft)):
+            for tree in (None, "static:2,2,1"):
+                out = SpeculativeDecoder(target, d, k=3, tree=tree).generate(
+                    text, max_new_tokens=20, chat=True
+                )
+                assert out.token_ids == expected, (name, tree, prompt.id)  # lossless
+                if tree is None and prompt.id in record["data"]["train_prompt_ids"]:
+                    accepted[name][0] += out.stats.accepted
+                    accepted[name][1] += out.stats.drafted
+    rate = {name: a / d for name, (a, d) in accepted.items()}
+    assert rate["distilled"] > rate["original"]  # it learnt what the target says
+
+
+def test_held_out_prompts_are_never_answered(pair, distilled):
+    record = read_result(distilled)
+    data = record["data"]
+    assert data["heldout_prompt_ids"] == ["qa-a", "writing-a"]
+    assert data["train_prompt_ids"] == ["qa-b", "qa-c", "writing-b", "writing-c"]
+    manifest = json.loads((distilled / "data" / "manifest.json").read_text())
+    answered = {key.split("|")[0] for keys in manifest["shards"].values() for key in keys}
+    assert answered == set(data["train_prompt_ids"])
+    assert data["answers"] == 8  # 4 prompts x (greedy + one sample at 0.7)
+
+
+def test_an_interrupted_training_resumes_to_the_same_adapter(
+    pair, distilled, tmp_path, monkeypatch, capsys
+):
+    out = with_data(distilled, tmp_path / "run")
+    real, calls = train_module._one_step, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 6:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "_one_step", interrupted)
+    assert main(distill_args(pair, out)) == 130
+    err = capsys.readouterr().err
+    assert "interrupted at training step 5" in err and "Run the same command again" in err
+    assert "Traceback" not in err and (out / "checkpoints" / "step-0000005.pt").exists()
+    with pytest.raises(ValueError, match=r"no distill\.json \(an unfinished distillation"):
+        read_result(out)
+    monkeypatch.setattr(train_module, "_one_step", real)
+    assert main(distill_args(pair, out)) == 0
+    resumed, whole = adapter_weights(out), adapter_weights(distilled)
+    assert resumed.keys() == whole.keys()
+    for name in whole:
+        assert torch.equal(resumed[name], whole[name]), name
+    assert read_result(out)["training"]["curve"] == read_result(distilled)["training"]["curve"]
+    # other training settings do not resume these checkpoints
+    assert main(distill_args(pair, out, "--lr", "1e-3")) == 2
+    assert "trained with other settings (lr differ)" in capsys.readouterr().err
+
+
+def test_an_interrupted_answering_resumes_where_it_stopped(
+    pair, distilled, tmp_path, monkeypatch, capsys
+):
+    out = tmp_path / "run"
+    real, calls = data_module.target_distributions, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(data_module, "target_distributions", counted)
+    args = distill_args(pair, out, "--categories", "qa", budget="50")
+    assert main(args) == 130
+    err = capsys.readouterr().err
+    assert "interrupted while the target answered: 2 of 4 answers are cached" in err
+    calls.clear()
+    assert main(args) == 0
+    assert len(calls) == 2  # only the missing answers
+    key = json.loads((out / "data" / "config.json").read_text())["settings"]
+    store, whole = AnswerStore(out / "data", key), AnswerStore(distilled / "data", key)
+    keys = sorted(store.done())
+    for mine, theirs in zip(store.load(keys), whole.load(keys), strict=True):
+        assert torch.equal(mine.answer_ids, theirs.answer_ids)
+        assert torch.equal(mine.top_ids, theirs.top_ids)
+
+
+def test_the_target_writes_prompts_when_asked(pair, tmp_path):
+    out = tmp_path / "run"
+    args = distill_args(pair, out, "--temperatures", "0", budget="30")
+    args[args.index("--prompts") : args.index("--prompts") + 2] = []  # the built-in suite
+    assert main([*args, "--categories", "chat", "--self-prompts", "1"]) == 0
+    record = read_result(out)
+    assert record["data"]["self_prompt_ids"] == ["self-chat-001"]
+    assert record["data"]["self_prompts"]["written"] == 1
+    assert len(record["data"]["train_prompt_ids"]) == 6  # the suite's chat prompts, 2 held out
+    assert not set(record["data"]["heldout_prompt_ids"]) & set(record["data"]["train_prompt_ids"])
+    rows = (out / "data" / "self_prompts.jsonl").read_text().splitlines()
+    assert [json.loads(r)["category"] for r in rows] == ["chat"]
+
+
+def test_bfloat16_autocast_is_chosen_for_a_bfloat16_draft_and_trains():
+    cpu = torch.device("cpu")
+    assert train_module.autocast_dtype(DistillSettings("t", "d", "o"), cpu) == torch.bfloat16
+    as_fp32 = DistillSettings("t", "d", "o", dtype="float32")
+    assert train_module.autocast_dtype(as_fp32, cpu) is None
+    assert train_module.autocast_dtype(DistillSettings("t", "d", "o", autocast="off"), cpu) is None
+    model = train_module.add_lora(tiny_llama(seed=0), 4, 8.0)
+    gen = torch.Generator().manual_seed(0)
+    answer = data_module.Answer(
+        "k", "p", "c", 0.0,
+        prompt_ids=torch.tensor([1, 2, 3], dtype=torch.int32),
+        answer_ids=torch.tensor([4, 5], dtype=torch.int32),
+        top_logprobs=torch.log_softmax(torch.randn(2, 96, generator=gen), -1).topk(8).values.half(),
+        top_ids=torch.randint(0, 96, (2, 8), generator=gen, dtype=torch.int32),
+        tail=torch.full((2,), 0.5),
+    )  # fmt: skip
+    loss = train_module.answer_loss(model, answer, 96, "kl", cpu, torch.bfloat16)
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
+    assert torch.isfinite(loss) and grads and all(torch.isfinite(g).all() for g in grads)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # float32 master weights
+
+
+# -- what is refused --------------------------------------------------------------------------
+
+
+def test_a_half_written_result_never_loads(pair, distilled, tmp_path, monkeypatch):
+    target = load_model(pair / "target", dtype="float32")
+    copy = tmp_path / "copy"
+    shutil.copytree(distilled, copy)
+    (copy / "distill.json").unlink()  # as an interrupted final write leaves it
+    with pytest.raises(ValueError, match=r"no distill\.json \(an unfinished distillation"):
+        resolve_draft(f"distilled:{copy}", target, dtype="float32")
+
+    shutil.copytree(distilled, tmp_path / "changed")
+    weights = tmp_path / "changed" / "adapter" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8])
+    with pytest.raises(ValueError, match=r"is not the adapter distill\.json records"):
+        resolve_draft(f"distilled:{tmp_path / 'changed'}", target, dtype="float32")
+    with pytest.raises(ValueError, match="no such folder"):
+        resolve_draft(f"distilled:{tmp_path / 'none'}", target, dtype="float32")
+
+    # the final write stopped between removing the old record and writing the new one
+    again = tmp_path / "again"
+    shutil.copytree(distilled, again)
+    shutil.rmtree(again / "adapter")
+    monkeypatch.setattr(
+        result_module, "replace_folder", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt())
+    )
+    model = train_module.add_lora(load_model(pair / "draft", dtype="float32").model, 4, 8.0)
+    with pytest.raises(KeyboardInterrupt):
+        result_module.write_result(again, model, read_result(distilled))
+    assert (again / ".adapter.partial").is_dir() and not (again / "distill.json").exists()
+    with pytest.raises(ValueError, match="unfinished distillation"):
+        read_result(again)
+
+
+def test_the_calibration_keys_a_distilled_draft_by_its_adapter(distilled):
+    from specdecode.bench.calibrate import canonical_draft
+
+    sha = read_result(distilled)["adapter"]["sha256"]
+    assert (
+        canonical_draft(f"distilled:{distilled}:int4") == f"distilled:{distilled}:int4@{sha[:16]}"
+    )
+
+
+def test_a_distilled_draft_checks_its_target(pair, distilled, capsys):
+    foreign = load_model(pair / "foreign", dtype="float32")
+    with pytest.raises(ValueError, match="the target's tokenizer is not the one it was distilled"):
+        resolve_draft(f"distilled:{distilled}", foreign, dtype="float32")
+    draft_as_target = load_model(pair / "draft", dtype="float32")  # same tokenizer, other name
+    resolve_draft(f"distilled:{distilled}", draft_as_target, dtype="float32")
+    assert "was trained for" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--budget", "soon"], "bad --budget 'soon'"),
+        (["--temperatures", "warm"], "bad --temperatures"),
+        (["--self-prompts", "2"], "--self-prompts writes prompts when there is no --prompts"),
+        (["--draft", "ngram"], "distill trains a draft model"),
+        (["--holdout", "1"], "--holdout is a share"),
+        (["--categories", "poetry"], "no prompts to distil on: .*unknown category 'poetry'"),
+    ],
+)
+def test_bad_options_fail_before_loading(pair, tmp_path, capsys, extra, message):
+    assert main([*distill_args(pair, tmp_path / "run"), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specdecode: error: ") and len(err.strip().splitlines()) == 1
+    assert re.search(message, err), err
+    assert not (tmp_path / "run" / "data").exists()  # nothing was loaded or written
+
+
+def test_bad_input_is_one_clear_line(pair, distilled, tmp_path, monkeypatch, capsys):
+    def fails(argv: list[str], code: int, message: str) -> None:
+        assert main(argv) == code
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    args = distill_args(pair, tmp_path / "a")
+    args[args.index("--prompts") + 1] = str(empty)
+    fails(args, 2, "no prompts to distil on: ")
+    args = distill_args(pair, tmp_path / "b")
+    args[args.index("--draft") + 1] = str(pair / "foreign")
+    fails(args, 2, "cannot draft for target, so it cannot be distilled for it: incompatible tokenizers")  # fmt: skip
+    # budgets too small for one step: nothing is trained and no adapter written
+    fails(distill_args(pair, with_data(distilled, tmp_path / "c"), budget="5"), 2, "--budget 5 is too small for one training step (its first step trains")  # fmt: skip
+    fails(distill_args(pair, with_data(distilled, tmp_path / "d"), budget="1ms"), 2, "--budget 1ms is too small for one training step (the first step took")  # fmt: skip
+    assert not (tmp_path / "c" / "distill.json").exists()
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store_module.torch, "save", full)
+    out = with_data(distilled, tmp_path / "e")
+    fails(distill_args(pair, out), 1, "the disk is full: writing checkpoint step-0000004.pt")
+    assert not list(out.rglob("*.partial")) and not (out / "distill.json").exists()
+    monkeypatch.undo()
+    assert main(distill_args(pair, out)) == 0  # resumes once there is room
+
+
+# -- benchmarks/distill_gain.py ---------------------------------------------------------------
+
+
+def _gain_module():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "distill_gain.py"
+    spec = importlib.util.spec_from_file_location("distill_gain", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gain_is_measured_on_the_held_out_prompts(distilled, tmp_path, capsys):
+    gain = _gain_module()
+    out = tmp_path / "gain"
+    argv = [str(distilled), "--dtype", "float32", "--max-new-tokens", "12", "--k", "2"]
+    argv += ["--tree", "static:2,1", "--out", str(out)]
+    assert gain.main([*argv, "--dry-run"]) is None and not out.exists()  # loads nothing
+    result = gain.main(argv)
+    held = [json.loads(line)["id"] for line in (out / "heldout.jsonl").read_text().splitlines()]
+    assert held == ["qa-a", "writing-a"]
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert {r["prompt_id"] for r in records} == set(held)
+    assert all(r["identical_to_ar"] for r in records)  # float32: lossless with both drafts
+    assert {r["draft"] for r in records if r["method"] == "spec"} == {
+        result["original"],
+        result["distilled"],
+    }
+    cells = {(e["category"], e["setting"]) for e in result["gain"]}
+    for category in ("all", "qa", "writing"):
+        assert {(category, s) for s in ("k=2", "tree=static:2,1", "best tree")} <= cells
+    for entry in result["gain"]:
+        assert None not in (entry["alpha_original"], entry["alpha_distilled"])
+        assert entry["alpha_gain"] == pytest.approx(
+            entry["alpha_distilled"] - entry["alpha_original"]
+        )
+    assert "| qa | k=2 |" in (out / "gain.md").read_text()
+
+
+def test_the_gain_verdict_reads_the_issue_bar():
+    gain = _gain_module()
+
+    def entry(category, setting, alpha_gain, ratio):
+        return {"category": category, "setting": setting, "alpha_gain": alpha_gain,
+                "speedup_ratio": ratio}  # fmt: skip
+
+    table = [
+        entry("chat", "k=4", 0.12, 1.3),
+        entry("chat", "best tree", 0.15, 1.25),
+        entry("translation", "k=4", 0.05, 1.1),
+        entry("translation", "best tree", 0.2, 1.3),
+        entry("code_generation", "k=4", 0.0, 1.0),  # not one of the unsure categories
+    ]
+    lines = gain.verdicts(table)
+    assert len(lines) == 2
+    assert lines[0].startswith("chat: α gain +0.12, +0.15 (met") and "1.25x (met" in lines[0]
+    assert lines[1].startswith("translation: α gain +0.05, +0.20 (not met")
