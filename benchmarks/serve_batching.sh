@@ -4,6 +4,8 @@
 # `specdecode bench-serve` at concurrency 1, 2, 4, 8, one configuration after the other.
 # Run it alone (2 cores: a parallel job corrupts the timings). Usage:
 #   bash benchmarks/serve_batching.sh OUT_DIR [MAX_NEW_TOKENS]
+# With LLAMACPP_BIN=DIR (llama.cpp's tools, docs/benchmarks.md) it also measures our server on
+# the 4-bit target and llama.cpp's own llama-server on the same Q4_K_M file (8 slots), the peer.
 set -euo pipefail
 out=${1:?output folder}
 tokens=${2:-48}
@@ -15,9 +17,12 @@ mkdir -p "$out"
 run() {  # label, then serve's options
   local label=$1
   shift
-  specdecode serve --target "$target" --port "$port" --max-len 1024 "$@" \
-    >"$out/$label.server.log" 2>&1 &
-  local pid=$!
+  specdecode serve --port "$port" --max-len 1024 "$@" >"$out/$label.server.log" 2>&1 &
+  measure "$label" $!
+}
+
+measure() {  # label, the server's pid
+  local label=$1 pid=$2
   for _ in $(seq 600); do
     curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
     sleep 1
@@ -31,9 +36,19 @@ run() {  # label, then serve's options
   wait "$pid" || true
 }
 
-run batch1-cost --draft "$draft" --k 4 --k-policy cost --max-batch 1
-run batch8-cost --draft "$draft" --k 4 --k-policy cost --max-batch 8
-run batch8-ar --max-batch 8
-run batch8-k3 --draft "$draft" --k 3 --max-batch 8
-specdecode bench-serve --compare "$out"/batch1-cost "$out"/batch8-cost "$out"/batch8-ar \
-  "$out"/batch8-k3 --out "$out/compare"
+run batch1-cost --target "$target" --draft "$draft" --k 4 --k-policy cost --max-batch 1
+run batch8-cost --target "$target" --draft "$draft" --k 4 --k-policy cost --max-batch 8
+run batch8-ar --target "$target" --max-batch 8
+run batch8-k3 --target "$target" --draft "$draft" --k 3 --max-batch 8
+runs=(batch1-cost batch8-cost batch8-ar batch8-k3)
+if [[ -n "${LLAMACPP_BIN:-}" ]]; then
+  gguf=~/.cache/specdecode/gguf/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
+  run int4-batch8-cost --target "$target:int4" --draft "$draft" --k 4 --k-policy cost \
+    --max-batch 8
+  # 8 slots of 1024 positions, as ours; the chat template from the file
+  "$LLAMACPP_BIN/llama-server" -m "$gguf" -t 2 --parallel 8 -c 8192 --port "$port" --jinja \
+    >"$out/llamacpp-server.server.log" 2>&1 &
+  measure llamacpp-server $!
+  runs+=(int4-batch8-cost llamacpp-server)
+fi
+specdecode bench-serve --compare "${runs[@]/#/$out/}" --out "$out/compare"
