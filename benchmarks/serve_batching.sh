@@ -29,6 +29,7 @@ measure() {  # label, the server's pid
   done
   specdecode bench-serve --endpoint "http://127.0.0.1:$port" --concurrency 1,2,4,8 \
     --duration "${SECONDS_PER_LEVEL:-40}" --max-new-tokens "$tokens" --chat \
+    ${CATEGORIES:+--categories "$CATEGORIES"} \
     --label "$label" --out "$out/$label"
   curl -s "http://127.0.0.1:$port/metrics" >"$out/$label.metrics.txt"
   grep VmHWM "/proc/$pid/status" >"$out/$label.peak_rss"  # the server's peak RSS

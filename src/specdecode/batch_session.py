@@ -63,6 +63,18 @@ class Generation:
         return GenerationResult(list(self.token_ids), text, self.stats, self.prompt_ids)
 
 
+def feed_text(text: TextStream, committed: list[int], stats: Stats) -> list[int]:
+    """Feed a step's tokens to the generation's text (the step's one decode, and its stop
+    check); returns the tokens kept: all, or those before a stop string, with the counters
+    cut back to them (stop_reason "stop")."""
+    kept = text.feed(committed)
+    if text.stopped:  # a stop string ended the output inside this block
+        stats.emitted -= len(committed) - len(kept)
+        stats.new_tokens -= len(committed) - len(kept)
+        stats.stop_reason = "stop"
+    return kept
+
+
 class BatchSession:
     """Up to `max_rows` generations of `decoder` decoding together (see the module docstring).
 
@@ -186,12 +198,7 @@ class BatchSession:
         if not stats.ttft_s:
             stats.ttft_s = now - generation.started
         if text is not None:
-            kept = text.feed(committed)  # the step's one decode, and its stop check
-            if text.stopped:  # a stop string ended the output inside this block
-                stats.emitted -= len(committed) - len(kept)
-                stats.new_tokens -= len(committed) - len(kept)
-                stats.stop_reason = "stop"
-                committed = kept
+            committed = feed_text(text, committed, stats)
             generation.new_text = text.take()
         generation.new_ids = list(committed)
         generation.token_ids.extend(committed)

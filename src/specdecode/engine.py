@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from specdecode.batch_session import BatchSession
+from specdecode.batch_session import BatchSession, feed_text
 from specdecode.cache import Cache
 from specdecode.decode import decode
 from specdecode.drafter import Drafter
@@ -311,11 +311,8 @@ class SpeculativeDecoder:
                 if not stats.ttft_s:
                     stats.ttft_s = clock() - start
                 if text is not None:
-                    kept = text.feed(committed)  # the step's one decode
+                    kept = feed_text(text, committed, stats)
                     if text.stopped:  # a stop string ended the output inside this block
-                        stats.emitted -= len(committed) - len(kept)
-                        stats.new_tokens -= len(committed) - len(kept)
-                        stats.stop_reason = "stop"
                         if kept:
                             yield kept
                         return
