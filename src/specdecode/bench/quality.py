@@ -59,10 +59,15 @@ def answer_log_probs(
 
 
 def token_quality(
-    ref_log_probs: torch.Tensor, log_probs: torch.Tensor, answer_ids: Sequence[int]
+    ref_log_probs: torch.Tensor,
+    log_probs: torch.Tensor,
+    answer_ids: Sequence[int],
+    floor: float | None = None,
 ) -> TokenQuality:
     """The per-position statistics of one text: `ref_log_probs`, `log_probs` [T, V] from
-    `answer_log_probs` (same width), `answer_ids` the T tokens of the text."""
+    `answer_log_probs` (same width), `answer_ids` the T tokens of the text. With `floor`, the
+    KL divergence sums only the tokens whose reference log-probability is above it (llama.cpp
+    sums those above -16)."""
     if ref_log_probs.shape != log_probs.shape:
         raise ValueError(
             f"log-probabilities differ in shape: {tuple(ref_log_probs.shape)} vs "
@@ -70,7 +75,8 @@ def token_quality(
         )
     p_ref = ref_log_probs.exp()  # [T, V]
     # p log(p / q) with 0 log 0 = 0 (a token the reference cannot emit adds nothing)
-    terms = torch.where(p_ref > 0, p_ref * (ref_log_probs - log_probs), 0.0)
+    keep = p_ref > 0 if floor is None else ref_log_probs > floor  # [T, V]
+    terms = torch.where(keep, p_ref * (ref_log_probs - log_probs), 0.0)
     kld = terms.double().sum(-1).clamp_min(0.0)  # [T]; rounding may dip below 0
     agree = ref_log_probs.argmax(-1) == log_probs.argmax(-1)  # [T]
     target = torch.tensor(list(answer_ids), device=log_probs.device)[:, None]  # [T, 1]
