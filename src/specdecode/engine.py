@@ -390,12 +390,14 @@ class SpeculativeDecoder:
             raise ValueError("generate_batch takes a non-empty list of prompts")
         params = self.sampling_params(temperature, top_k, top_p)
         request = GenerationRequest(max_new_tokens, params, seed, stop, eos_token_ids, chat)
-        for prompt in prompts:  # validate all first: a bad prompt must not cost the others
-            self._check_length(len(self.encode_prompt(prompt, chat=chat)), max_new_tokens)
+        lengths = [len(self.encode_prompt(prompt, chat=chat)) for prompt in prompts]
+        for n in lengths:  # validate all first: a bad prompt must not cost the others
+            self._check_length(n, max_new_tokens)
         rows = max_batch if max_batch is not None else len(prompts)
         if not isinstance(rows, int) or rows < 1:
             raise ValueError(f"max_batch must be an integer >= 1 (got {max_batch!r})")
-        session = self.batch_session(min(rows, len(prompts)))
+        # the store holds what these prompts need, no more
+        session = self.batch_session(min(rows, len(prompts)), max(lengths) + max_new_tokens)
         done = session.generate_all(prompts, request)
         return [self._result(g.prompt_ids, g.token_ids, g.stats, request) for g in done]
 
