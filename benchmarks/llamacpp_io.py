@@ -289,6 +289,31 @@ def _tail(text: str, lines: int = 3) -> str:
 _FLAGS = re.compile(r"^(avx2|fma|avx512\w*|\w*vnni\w*|amx\w*)$")
 
 
+def machine(threads: int) -> dict[str, Any]:
+    """The CPU (from /proc/cpuinfo), the threads and the library versions of a run."""
+    import platform
+
+    import torch
+    import transformers
+
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        cpuinfo = ""
+    cpu = describe_cpu(cpuinfo)
+    if cpu["model_name"] == "unknown":
+        cpu["model_name"] = platform.processor() or platform.machine()
+    return {
+        "cpu": cpu,
+        "threads": threads,
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
+    }
+
+
 def describe_cpu(cpuinfo: str) -> dict[str, Any]:
     """The first processor of /proc/cpuinfo's text: model name, family, model and the flags
     that decide the kernels (AVX2, FMA, AVX-512*, VNNI, AMX)."""

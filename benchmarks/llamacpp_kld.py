@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import platform
 import subprocess
 import sys
 import time
@@ -141,27 +140,6 @@ def call(command: list[str], timeout: float) -> str:
         raise RuntimeError(f"{Path(command[1 if command[0] == sys.executable else 0]).name} "
                            f"failed (exit {proc.returncode}): {tail}")  # fmt: skip
     return proc.stdout + "\n" + proc.stderr
-
-
-def machine(threads: int) -> dict[str, Any]:
-    import transformers
-
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        cpuinfo = ""
-    cpu = lio.describe_cpu(cpuinfo)
-    if cpu["model_name"] == "unknown":
-        cpu["model_name"] = platform.processor() or platform.machine()
-    return {
-        "cpu": cpu,
-        "threads": threads,
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-        },
-    }
 
 
 def gguf_add_bos(path: Path) -> bool | None:
@@ -328,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             "add_bos": add_bos,
         },
-        "machine": machine(threads),
+        "machine": lio.machine(threads),
         "llama_cpp": version | {"base": base, "kld": llama_kld},
         "ours_kernels": {"bf16": reference.kernel, "int4": quantized.kernel},
         "text": {

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 import time
@@ -261,27 +260,6 @@ def llama_row(
 # The run
 
 
-def machine(threads: int) -> dict[str, Any]:
-    import transformers
-
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        cpuinfo = ""
-    cpu = lio.describe_cpu(cpuinfo)
-    if cpu["model_name"] == "unknown":
-        cpu["model_name"] = platform.processor() or platform.machine()
-    return {
-        "cpu": cpu,
-        "threads": threads,
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-        },
-    }
-
-
 def mark_prompt(
     rows: dict[str, dict[str, Any]],
     records: dict[str, Record],
@@ -353,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             "ours_kernels": ours.kernels,
             "ctx_size": args.ctx_size,
         },
-        "machine": machine(threads),
+        "machine": lio.machine(threads),
         "llama_cpp": version,
         "llama_bench": None,
         "methods": methods,
