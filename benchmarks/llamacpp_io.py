@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import subprocess
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -287,6 +289,22 @@ def _tail(text: str, lines: int = 3) -> str:
 # The machine
 
 _FLAGS = re.compile(r"^(avx2|fma|avx512\w*|\w*vnni\w*|amx\w*)$")
+
+
+def run_tool(command: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run one tool (a llama.cpp binary, or a Python script); RuntimeError with the end of its
+    stderr when it fails or runs past `timeout` seconds."""
+    name = Path(command[1] if command[0] == sys.executable else command[0]).name
+    try:
+        proc = subprocess.run(
+            command, capture_output=True, text=True, errors="replace", timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired as err:
+        raise RuntimeError(f"{name} ran past {timeout:.0f} s") from err
+    if proc.returncode != 0:
+        tail = " | ".join(proc.stderr.strip().splitlines()[-5:])
+        raise RuntimeError(f"{name} failed (exit {proc.returncode}): {tail}")
+    return proc
 
 
 def machine(threads: int) -> dict[str, Any]:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -129,16 +128,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def call(command: list[str], timeout: float) -> str:
     """Run one command; its stdout and stderr together (RuntimeError when it fails)."""
     print("$ " + " ".join(command), file=sys.stderr)
-    try:
-        proc = subprocess.run(
-            command, capture_output=True, text=True, errors="replace", timeout=timeout, check=False
-        )
-    except subprocess.TimeoutExpired as err:
-        raise RuntimeError(f"{Path(command[0]).name} ran past {timeout:.0f} s") from err
-    if proc.returncode != 0:
-        tail = " | ".join(proc.stderr.strip().splitlines()[-5:])
-        raise RuntimeError(f"{Path(command[1 if command[0] == sys.executable else 0]).name} "
-                           f"failed (exit {proc.returncode}): {tail}")  # fmt: skip
+    proc = lio.run_tool(command, timeout)
     return proc.stdout + "\n" + proc.stderr
 
 

@@ -214,16 +214,7 @@ def ours_row(spec: lio.OursSpec, record: Record, text: str) -> dict[str, Any]:
 
 def call(command: list[str], timeout: float) -> subprocess.CompletedProcess:
     """Run one llama.cpp tool; RuntimeError with the end of its stderr when it fails."""
-    try:
-        proc = subprocess.run(
-            command, capture_output=True, text=True, errors="replace", timeout=timeout, check=False
-        )
-    except subprocess.TimeoutExpired as err:
-        raise RuntimeError(f"{Path(command[0]).name} ran past {timeout:.0f} s") from err
-    if proc.returncode != 0:
-        tail = " | ".join(proc.stderr.strip().splitlines()[-5:])
-        raise RuntimeError(f"{Path(command[0]).name} failed (exit {proc.returncode}): {tail}")
-    return proc
+    return lio.run_tool(command, timeout)
 
 
 def llama_row(

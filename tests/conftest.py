@@ -139,3 +139,17 @@ def tiny_folders(tmp_path_factory):
     ]
     prompts.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     return root
+
+
+def load_benchmark(name: str):
+    """A script of benchmarks/ as a module (they are not a package)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module

@@ -5,9 +5,7 @@ saved log-probability file, llama-perplexity's windows and the report."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,18 +14,12 @@ import torch
 
 from specdecode.bench.quality import answer_log_probs, token_quality
 
-from conftest import tiny_llama
+from conftest import load_benchmark, tiny_llama
 
-_BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 DATA = Path(__file__).resolve().parent / "data" / "llamacpp"
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, _BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+_load = load_benchmark
 
 
 kio = _load("llamacpp_kld_io")

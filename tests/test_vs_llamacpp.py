@@ -3,22 +3,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-_BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from conftest import load_benchmark
+
 DATA = Path(__file__).resolve().parent / "data" / "llamacpp"
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, _BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+_load = load_benchmark
 
 
 lio = _load("llamacpp_io")
