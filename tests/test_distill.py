@@ -290,9 +290,19 @@ def test_the_target_writes_prompts_when_asked(pair, tmp_path):
     assert [json.loads(r)["category"] for r in rows] == ["chat"]
 
 
-def test_bfloat16_autocast_is_chosen_for_a_bfloat16_draft_and_trains():
+def test_bfloat16_autocast_is_chosen_where_measured_faster_and_trains(monkeypatch):
     cpu = torch.device("cpu")
-    assert train_module.autocast_dtype(DistillSettings("t", "d", "o"), cpu) == torch.bfloat16
+    probe = train_module.autocast_probe(cpu)  # measured on this machine: both ran
+    assert set(probe) == {"float32", "bfloat16"} and all(ms > 0 for ms in probe.values())
+    bf16 = DistillSettings("t", "d", "o")  # a bfloat16 draft, --autocast auto
+    for faster, expected in (("bfloat16", torch.bfloat16), ("float32", None)):
+        times = {"float32": 2.0, "bfloat16": 2.0, faster: 1.0}
+        monkeypatch.setattr(train_module, "autocast_probe", lambda device, t=times: t)
+        assert train_module.autocast_dtype(bf16, cpu) == expected, faster
+    # asked for, bf16 runs whatever the probe says
+    assert train_module.autocast_dtype(DistillSettings("t", "d", "o", autocast="bf16"), cpu) == (
+        torch.bfloat16
+    )
     as_fp32 = DistillSettings("t", "d", "o", dtype="float32")
     assert train_module.autocast_dtype(as_fp32, cpu) is None
     assert train_module.autocast_dtype(DistillSettings("t", "d", "o", autocast="off"), cpu) is None

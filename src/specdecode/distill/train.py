@@ -1,6 +1,8 @@
 """Training the draft on the target's answers: LoRA adapters (peft) on every linear layer of the
 draft but its output layer, float32 master weights, bfloat16 autocast where the draft serves in
-bfloat16 (on the CPU and on a GPU that has it), AdamW.
+bfloat16 and it is faster (a GPU that has it; a CPU where a measured linear layer's forward and
+backward say so: on AVX2 CPUs PyTorch's bfloat16 matrix products are many times slower than
+float32 ones, docs/benchmarks.md "Distilled draft"), AdamW.
 
 One step = `batch_size` answers (gradients accumulated one answer at a time, so no padding and
 little memory), the loss (loss.py) averaged over their tokens, gradients clipped to norm 1, a
@@ -19,6 +21,7 @@ adapter's weights, the optimizer's state, the step, tokens, seconds and the loss
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import time
@@ -86,8 +89,9 @@ def quiet_peft() -> Any:
 
 
 def autocast_dtype(settings: DistillSettings, device: torch.device) -> torch.dtype | None:
-    """bfloat16 autocast (`--autocast auto`) where the draft serves in bfloat16 (`--dtype`) and
-    the device computes in it; `bf16` asks for it, `off` trains in float32."""
+    """bfloat16 autocast (`--autocast auto`) where the draft serves in bfloat16 (`--dtype`), the
+    device computes in it and, on a CPU, `autocast_probe` measures it faster than float32;
+    `bf16` asks for it whatever the speed, `off` trains in float32."""
     if settings.autocast == "off":
         return None
     if settings.autocast == "auto" and settings.dtype not in ("bfloat16", "bf16"):
@@ -96,7 +100,35 @@ def autocast_dtype(settings: DistillSettings, device: torch.device) -> torch.dty
         if settings.autocast == "bf16":
             raise ValueError(f"--autocast bf16: {device} does not compute in bfloat16")
         return None
+    if settings.autocast == "auto" and device.type == "cpu":
+        times = autocast_probe(device)
+        return torch.bfloat16 if times["bfloat16"] < times["float32"] else None
     return torch.bfloat16
+
+
+PROBE_ROWS, PROBE_FEATURES = 64, 1024  # one linear layer [64, 1024] x [1024, 1024]
+
+
+@functools.cache
+def autocast_probe(device: torch.device) -> dict[str, float]:
+    """Milliseconds of one linear layer's forward and backward in float32 and under bfloat16
+    autocast on `device` (the best of 3 after a warm-up): what `--autocast auto` decides by."""
+    gen = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(PROBE_FEATURES, PROBE_FEATURES).to(device)
+    x = torch.randn(PROBE_ROWS, PROBE_FEATURES, generator=gen).to(device).requires_grad_()
+    times = {}
+    for name, dtype in (("float32", None), ("bfloat16", torch.bfloat16)):
+        best = float("inf")
+        for _ in range(4):  # the first is a warm-up
+            start = time.perf_counter()
+            with _autocast(device, dtype):
+                out = layer(x)
+            out.float().sum().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - start)
+        times[name] = round(best * 1000, 3)
+    return times
 
 
 def _autocast(device: torch.device, dtype: torch.dtype | None) -> Any:
