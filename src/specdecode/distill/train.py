@@ -307,8 +307,9 @@ def train(
             state.tokens += tokens
             state.seconds += seconds
             state.curve.append([state.step, state.tokens, round(loss, 6)])
-            bar.update(tokens if budget.tokens is not None else round(seconds, 1))
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / seconds:.0f}", refresh=False)
+            # a time budget's bar shows the seconds trained, rounded (no float sums on screen)
+            bar.n = state.tokens if budget.tokens is not None else round(state.seconds, 1)
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / seconds:.0f}")  # refreshes
             if state.step % settings.checkpoint_every == 0:
                 checkpoints.save(model, optimizer, state)
     except KeyboardInterrupt:
