@@ -188,6 +188,22 @@ def test_answer_log_probs_are_the_teacher_forced_positions():
     assert torch.allclose(answer_log_probs(gpt2, prompt, answer), full[2:4], atol=1e-6)
 
 
+@needs_kernel()
+def test_answer_log_probs_score_the_forward_a_target_decodes_with():
+    from specdecode.kernels import quantize_linears, swap_linears
+    from specdecode.lean import LeanCache, target_cache
+
+    model = tiny_llama(5, hidden_size=64, intermediate_size=128).to(torch.bfloat16)
+    swap_linears(model)
+    quantize_linears(model, bits=4)  # a 4-bit target: the lean forward, float32 hidden states
+    prompt, answer = [3, 4, 5], [6, 7]
+    cache = target_cache(model)
+    assert isinstance(cache, LeanCache) and cache.residual == torch.float32
+    with torch.inference_mode():
+        full = torch.log_softmax(cache.forward(torch.tensor(prompt + answer)).float(), -1)
+    assert torch.equal(answer_log_probs(model, prompt, answer), full[2:4])
+
+
 # -- tasks --------------------------------------------------------------------------------------
 
 

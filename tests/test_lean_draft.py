@@ -191,6 +191,28 @@ def test_add_rms_norm_rounds_as_the_models_norm():
 
 
 @needs_kernel()
+def test_add_rms_norm_f32_keeps_the_sum_in_float32_and_rounds_once():
+    from specdecode.kernels.build import extension
+
+    ext = extension()
+    torch.manual_seed(0)
+    x, delta = torch.randn(3, 40), torch.randn(3, 40).bfloat16()
+    weight = torch.randn(40).bfloat16()
+    total, normed = ext.add_rms_norm_f32(x, delta, weight, 1e-6)
+    assert total.dtype == torch.float32 and normed.dtype == torch.bfloat16
+    assert torch.equal(total, x + delta.float())
+    h = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-6)
+    expected = (weight.float() * h).bfloat16()  # one rounding, at the end
+    assert (normed.float() - expected.float()).abs().max() <= 2**-8 * expected.abs().max()
+    same, _ = ext.add_rms_norm_f32(x, None, weight, 1e-6)
+    assert same.data_ptr() == x.data_ptr()
+    with pytest.raises(RuntimeError, match="float32"):
+        ext.add_rms_norm_f32(x.bfloat16(), None, weight, 1e-6)
+    with pytest.raises(RuntimeError, match="shape"):
+        ext.add_rms_norm_f32(x, delta[:2], weight, 1e-6)
+
+
+@needs_kernel()
 def test_rope_attention_refuses_bad_shapes():
     from specdecode.kernels.build import extension
 

@@ -9,7 +9,7 @@ import torch
 from specdecode import SpeculativeDecoder
 from specdecode.cache import KVCache
 from specdecode.kernels import quantize_linears, swap_linears
-from specdecode.lean import TARGET_ENV, VERIFY_TOKENS, LeanCache, target_cache
+from specdecode.lean import TARGET_ENV, VERIFY_TOKENS, LeanCache, LeanStore, target_cache
 from specdecode.tree import additive_mask
 
 from conftest import VOCAB, needs_kernel, noisy_copy, tiny_llama, tiny_qwen2
@@ -53,6 +53,25 @@ def test_the_target_runs_lean_only_on_the_kernels_fused_path(monkeypatch):
     monkeypatch.setenv(TARGET_ENV, "fast")
     with pytest.raises(ValueError, match="SPECDECODE_TARGET_FORWARD must be lean or hf"):
         target_cache(bf16)
+
+
+@pytest.mark.parametrize("bits", [None, 8, 4])
+def test_a_quantized_target_keeps_float32_hidden_states(bits):
+    model = _target("llama", bits)
+    cache = target_cache(model)
+    wide = bits is not None  # a bfloat16 target rounds as Hugging Face's forward does
+    assert cache.residual == (torch.float32 if wide else torch.bfloat16)
+    store = LeanStore(model, rows=2, max_len=64)
+    assert store.open_row().residual == cache.residual  # the batched server's rows too
+    ids = _ids(30, 4)
+    with torch.inference_mode():
+        fused = target_cache(model).forward(ids)  # 30 rows: the fused path
+        prefill = LeanCache(model, fused_tokens=0, residual=cache.residual).forward(ids)
+        narrow = LeanCache(model, fused_tokens=VERIFY_TOKENS).forward(ids)
+    assert fused.dtype == prefill.dtype == torch.bfloat16
+    # the fused and PyTorch paths compute the same float32 stream (up to summation order)
+    torch.testing.assert_close(fused.float(), prefill.float(), rtol=0.02, atol=0.02)
+    assert torch.equal(fused, narrow) != wide  # float32 hidden states change the rounding
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -18,7 +18,11 @@ Where the model's linears are not on the CPU kernels (other dtypes, no AVX2, `--
 above `fused_tokens` tokens (prefill) the same maths runs in PyTorch operations.
 
 Same arithmetic as the model's own forward up to rounding (norms round as its bfloat16 norms do;
-rotary embedding, the cache and attention are float32). Only for the families whose layers it
+rotary embedding, the cache and attention are float32). A quantized target (`:int4`, `:int8`)
+keeps its hidden states, the residual stream between layers, in float32 instead, as llama.cpp
+does (`target_residual`): there the reference is the quantized model itself, and bfloat16 hidden
+states were a large share of its distance to float32 arithmetic (docs/benchmarks.md); the
+linears still read bfloat16 inputs. Only for the families whose layers it
 knows (Llama, Qwen2, Mistral without a sliding window: pre-norm, rotary, grouped-query attention,
 SwiGLU); any other model keeps Hugging Face's forward.
 
@@ -118,8 +122,18 @@ def target_cache(model: Any) -> KVCache | LeanCache:
         param = next(model.parameters())
         head_dim = model.model.layers[0].self_attn.head_dim
         if _fused_ops(model, param.dtype, param.device, head_dim) is not None:
-            return LeanCache(model, fused_tokens=VERIFY_TOKENS)
+            return LeanCache(model, fused_tokens=VERIFY_TOKENS, residual=target_residual(model))
     return KVCache(model)
+
+
+def target_residual(model: Any) -> torch.dtype | None:
+    """The dtype of a target's residual stream on the lean forward: float32 where its linears
+    are quantized (llama.cpp keeps its hidden states in float32: bfloat16 ones were most of the
+    distance between our 4-bit target and its float32 arithmetic, docs/benchmarks.md), else
+    None, the model's own dtype (a bfloat16 target rounds as Hugging Face's forward does)."""
+    from specdecode.kernels.quantize import is_quantized
+
+    return torch.float32 if any(is_quantized(m) for m in model.modules()) else None
 
 
 def capacity_for(n_tokens: int) -> int:
@@ -146,9 +160,12 @@ class LeanCache:
         *,
         kv: torch.Tensor | None = None,
         release: Callable[[], None] | None = None,
+        residual: torch.dtype | None = None,
     ) -> None:
         """`kv` (a LeanStore's row, [layers, 2, Hkv, max_len, d] float32): a fixed store to
-        write into, never grown (StoreFull past it); `release` gives it back (`close`)."""
+        write into, never grown (StoreFull past it); `release` gives it back (`close`).
+        `residual`: the hidden states' dtype between layers (default the model's; float32 for
+        a quantized target, `target_residual`): the linears still take the model's dtype."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the lean forward cannot run this model: {reason}")
@@ -165,6 +182,7 @@ class LeanCache:
         self.length = 0
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
+        self.residual = residual or self.dtype
         self.fixed = kv is not None
         self._release = release
         if kv is None:
@@ -294,7 +312,8 @@ class LeanCache:
             ]
         )  # [N]
         base = self.model.model
-        x = base.embed_tokens(torch.cat(inputs) if len(inputs) > 1 else inputs[0])  # [N, D]
+        ids = torch.cat(inputs) if len(inputs) > 1 else inputs[0]
+        x = base.embed_tokens(ids).to(self.residual)  # [N, D]
         cos, sin = base.rotary_emb(x[None], position_ids[None])  # [1, N, d] each
         cos, sin = cos[0].float(), sin[0].float()  # [N, d]
         row_masks = [
@@ -352,19 +371,25 @@ class LeanCache:
             return torch.zeros(mask.shape, device=self.device).masked_fill(~mask, -torch.inf)
         return mask.float().contiguous()
 
-    @staticmethod
     def _add_norm(
-        x: torch.Tensor, delta: torch.Tensor | None, norm: torch.nn.Module, fused: Any
+        self, x: torch.Tensor, delta: torch.Tensor | None, norm: torch.nn.Module, fused: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta, RMSNorm of it) for x, delta [n, D], rounded as Hugging Face's norm does."""
+        """(x + delta, RMSNorm of it in the linears' dtype) for x, delta [n, D]: rounded as
+        Hugging Face's norm does when x is in the model's dtype; over a float32 residual stream
+        (x float32, delta the linears' output) the sum stays float32 and the norm is rounded
+        once, at the end."""
         eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
+        wide = x.dtype != self.dtype
         if fused is not None:
             delta = delta if delta is None else delta.contiguous()
-            return fused.add_rms_norm(x, delta, norm.weight, eps)
+            add_norm = fused.add_rms_norm_f32 if wide else fused.add_rms_norm
+            return add_norm(x, delta, norm.weight, eps)
         if delta is not None:
             x = x + delta
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        if wide:
+            return x, (norm.weight.float() * h).to(self.dtype)
         return x, norm.weight * h.to(x.dtype)
 
     def _attend_fused(self, q, k, v, cos, sin, kv, past, mask) -> torch.Tensor:
@@ -416,6 +441,7 @@ class LeanStore(RowPool):
         if reason is not None:
             raise ValueError(f"the lean forward cannot run this model: {reason}")
         self.model, self.fused_tokens = model, fused_tokens
+        self.residual = target_residual(model)
         layers, kv_heads, head_dim = kv_shape(model)
         device = next(model.parameters()).device
         self.kv = torch.empty(rows, layers, 2, kv_heads, max_len, head_dim, device=device)
@@ -427,7 +453,11 @@ class LeanStore(RowPool):
     def open_row(self) -> LeanCache:
         row = self.take()
         return LeanCache(
-            self.model, self.fused_tokens, kv=self.kv[row], release=lambda: self.give_back(row)
+            self.model,
+            self.fused_tokens,
+            kv=self.kv[row],
+            release=lambda: self.give_back(row),
+            residual=self.residual,
         )
 
 

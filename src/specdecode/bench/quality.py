@@ -42,17 +42,27 @@ def answer_log_probs(
     model: Any, prompt_ids: Sequence[int], answer_ids: Sequence[int]
 ) -> torch.Tensor:
     """log-softmax of `model`'s next-token logits at the positions that predict each answer
-    token, teacher-forced over prompt + answer: [len(answer), V] float32."""
+    token, teacher-forced over prompt + answer: [len(answer), V] float32. The model runs the
+    forward it decodes with as a target (`lean.target_cache`: the lean forward where it runs,
+    whose quantized targets keep float32 hidden states; else its own), so what is scored is
+    what generates."""
+    from specdecode.lean import LeanCache, target_cache
+
     n_answer = len(answer_ids)
     if not prompt_ids or not n_answer:
         raise ValueError("scoring needs a non-empty prompt and answer")
-    device = next(model.parameters()).device
+    # a quantized model's freed weights sit on the meta device
+    device = next(p for p in model.parameters() if not p.is_meta).device
     ids = torch.tensor([[*prompt_ids, *answer_ids]], device=device)  # [1, P + T]
-    kwargs: dict[str, Any] = {"use_cache": False}
-    if "logits_to_keep" in inspect.signature(type(model).forward).parameters:
-        kwargs["logits_to_keep"] = n_answer + 1  # the last T + 1 positions
+    cache = target_cache(model)
     with torch.inference_mode():
-        logits = model(input_ids=ids, **kwargs).logits[0]  # [T + 1 or P + T, V]
+        if isinstance(cache, LeanCache):
+            logits = cache.forward(ids[0])  # [P + T, V]
+        else:
+            kwargs: dict[str, Any] = {"use_cache": False}
+            if "logits_to_keep" in inspect.signature(type(model).forward).parameters:
+                kwargs["logits_to_keep"] = n_answer + 1  # the last T + 1 positions
+            logits = model(input_ids=ids, **kwargs).logits[0]  # [T + 1 or P + T, V]
     # position P - 1 + t predicts answer token t; the last position predicts past the answer
     logits = logits[-(n_answer + 1) : -1]  # [T, V]
     return torch.log_softmax(logits.float(), dim=-1)

@@ -164,18 +164,17 @@ class AnswerStore:
         return [found[k] for k in keys]
 
 
-@torch.no_grad()
 def target_distributions(
     model: Any, prompt_ids: list[int], answer_ids: list[int], vocab: int, top_k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(top log-probabilities [T, K] float16, their ids [T, K] int32, tail mass [T] float32) of
     the target's distribution before each of the T answer tokens, over the first `vocab` ids
-    (the vocabulary target and draft share), from one forward over prompt + answer."""
-    device = next(p for p in model.parameters() if not p.is_meta).device
-    n = len(answer_ids)
-    ids = torch.tensor([prompt_ids + answer_ids[:-1]], device=device)  # [1, P + T - 1]
-    logits = model(input_ids=ids, logits_to_keep=n).logits[0, :, :vocab].float()  # [T, V]
-    logprobs = torch.log_softmax(logits, dim=-1)
+    (the vocabulary target and draft share), from one forward over prompt + answer: the forward
+    the target decodes with (`bench.quality.answer_log_probs`)."""
+    from specdecode.bench.quality import answer_log_probs
+
+    logprobs = answer_log_probs(model, prompt_ids, answer_ids)[:, :vocab]  # [T, V]
+    logprobs = logprobs - logprobs.logsumexp(-1, keepdim=True)  # over the shared ids only
     top = logprobs.topk(min(top_k, vocab), dim=-1)
     tail = (1.0 - top.values.exp().sum(-1)).clamp(min=0.0)  # [T]
     if top_k >= vocab:

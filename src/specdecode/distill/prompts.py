@@ -169,15 +169,20 @@ def self_prompts(
     data_dir: Path,
     chat: bool,
     max_new_tokens: int,
+    progress: bool = True,
 ) -> tuple[list[DistillPrompt], dict[str, Any]]:
     """`per_category` prompts per category written by the target (`engine`, a SpeculativeDecoder;
     each at most `max_new_tokens` long, the answers' length),
     cached in data_dir/self_prompts.jsonl (a category already there is not asked again); and
     what it took this run (attempts, dropped)."""
+    from tqdm import tqdm
+
     check_self_prompt_categories(categories)
     path = data_dir / SELF_PROMPTS_FILE
     kept = _cached_self_prompts(data_dir)
     report = {"per_category": per_category, "attempts": 0, "dropped": 0}
+    missing = sum(max(0, per_category - len(kept.get(c, []))) for c in categories)
+    bar = tqdm(total=missing, desc="prompts", unit="prompt", disable=not progress or not missing)
     for category in categories:
         rows = kept.setdefault(category, [])
         if len(rows) >= per_category:
@@ -206,6 +211,7 @@ def self_prompts(
                 report["dropped"] += 1
                 continue
             seen.add(text)
+            bar.update()
             rows.append(
                 {
                     "id": f"self-{category}-{len(rows) + 1:03d}",
@@ -217,6 +223,7 @@ def self_prompts(
             )
         body = "".join(json.dumps(r) + "\n" for c in kept for r in kept[c])
         write_atomic(path, "the self-written prompts", lambda p, body=body: p.write_text(body))
+    bar.close()
     chosen = _chosen(kept, categories, per_category)
     report["written"] = len(chosen)
     return chosen, report

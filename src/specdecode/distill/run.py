@@ -200,6 +200,7 @@ def _answer(
                 store.dir,
                 settings.chat,
                 settings.max_new_tokens,
+                progress,
             )
             planned = plan_answers(train_prompts + written, temperatures, samples)
         made = make_answers(

@@ -169,6 +169,42 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x,
   return {sum, out};
 }
 
+// The same over a float32 residual stream (the quantized targets' forward keeps its hidden states
+// in float32, as llama.cpp does): x [n, D] float32 (+ delta [n, D] bfloat16, a linear's output;
+// the sum stays float32), weight [D] bfloat16 -> (x or x + delta, bf16(weight * x / sqrt(mean(x^2)
+// + eps))): one rounding, at the linears' input.
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm_f32(torch::Tensor x,
+                                                          c10::optional<torch::Tensor> delta,
+                                                          torch::Tensor weight, double eps) {
+  check_f32(x, "add_rms_norm_f32 x");
+  check_bf16(weight, "add_rms_norm_f32 weight");
+  TORCH_CHECK(x.dim() == 2 && weight.numel() == x.size(1),
+              "add_rms_norm_f32: x [n, D], weight [D]");
+  const int64_t n = x.size(0), D = x.size(1);
+  torch::Tensor sum = x;
+  if (delta.has_value()) {
+    check_bf16(*delta, "add_rms_norm_f32 delta");
+    TORCH_CHECK(delta->sizes() == x.sizes(), "add_rms_norm_f32: delta must have x's shape");
+    sum = torch::empty_like(x);
+    const float* a = x.data_ptr<float>();
+    const auto* b = reinterpret_cast<const uint16_t*>(delta->data_ptr<at::BFloat16>());
+    float* s = sum.data_ptr<float>();
+    for (int64_t i = 0; i < n * D; ++i) s[i] = a[i] + bf16_to_float(b[i]);
+  }
+  torch::Tensor out = torch::empty({n, D}, weight.options());
+  const float* s = sum.data_ptr<float>();
+  const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  for (int64_t t = 0; t < n; ++t) {
+    const float* in = s + t * D;
+    float squares = 0.0f;
+    for (int64_t i = 0; i < D; ++i) squares += in[i] * in[i];
+    const float inv = 1.0f / std::sqrt(squares / float(D) + float(eps));
+    for (int64_t i = 0; i < D; ++i) o[t * D + i] = float_to_bf16(bf16_to_float(w[i]) * (in[i] * inv));
+  }
+  return {sum, out};
+}
+
 // One attention block of a decoder layer for n new tokens after `past` cached ones:
 // q [n, H * d], k and v [n, Hkv * d] bfloat16 (the projections' outputs); cos, sin [n, d]
 // float32 (Hugging Face's rotary tables); keys, values [Hkv, capacity, d] float32, the layer's

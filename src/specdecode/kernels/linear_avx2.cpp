@@ -585,6 +585,9 @@ torch::Tensor linear_int4_packed(torch::Tensor x, torch::Tensor panels, int64_t 
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x,
                                                       c10::optional<torch::Tensor> delta,
                                                       torch::Tensor weight, double eps);
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm_f32(torch::Tensor x,
+                                                          c10::optional<torch::Tensor> delta,
+                                                          torch::Tensor weight, double eps);
 torch::Tensor rope_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos,
                              torch::Tensor sin, torch::Tensor keys, torch::Tensor values,
                              int64_t past, c10::optional<torch::Tensor> mask, double scale);
@@ -607,6 +610,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_int4_packed", &linear_int4_packed,
         "int4-weight linear on 16-row panels (a scale and a min per row and 32 k), batch invariant");
   m.def("add_rms_norm", &add_rms_norm, "residual sum and RMSNorm of a few bfloat16 rows");
+  m.def("add_rms_norm_f32", &add_rms_norm_f32,
+        "residual sum (float32) and RMSNorm (to bfloat16) of a few rows");
   m.def("rope_attention", &rope_attention,
         "rotary embedding, cache write and attention of a few new tokens (float32 cache)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a few bfloat16 rows, rounded as PyTorch does");
