@@ -100,17 +100,17 @@ def test_int4_kernel_is_batch_invariant_bit_for_bit(m):
 
 
 def test_int4_tile_on_avx512_vnni_is_bit_identical_to_avx2():
-    # both builds of the tile sum the same integers exactly; extreme groups (|xq| = 127 against
+    # both tiles sum the same integers exactly; extreme groups (|xq| = 127 against
     # q = 15) check that neither saturates
     if not use_int4_vnni(True):
         pytest.skip("this CPU has no AVX-512 VNNI")
-    x, w, b = linear_case(9, 896, 72, seed=5, bias=True)
+    x, w, b = linear_case(17, 896, 72, seed=5, bias=True)
     x[:, :32] = 100.0  # one group of equal, large activations: every xq = 127
     x[0, 32:64] = -3e4
     q, scale, low = quantize_int4(w)
     q[:, :64] = 15
     try:
-        for m in range(1, 10):
+        for m in range(1, 18):  # tiles of 1-8 tokens, and blocks of them
             vnni = int4_linear(x[:m], q, scale, low, b)
             use_int4_vnni(False)
             avx2 = int4_linear(x[:m], q, scale, low, b)

@@ -1,6 +1,5 @@
-// The int4 panel tile (see "int4 panels" in linear_avx2.cpp), compiled twice: in
-// linear_avx2.cpp for AVX2, and in linear_avx512.cpp under AVX-512 VNNI with SD_INT4_VNNI
-// defined. Everything here has internal linkage, so the two builds never meet at link time.
+// The int4 panel tile on AVX2 (see "int4 panels" in linear_avx2.cpp); linear_avx512.cpp has its
+// AVX-512 VNNI twin, int4_tile512, which must give the same results bit for bit.
 #pragma once
 
 #include <immintrin.h>
@@ -24,19 +23,16 @@ inline __m256 half8(const uint16_t* h) {  // 8 float16 -> float32
 // MR tokens x 16 rows (one panel). Per group: 8 steps of 4 k, each one 32-byte load unpacked
 // into rows 0-7 and 8-15 (and, shift) and per token one 4-byte broadcast and two byte
 // multiply-adds; then each row's group sum sits in a 32-bit lane, and totals (in res, touched
-// once per group) += scale dx sum + min xsum. On AVX2 the multiply-add is vpmaddubsw summed in
-// 16 bits (8 steps of two products of at most 15 * 127: below 2^15, no saturation), then
-// vpmaddwd by ones; with SD_INT4_VNNI it is vpdpbusd, 4 products straight into the 32-bit lane.
-// Both sum the same integers exactly: the two builds give bit-identical results.
+// once per group) += scale dx sum + min xsum. The multiply-add is vpmaddubsw summed in 16 bits
+// (8 steps of two products of at most 15 * 127: below 2^15, no saturation), then vpmaddwd by
+// ones: the exact integer sum, as int4_tile512's vpdpbusd gives it.
 template <int MR>
 inline void int4_tile(const uint8_t* p, const uint16_t* sc, const uint16_t* mn, int64_t K,
                       const int8_t* xq, const float* dx, const float* xsum, float* res) {
   const int64_t G = K / kInt4Group;
   for (int i = 0; i < MR * 16; ++i) res[i] = 0.f;
   const __m256i low = _mm256_set1_epi8(0xF);
-#ifndef SD_INT4_VNNI
   const __m256i ones = _mm256_set1_epi16(1);
-#endif
   for (int64_t g = 0; g < G; ++g) {
     __m256i acc[MR][2];
     SD_UNROLL for (int t = 0; t < MR; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_si256();
@@ -51,13 +47,8 @@ inline void int4_tile(const uint8_t* p, const uint16_t* sc, const uint16_t* mn, 
         int32_t four;
         std::memcpy(&four, xq + t * K + g * kInt4Group + 4 * s, 4);
         const __m256i xv = _mm256_set1_epi32(four);
-#ifdef SD_INT4_VNNI
-        acc[t][0] = _mm256_dpbusd_epi32(acc[t][0], w0, xv);
-        acc[t][1] = _mm256_dpbusd_epi32(acc[t][1], w1, xv);
-#else
         acc[t][0] = _mm256_add_epi16(acc[t][0], _mm256_maddubs_epi16(w0, xv));
         acc[t][1] = _mm256_add_epi16(acc[t][1], _mm256_maddubs_epi16(w1, xv));
-#endif
       }
     }
     SD_UNROLL for (int v = 0; v < 2; ++v) {
@@ -65,11 +56,7 @@ inline void int4_tile(const uint8_t* p, const uint16_t* sc, const uint16_t* mn, 
       const __m256 m = half8(mn + g * 16 + v * 8);
       SD_UNROLL for (int t = 0; t < MR; ++t) {
         float* out = res + t * 16 + v * 8;
-#ifdef SD_INT4_VNNI
-        const __m256 sum = _mm256_cvtepi32_ps(acc[t][v]);
-#else
         const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[t][v], ones));
-#endif
         const __m256 sdx = _mm256_mul_ps(s, _mm256_broadcast_ss(dx + t * G + g));
         __m256 total = _mm256_fmadd_ps(sdx, sum, _mm256_loadu_ps(out));
         total = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xsum + t * G + g), total);

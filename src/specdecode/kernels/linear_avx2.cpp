@@ -39,6 +39,7 @@ int64_t bf16_dot_prefetch(int64_t elements);  // set (> 0) and return the prefet
 void bf16_dot_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* panels, int64_t N,
                      const float* bias, uint16_t* out, int64_t p0, int64_t p1);
 bool int4_vnni_supported();
+int64_t int4_vnni_tile_rows();
 void int4_vnni_tile(int64_t mr, const uint8_t* p, const uint16_t* sc, const uint16_t* mn,
                     int64_t K, const int8_t* xq, const float* dx, const float* xsum, float* res);
 }  // namespace specdecode_kernels
@@ -52,6 +53,7 @@ bool g_bf16_dot = specdecode_kernels::bf16_dot_supported();
 // Whether the int4 tile runs on AVX-512 VNNI (bit-identical to AVX2, fewer instructions): where
 // the CPU has it, unless `set_int4_vnni(false)` (for comparisons).
 bool g_int4_vnni = specdecode_kernels::int4_vnni_supported();
+
 
 constexpr int64_t kGroup = 8;     // weight rows per parallel work item (24 KB when K = 1536)
 constexpr int64_t kPrefetch = 8;  // prefetch the same place kPrefetch rows ahead (the next group)
@@ -457,7 +459,7 @@ torch::Tensor linear_int8_packed(torch::Tensor x, torch::Tensor panels, int64_t 
   return run_panels<Int8Panels>(x, panels.data_ptr<int8_t>(), N, scale.data_ptr<float>(), bias);
 }
 
-// ---- int4 panels (a draft's weights at 4 bits) -------------------------------------------
+// ---- int4 panels (4-bit weights, of a draft or a target) ----------------------------------
 // Each row's weights in groups of 32 k: w = scale * q + min, q in 0..15 (asymmetric, one scale
 // and one min per row and group: the grid of GGUF's Q4_K sub-blocks, which the presets were
 // converted from). Activations are quantized too, per token and group of 32 k: x ~= dx * xq,
@@ -471,9 +473,10 @@ torch::Tensor linear_int8_packed(torch::Tensor x, torch::Tensor panels, int64_t 
 // at k = 4s + j (low nibble) and row r + 8's (high nibble), so one 32-byte load gives 8 rows x
 // 4 k twice, and one broadcast of 4 activation bytes serves both. Scales and mins are
 // [P][K / 32][16] float16 (F16C widens them): 5 bits per weight read in all, where float32 ones
-// made it 6 (a one-token forward is bound by those bytes). Tiles of 1-4 tokens x 16 rows (more
-// tokens: near-equal blocks). Each output's float32 sum runs over the groups in the same order
-// whatever the tile, and a token's quantization depends on that token alone: batch invariant.
+// made it 6 (a one-token forward is bound by those bytes). Tiles of 1-4 tokens x 16 rows (1-8
+// on AVX-512 VNNI; more tokens: near-equal blocks). Each output's float32 sum runs over the
+// groups in the same order whatever the tile, and a token's quantization depends on that token
+// alone: batch invariant.
 namespace {
 
 using specdecode_kernels::int4_tile;
@@ -486,31 +489,53 @@ struct QuantizedRows {
   std::vector<float> xsum;   // [M][G]
 };
 
+// 8 bfloat16 -> 8 float32
+inline __m256 bf16x8(const uint16_t* h) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// One group of 32 activations: xq = round(x 127 / max |x|) (as std::nearbyint: to nearest even),
+// dx = max |x| / 127 and the sum of x (as four 8-lane partial sums, then lane_sum: one fixed
+// order). A group with inf or NaN gets xq = 0 and an inf or NaN scale or sum: NaN outputs, as a
+// float product would give, and no float-to-int conversion of a NaN.
+inline void quantize_group(const uint16_t* src, int8_t* q, float* dx, float* xsum) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4], amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = bf16x8(src + 8 * i);
+    amax = _mm256_max_ps(_mm256_andnot_ps(sign, v[i]), amax);  // a NaN lane keeps amax
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float top = std::max(_mm_cvtss_f32(m4), _mm_cvtss_f32(_mm_shuffle_ps(m4, m4, 1)));
+  const float inv = top > 0.f && std::isfinite(top) ? 127.f / top : 0.f;
+  const __m256 scale = _mm256_set1_ps(inv);
+  __m256i n[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 r = _mm256_mul_ps(v[i], scale);
+    const __m256 ordered = _mm256_cmp_ps(r, r, _CMP_ORD_Q);  // NaN lanes -> 0
+    n[i] = _mm256_cvtps_epi32(_mm256_and_ps(r, ordered));    // rounds to nearest even
+  }
+  const __m256i words = _mm256_packs_epi32(n[0], n[1]), words2 = _mm256_packs_epi32(n[2], n[3]);
+  const __m256i bytes = _mm256_packs_epi16(words, words2);  // 128-bit lanes interleaved: undo
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(bytes, order));
+  *dx = top / 127.f;
+  *xsum = lane_sum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+}
+
 QuantizedRows quantize_rows(const torch::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1), G = K / kInt4Group;
   const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   QuantizedRows r{std::vector<int8_t>(size_t(M * K)), std::vector<float>(size_t(M * G)),
                   std::vector<float>(size_t(M * G))};
-  float xf[kInt4Group];
-  for (int64_t t = 0; t < M; ++t)
-    for (int64_t g = 0; g < G; ++g) {
-      float amax = 0.f, total = 0.f;
-      for (int64_t i = 0; i < kInt4Group; ++i) {
-        xf[i] = bf16_to_float(src[t * K + g * kInt4Group + i]);
-        amax = std::max(amax, std::fabs(xf[i]));
-        total += xf[i];
-      }
-      // a group with inf or NaN gets xq = 0 and an inf or NaN scale or sum: NaN outputs, as a
-      // float product would give, and no float-to-int conversion of a NaN
-      const float inv = amax > 0.f && std::isfinite(amax) ? 127.f / amax : 0.f;
-      int8_t* q = r.xq.data() + t * K + g * kInt4Group;
-      for (int64_t i = 0; i < kInt4Group; ++i) {
-        const float v = xf[i] * inv;
-        q[i] = int8_t(v == v ? std::nearbyint(v) : 0.f);
-      }
-      r.dx[size_t(t * G + g)] = amax / 127.f;
-      r.xsum[size_t(t * G + g)] = total;
-    }
+  // groups are independent: threads only where there are enough of them to pay for waking up
+  at::parallel_for(0, M * G, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)  // group i = token i / G, group i % G: at i * 32
+      quantize_group(src + i * kInt4Group, r.xq.data() + i * kInt4Group, r.dx.data() + i,
+                     r.xsum.data() + i);
+  });
   return r;
 }
 
@@ -547,13 +572,14 @@ torch::Tensor linear_int4_packed(torch::Tensor x, torch::Tensor panels, int64_t 
   const float* bp = bias_f.empty() ? nullptr : bias_f.data();
   const int64_t pstride = (K / 2) * kPanel, sstride = G * kPanel;
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    float res[4 * kPanel];
+    float res[8 * kPanel];
+    const int64_t most = g_int4_vnni ? specdecode_kernels::int4_vnni_tile_rows() : 4;
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* panel = pp + p * pstride;
       const uint16_t* s = sp + p * sstride;
       const uint16_t* m = mp + p * sstride;
       const int64_t rows = std::min<int64_t>(kPanel, N - p * kPanel);
-      const int64_t blocks = (M + 3) / 4;  // as few blocks as possible, of near-equal size
+      const int64_t blocks = (M + most - 1) / most;  // as few blocks as possible, near-equal
       for (int64_t b = 0, t0 = 0; b < blocks; ++b) {
         const int64_t block = (M - t0) / (blocks - b);
         const int8_t* xt = xr.xq.data() + t0 * K;
