@@ -12,6 +12,7 @@ n rows / ms over one. Kernels, in alternating rounds:
   int4        specdecode's 4-bit linear (groups of 32, float16 scale and min: `quantize_linears`)
   int4-avx2   the same with its tile on AVX2 where the CPU has AVX-512 VNNI (the same results)
   int8        specdecode's int8 linear (one scale per output row)
+  int8-avx2   the same with its tile on AVX2 where the CPU has AVX-512 F (the same results)
   torch-int4  torch.ops.aten._weight_int4pack_mm_for_cpu (groups of 32, bfloat16 scale and zero)
   torch-int8  torch._weight_int8pack_mm (one scale per output row)
 
@@ -92,10 +93,24 @@ def ours_on_tile(weight: torch.Tensor, vnni: bool):
     return call
 
 
+def int8_on_tile(weight: torch.Tensor, avx512: bool):
+    """Our int8 linear with its tile switched per call: AVX-512 F where the CPU has it
+    (`avx512`), else AVX2 (the same results)."""
+    layer = ours(weight, 8)
+    ext = extension()
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        ext.set_int8_avx512(avx512)
+        return layer(x)
+
+    return call
+
+
 KERNELS = {
     "int4": (lambda w: ours_on_tile(w, True), 4.5 + 32 / GROUP),
     "int4-avx2": (lambda w: ours_on_tile(w, False), 4.5 + 32 / GROUP),
-    "int8": (lambda w: ours(w, 8), 8.0),
+    "int8": (lambda w: int8_on_tile(w, True), 8.0),
+    "int8-avx2": (lambda w: int8_on_tile(w, False), 8.0),
     "torch-int4": (torch_int4, 4.0 + 32 / GROUP),
     "torch-int8": (torch_int8, 8.0),
 }

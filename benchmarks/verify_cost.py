@@ -13,6 +13,8 @@ in alternating rounds in one process, for each of `--kernels`:
              `on` uses there)
   int8       int8 weights on the kernel, decode attention (what a `MODEL:int8` draft runs)
   int8-sdpa  int8 weights with SDPA attention
+  int8-avx2  int8 with its tile on AVX2 where the CPU has AVX-512 F (which `int8` uses there;
+             the same results)
   int4       4-bit weights on the kernel (groups of 32; a tied output layer int8), decode attention
   int4-avx2  int4 with its tile on AVX2 where the CPU has AVX-512 VNNI (which `int4` uses there;
              the same results)
@@ -40,8 +42,9 @@ from specdecode.kernels.build import (
     bf16_dot_prefetch,
     use_bf16_dot,
     use_int4_vnni,
+    use_int8_avx512,
 )
-from specdecode.kernels.cpu import BF16_AVX2, INT8_NAME, int4_name
+from specdecode.kernels.cpu import BF16_AVX2, int4_name, int8_name
 from specdecode.kernels.cpu_linear import apply_kernel, swap_linears
 from specdecode.kernels.quantize import quantize_linears
 from specdecode.lean import LeanCache
@@ -102,7 +105,18 @@ def setup(model: torch.nn.Module, mode: str) -> str:
         name = setup(model, mode)
         bf16_dot_prefetch(int(distance))
         return f"{name} prefetch {distance}"
-    modes = ("off", "on", "on-sdpa", "on-rows", "on-fma", "int8", "int8-sdpa", "int4", "int4-avx2")
+    modes = (
+        "off",
+        "on",
+        "on-sdpa",
+        "on-rows",
+        "on-fma",
+        "int8",
+        "int8-sdpa",
+        "int8-avx2",
+        "int4",
+        "int4-avx2",
+    )
     if mode not in modes:
         raise SystemExit(f"unknown mode {mode!r}: {', '.join(modes)}, or one of them + -lean")
     apply_kernel(model, "off")  # from a clean model every time (int8 copies are dropped)
@@ -111,6 +125,7 @@ def setup(model: torch.nn.Module, mode: str) -> str:
     bf16_dot_prefetch(DEFAULT_PREFETCH)  # for every kernel mode without @D
     use_bf16_dot(mode != "on-fma")  # process-wide switches: set for every kernel mode
     use_int4_vnni(mode != "int4-avx2")
+    use_int8_avx512(mode != "int8-avx2")
     if mode == "on-rows":
         swap_linears(model, panels=False)
         use_decode_attention(model)
@@ -118,7 +133,7 @@ def setup(model: torch.nn.Module, mode: str) -> str:
     name = apply_kernel(model, "on")  # says what the panels run on
     if mode.startswith("int8"):
         quantize_linears(model)
-        name = INT8_NAME
+        name = int8_name(use_int8_avx512(mode != "int8-avx2"))
     elif mode.startswith("int4"):
         quantize_linears(model, bits=4)
         name = int4_name(use_int4_vnni(mode == "int4"))

@@ -11,10 +11,9 @@ import torch.nn.functional as F
 from specdecode import SpeculativeDecoder
 from specdecode.drafters import resolve_draft
 from specdecode.kernels import quantize_int8, quantize_linears, restore_linears
-from specdecode.kernels.build import extension
-from specdecode.kernels.cpu import INT8_NAME
+from specdecode.kernels.build import extension, use_int8_avx512
 from specdecode.kernels.panels import pack_panels
-from specdecode.kernels.quantize import int8_weights, pack_int8_panels
+from specdecode.kernels.quantize import int8_weights, pack_int8_panels, quant_name
 
 from conftest import linear_case, needs_kernel, noisy_copy, tiny_llama, tiny_qwen2
 
@@ -63,6 +62,23 @@ def test_int8_kernel_is_batch_invariant_bit_for_bit(m):
     together = int8_linear(x, q, scale, b)
     for i in range(m):
         assert torch.equal(together[i], int8_linear(x[i : i + 1], q, scale, b)[0])
+
+
+def test_int8_tile_on_avx512_is_bit_identical_to_avx2():
+    # both tiles run the same float32 FMA chain over k per output
+    if not use_int8_avx512(True):
+        pytest.skip("this CPU has no AVX-512")
+    x, w, b = linear_case(17, 897, 72, seed=3, bias=True)  # an odd K: a k loop tail
+    q, scale = quantize_int8(w)
+    try:
+        for m in range(1, 18):  # every tile shape, and blocks of them
+            avx512 = int8_linear(x[:m], q, scale, b)
+            use_int8_avx512(False)
+            avx2 = int8_linear(x[:m], q, scale, b)
+            use_int8_avx512(True)
+            assert torch.equal(avx512, avx2), m
+    finally:
+        use_int8_avx512(True)
 
 
 def test_int8_kernel_refuses_bad_arguments():
@@ -118,7 +134,7 @@ def test_int8_draft_spec(tmp_path):
     folder = tmp_path / "tiny"
     tiny_llama(seed=0).to(torch.bfloat16).save_pretrained(folder)
     draft = resolve_draft(f"{folder}:int8", None, dtype="bfloat16", device="cpu")
-    assert draft.kernel == INT8_NAME and draft.name.endswith(":int8")
+    assert draft.kernel == quant_name(8) and draft.name.endswith(":int8")
     assert any(hasattr(m, "_specdecode_qweight") for m in draft.model.modules())
     plain = resolve_draft(str(folder), None, dtype="bfloat16", device="cpu")
     assert not any(hasattr(m, "_specdecode_qweight") for m in plain.model.modules())

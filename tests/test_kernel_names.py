@@ -1,5 +1,5 @@
-"""The kernel names say which path runs (bf16-avx2 / bf16-avx512, int8-avx2, int4-avx2 /
-int4-avx512vnni): the CPU flags and the extension's switches injected, so that the AVX-512 names
+"""The kernel names say which path runs (bf16-avx2 / bf16-avx512, int8-avx2 / int8-avx512,
+int4-avx2 / int4-avx512vnni): the CPU flags and the extension's switches injected, so that the AVX-512 names
 are tested on any machine; and, where the kernel builds, Python's reading of the CPU flags
 against the extension's own."""
 
@@ -51,13 +51,15 @@ def test_the_panels_path_is_told_from_the_cpu_flags(monkeypatch, flags, env, exp
 def test_names():
     assert (cpu.bf16_name(False), cpu.bf16_name(True)) == ("bf16-avx2", "bf16-avx512")
     assert (cpu.int4_name(False), cpu.int4_name(True)) == ("int4-avx2", "int4-avx512vnni")
-    assert cpu.INT8_NAME == "int8-avx2"
+    assert (cpu.int8_name(False), cpu.int8_name(True)) == ("int8-avx2", "int8-avx512")
 
 
-def test_quant_names_follow_the_int4_switch(monkeypatch):
+def test_quant_names_follow_the_switches(monkeypatch):
     monkeypatch.setattr(quantize, "int4_vnni_on", lambda: True)
-    assert (quantize.quant_name(8), quantize.quant_name(4)) == ("int8-avx2", "int4-avx512vnni")
+    monkeypatch.setattr(quantize, "int8_avx512_on", lambda: True)
+    assert (quantize.quant_name(8), quantize.quant_name(4)) == ("int8-avx512", "int4-avx512vnni")
     monkeypatch.setattr(quantize, "int4_vnni_on", lambda: False)
+    monkeypatch.setattr(quantize, "int8_avx512_on", lambda: False)
     assert (quantize.quant_name(8), quantize.quant_name(4)) == ("int8-avx2", "int4-avx2")
     with pytest.raises(ValueError, match="8 or 4 bits"):
         quantize.quant_name(2)
@@ -97,7 +99,9 @@ def test_the_cpu_flags_agree_with_the_extension():
     try:
         assert build.use_bf16_dot(True) == ({"avx512f", "avx512bw", "avx512_bf16"} <= flags)
         assert build.use_int4_vnni(True) == ({"avx512f", "avx512vl", "avx512_vnni"} <= flags)
+        assert build.use_int8_avx512(True) == ("avx512f" in flags)
     finally:
         build.use_bf16_dot(default)
     assert build.bf16_dot_on() == cpu.bf16_dot_expected()
     assert build.int4_vnni_on() == ({"avx512f", "avx512vl", "avx512_vnni"} <= flags)
+    assert build.int8_avx512_on() == ("avx512f" in flags)

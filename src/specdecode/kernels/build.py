@@ -178,6 +178,23 @@ def int4_vnni_on() -> bool:
     return use_int4_vnni(True) if _int4_vnni is None else _int4_vnni
 
 
+_int8_avx512: bool | None = None  # the int8 tile's switch as last set here (None: never set)
+
+
+def use_int8_avx512(on: bool = True) -> bool:
+    """Run the int8 tile on AVX-512 F where the CPU has it (the default) or on AVX2: the same
+    results bit for bit, for comparisons. Returns whether AVX-512 is in use now."""
+    global _int8_avx512
+    _int8_avx512 = bool(extension().set_int8_avx512(on))
+    return _int8_avx512
+
+
+def int8_avx512_on() -> bool:
+    """Whether the int8 tile runs on AVX-512 F now (the switch's default until set, as
+    int4_vnni_on)."""
+    return use_int8_avx512(True) if _int8_avx512 is None else _int8_avx512
+
+
 MAX_PREFETCH = 1 << 20  # elements (2 MB) ahead: far past any useful distance, never overflows
 DEFAULT_PREFETCH = 2048  # the kernel's own default (linear_avx512.cpp), to restore it
 

@@ -3,7 +3,8 @@
 The extension decides for itself at run time (linear_avx512.cpp, `__builtin_cpu_supports`): the
 bfloat16 panels run on AVX-512 BF16 where the CPU has AVX-512 F, BW and BF16 and
 $SPECDECODE_BF16_DOT is not 0, else on AVX2 FMAs; the 4-bit tile runs on AVX-512 VNNI where the
-CPU has AVX-512 F, VL and VNNI, else on AVX2; int8 and the row-major tiles always run on AVX2.
+CPU has AVX-512 F, VL and VNNI, else on AVX2; the int8 tile on AVX-512 F where the CPU has it,
+else on AVX2; the row-major tiles always run on AVX2.
 What is here reads /proc/cpuinfo to tell in advance, without building anything.
 """
 
@@ -16,7 +17,8 @@ BF16_DOT_ENV = "SPECDECODE_BF16_DOT"  # "0": bfloat16 panels on AVX2 FMAs even w
 # what LoadedModel.kernel reports: the weights' type and the instruction set their tiles run on
 BF16_AVX2 = "bf16-avx2"  # bfloat16 panels on AVX2 FMAs
 BF16_AVX512 = "bf16-avx512"  # bfloat16 panels on AVX-512 BF16 dot products
-INT8_NAME = "int8-avx2"  # after quantize_linears(bits=8): AVX2 only
+INT8_AVX2 = "int8-avx2"  # after quantize_linears(bits=8), its tile on AVX2
+INT8_AVX512 = "int8-avx512"  # ... on AVX-512 F
 INT4_AVX2 = "int4-avx2"  # after quantize_linears(bits=4), its tile on AVX2
 INT4_AVX512_VNNI = "int4-avx512vnni"  # ... on AVX-512 VNNI
 
@@ -48,6 +50,11 @@ def bf16_dot_expected() -> bool:
 def bf16_name(avx512_bf16: bool) -> str:
     """The kernel name of a model whose bfloat16 panels run on AVX-512 BF16 or not."""
     return BF16_AVX512 if avx512_bf16 else BF16_AVX2
+
+
+def int8_name(avx512: bool) -> str:
+    """The kernel name of an int8 model whose tile runs on AVX-512 F or not."""
+    return INT8_AVX512 if avx512 else INT8_AVX2
 
 
 def int4_name(avx512_vnni: bool) -> str:

@@ -39,6 +39,9 @@ int64_t bf16_dot_prefetch(int64_t elements);  // set (> 0) and return the prefet
 void bf16_dot_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* panels, int64_t N,
                      const float* bias, uint16_t* out, int64_t p0, int64_t p1);
 bool int4_vnni_supported();
+bool int8_avx512_supported();
+void int8_avx512_tile(int64_t mr, int64_t panels, const int8_t* p, int64_t K, int64_t pstride,
+                      const float* x, float* res);
 int64_t int4_vnni_tile_rows();
 void int4_vnni_tile(int64_t mr, const uint8_t* p, const uint16_t* sc, const uint16_t* mn,
                     int64_t K, const int8_t* xq, const float* dx, const float* xsum, float* res);
@@ -53,6 +56,9 @@ bool g_bf16_dot = specdecode_kernels::bf16_dot_supported();
 // Whether the int4 tile runs on AVX-512 VNNI (bit-identical to AVX2, fewer instructions): where
 // the CPU has it, unless `set_int4_vnni(false)` (for comparisons).
 bool g_int4_vnni = specdecode_kernels::int4_vnni_supported();
+// Whether the int8 tile runs on AVX-512 F (bit-identical to AVX2, half the instructions): where
+// the CPU has it, unless `set_int8_avx512(false)` (for comparisons).
+bool g_int8_avx512 = specdecode_kernels::int8_avx512_supported();
 
 
 constexpr int64_t kGroup = 8;     // weight rows per parallel work item (24 KB when K = 1536)
@@ -290,6 +296,8 @@ struct Int8Panels {
   }
   template <int MR, int V>
   static inline void tile(const T* p, int64_t K, int64_t pstride, const float* x, float* res) {
+    if (g_int8_avx512)
+      return specdecode_kernels::int8_avx512_tile(MR, V / 2, p, K, pstride, x, res);
     __m256 acc[MR][V];
     SD_UNROLL for (int t = 0; t < MR; ++t)
       SD_UNROLL for (int v = 0; v < V; ++v) acc[t][v] = _mm256_setzero_ps();
@@ -430,6 +438,11 @@ torch::Tensor linear_packed(torch::Tensor x, torch::Tensor panels, int64_t N,
 }
 
 // Turn the AVX-512 VNNI int4 tile on (where the CPU has it) or off; returns whether it is on now.
+bool set_int8_avx512(bool on) {
+  g_int8_avx512 = on && specdecode_kernels::int8_avx512_supported();
+  return g_int8_avx512;
+}
+
 bool set_int4_vnni(bool on) {
   g_int4_vnni = on && specdecode_kernels::int4_vnni_supported();
   return g_int4_vnni;
@@ -625,6 +638,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bfloat16 linear on weights packed in 16-row panels (AVX2 + FMA), batch invariant");
   m.def("set_bf16_dot", &set_bf16_dot,
         "bfloat16 panels on AVX-512 BF16 (where the CPU has it) or on AVX2 FMAs; returns which");
+  m.def("set_int8_avx512", &set_int8_avx512,
+        "the int8 tile on AVX-512 F (where the CPU has it; same results) or on AVX2");
   m.def("set_int4_vnni", &set_int4_vnni,
         "the int4 tile on AVX-512 VNNI (where the CPU has it; same results) or on AVX2");
   m.def(

@@ -154,6 +154,73 @@ SD_TARGET void bf16_dot_panels(const uint16_t* x, int64_t M, int64_t K, const ui
   for (; p < p1; ++p) panels_tokens<1>(panels + p * pstride, K, pstride, x, M, p * kPanel, d);
 }
 
+namespace {
+
+#define SD_AVX512F __attribute__((target("avx512f")))
+
+constexpr int64_t kInt8Prefetch = 4096;  // bytes ahead within a panel
+
+// The int8 panel tile (Int8Panels in linear_avx2.cpp: a panel's line k holds its 16 rows'
+// weights at k) on 512-bit vectors: one line widened to 16 float32 lanes, one FMA per token,
+// where AVX2 takes two of each. Every output is the same float32 FMA chain over k in order as
+// on AVX2, so the results are bit-identical (tested). MR tokens x V panels.
+template <int MR, int V>
+SD_AVX512F inline void int8_step512(const int8_t* p, int64_t K, int64_t pstride, const float* x,
+                                    int64_t k, __m512 (&acc)[MR][V]) {
+  __m512 w[V];
+  SD_UNROLL for (int v = 0; v < V; ++v) {
+    const int8_t* q = p + v * pstride + k * 16;
+    const __m128i line = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    w[v] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(line));
+  }
+  SD_UNROLL for (int t = 0; t < MR; ++t) {
+    const __m512 xk = _mm512_set1_ps(x[t * K + k]);
+    SD_UNROLL for (int v = 0; v < V; ++v) acc[t][v] = _mm512_fmadd_ps(w[v], xk, acc[t][v]);
+  }
+}
+
+template <int MR, int V>
+SD_AVX512F void int8_tile512(const int8_t* p, int64_t K, int64_t pstride, const float* x,
+                             float* res) {
+  __m512 acc[MR][V];
+  SD_UNROLL for (int t = 0; t < MR; ++t)
+    SD_UNROLL for (int v = 0; v < V; ++v) acc[t][v] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 4 <= K; k += 4) {  // four k per iteration: one 64-byte line per panel
+    SD_UNROLL for (int v = 0; v < V; ++v)
+      _mm_prefetch(reinterpret_cast<const char*>(p + v * pstride + k * 16 + kInt8Prefetch),
+                   _MM_HINT_T0);
+    SD_UNROLL for (int u = 0; u < 4; ++u) int8_step512<MR, V>(p, K, pstride, x, k + u, acc);
+  }
+  for (; k < K; ++k) int8_step512<MR, V>(p, K, pstride, x, k, acc);
+  SD_UNROLL for (int t = 0; t < MR; ++t)
+    SD_UNROLL for (int v = 0; v < V; ++v) _mm512_storeu_ps(res + (t * V + v) * 16, acc[t][v]);
+}
+
+}  // namespace
+
+bool int8_avx512_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f");
+}
+
+// Int8Panels::tile<mr, 2 * panels> of linear_avx2.cpp (the same arguments and res layout) on
+// AVX-512 F: mr 1-2 with 1-2 panels, or 4-6 with one
+SD_AVX512F void int8_avx512_tile(int64_t mr, int64_t panels, const int8_t* p, int64_t K,
+                                 int64_t pstride, const float* x, float* res) {
+  if (panels == 2) {
+    mr == 1 ? int8_tile512<1, 2>(p, K, pstride, x, res) : int8_tile512<2, 2>(p, K, pstride, x, res);
+    return;
+  }
+  switch (mr) {
+    case 1: int8_tile512<1, 1>(p, K, pstride, x, res); break;
+    case 2: int8_tile512<2, 1>(p, K, pstride, x, res); break;
+    case 4: int8_tile512<4, 1>(p, K, pstride, x, res); break;
+    case 5: int8_tile512<5, 1>(p, K, pstride, x, res); break;
+    default: int8_tile512<6, 1>(p, K, pstride, x, res); break;
+  }
+}
+
 bool int4_vnni_supported() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from specdecode.kernels.build import extension, int4_vnni_on
-from specdecode.kernels.cpu import INT8_NAME, int4_name
+from specdecode.kernels.build import extension, int4_vnni_on, int8_avx512_on
+from specdecode.kernels.cpu import int4_name, int8_name
 from specdecode.kernels.panels import (
     PANEL,
     PANELS_BUFFER,
@@ -34,9 +34,9 @@ _Q4, _Q4_SCALE, _Q4_MIN = "_specdecode_q4", "_specdecode_q4_scale", "_specdecode
 
 def quant_name(bits: int) -> str:
     """The kernel name (LoadedModel.kernel) of a model quantize_linears(bits=...) leaves: the
-    4-bit one says whether its tile runs on AVX-512 VNNI now (build.use_int4_vnni)."""
+    name says whether its tile runs on AVX-512 now (build.use_int8_avx512, use_int4_vnni)."""
     if bits == 8:
-        return INT8_NAME
+        return int8_name(int8_avx512_on())
     if bits == 4:
         return int4_name(int4_vnni_on())
     raise ValueError(f"quantized linears have 8 or 4 bits (got {bits!r})")
