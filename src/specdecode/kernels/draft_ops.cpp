@@ -255,7 +255,7 @@ torch::Tensor rope_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
   torch::Tensor out = torch::empty({n, heads * d}, q.options());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   // one work item per (query head, token); parallel only when there is enough work
-  const int64_t grain = n * L * d < 65536 ? heads * n : 1;
+  const int64_t grain = n * L * d < 16384 ? heads * n : 1;
   at::parallel_for(0, heads * n, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> query(d), scores(L), acc(d);
     for (int64_t item = begin; item < end; ++item) {
@@ -301,10 +301,14 @@ torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
   const auto* g = reinterpret_cast<const uint16_t*>(gate.data_ptr<at::BFloat16>());
   const auto* u = reinterpret_cast<const uint16_t*>(up.data_ptr<at::BFloat16>());
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  const int64_t total = gate.numel();
-  int64_t i = 0;
-  for (; i + 8 <= total; i += 8)
-    store_bf16(o + i, _mm256_mul_ps(round_bf16(silu(load_bf16(g + i))), load_bf16(u + i)));
+  const int64_t total = gate.numel(), blocks = total / 8;
+  // element by element, so any split gives the same bits: threads for more than one row's worth
+  // (a verification's rows), one thread for a token
+  at::parallel_for(0, blocks, 2048, [&](int64_t b0, int64_t b1) {
+    for (int64_t i = 8 * b0; i < 8 * b1; i += 8)
+      store_bf16(o + i, _mm256_mul_ps(round_bf16(silu(load_bf16(g + i))), load_bf16(u + i)));
+  });
+  const int64_t i = 8 * blocks;
   if (i < total) {  // the tail through a padded block
     uint16_t gt[8] = {}, ut[8] = {}, ot[8];
     std::memcpy(gt, g + i, (total - i) * 2);
