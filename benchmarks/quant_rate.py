@@ -80,37 +80,25 @@ def torch_int8(weight: torch.Tensor):
     return lambda x: torch._weight_int8pack_mm(x, q, scale)
 
 
-def ours_on_tile(weight: torch.Tensor, vnni: bool):
-    """Our 4-bit linear with its tile switched per call: AVX-512 VNNI where the CPU has it
-    (`vnni`), else AVX2 (the same results)."""
-    layer = ours(weight, 4)
+def ours_on_tile(weight: torch.Tensor, bits: int, avx512: bool):
+    """Our `bits`-bit linear with its tile switched per call: AVX-512 (VNNI for 4 bits, F for
+    8) where the CPU has it (`avx512`), else AVX2 (the same results)."""
+    layer = ours(weight, bits)
     ext = extension()
+    switch = ext.set_int4_vnni if bits == 4 else ext.set_int8_avx512
 
     def call(x: torch.Tensor) -> torch.Tensor:
-        ext.set_int4_vnni(vnni)
-        return layer(x)
-
-    return call
-
-
-def int8_on_tile(weight: torch.Tensor, avx512: bool):
-    """Our int8 linear with its tile switched per call: AVX-512 F where the CPU has it
-    (`avx512`), else AVX2 (the same results)."""
-    layer = ours(weight, 8)
-    ext = extension()
-
-    def call(x: torch.Tensor) -> torch.Tensor:
-        ext.set_int8_avx512(avx512)
+        switch(avx512)
         return layer(x)
 
     return call
 
 
 KERNELS = {
-    "int4": (lambda w: ours_on_tile(w, True), 4.5 + 32 / GROUP),
-    "int4-avx2": (lambda w: ours_on_tile(w, False), 4.5 + 32 / GROUP),
-    "int8": (lambda w: int8_on_tile(w, True), 8.0),
-    "int8-avx2": (lambda w: int8_on_tile(w, False), 8.0),
+    "int4": (lambda w: ours_on_tile(w, 4, True), 4.5 + 32 / GROUP),
+    "int4-avx2": (lambda w: ours_on_tile(w, 4, False), 4.5 + 32 / GROUP),
+    "int8": (lambda w: ours_on_tile(w, 8, True), 8.0),
+    "int8-avx2": (lambda w: ours_on_tile(w, 8, False), 8.0),
     "torch-int4": (torch_int4, 4.0 + 32 / GROUP),
     "torch-int8": (torch_int8, 8.0),
 }
