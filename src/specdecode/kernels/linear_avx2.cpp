@@ -60,7 +60,6 @@ bool g_int4_vnni = specdecode_kernels::int4_vnni_supported();
 // the CPU has it, unless `set_int8_avx512(false)` (for comparisons).
 bool g_int8_avx512 = specdecode_kernels::int8_avx512_supported();
 
-
 constexpr int64_t kGroup = 8;     // weight rows per parallel work item (24 KB when K = 1536)
 constexpr int64_t kPrefetch = 8;  // prefetch the same place kPrefetch rows ahead (the next group)
 constexpr int64_t kPanel = 16;    // outputs per packed panel (bfloat16 weights, see linear_packed)
@@ -437,12 +436,13 @@ torch::Tensor linear_packed(torch::Tensor x, torch::Tensor panels, int64_t N,
   return out;
 }
 
-// Turn the AVX-512 VNNI int4 tile on (where the CPU has it) or off; returns whether it is on now.
+// Turn the AVX-512 F int8 tile on (where the CPU has it) or off; returns whether it is on now.
 bool set_int8_avx512(bool on) {
   g_int8_avx512 = on && specdecode_kernels::int8_avx512_supported();
   return g_int8_avx512;
 }
 
+// Turn the AVX-512 VNNI int4 tile on (where the CPU has it) or off; returns whether it is on now.
 bool set_int4_vnni(bool on) {
   g_int4_vnni = on && specdecode_kernels::int4_vnni_supported();
   return g_int4_vnni;
