@@ -1,5 +1,6 @@
 // Linear-layer paths for CPUs with AVX-512, called from linear_avx2.cpp where the CPU has the
-// instructions: the bfloat16 panels on AVX-512 BF16, and the int4 panel tile on AVX-512 VNNI.
+// instructions: the bfloat16 panels on AVX-512 BF16, the int4 panel tile on AVX-512 VNNI and
+// the int8 panel tile on AVX-512 F.
 //
 // bfloat16 panels (AMD Zen 4/5, Intel Cooper Lake and later): one `vdpbf16ps` multiplies 16
 // rows' weights at a pair of k (one 64-byte line of a panel, whose layout [K/2][16][2] is exactly
@@ -19,9 +20,9 @@
 // (16 rows x 8 k per instruction): about a quarter of the AVX2 tile's instructions per weight
 // and token, and the same exact integer sums, so the results are bit-identical to AVX2's.
 //
-// This file holds only functions compiled for AVX-512 (target attributes and one target pragma
-// region) and includes no PyTorch header, so no inline function shared with the AVX2 file is
-// ever compiled with AVX-512 instructions; linear_avx2.cpp calls in only after a CPU check.
+// This file holds only functions compiled for AVX-512 (target attributes) and includes no
+// PyTorch header, so no inline function shared with the AVX2 file is ever compiled with
+// AVX-512 instructions; linear_avx2.cpp calls in only after a CPU check.
 #include <immintrin.h>
 
 #include <atomic>
