@@ -17,7 +17,7 @@
 //
 // int4 panels on AVX-512 VNNI (`int4_tile512`): `vpdpbusd` adds 4 byte products straight into
 // a 32-bit lane, where AVX2 needs vpmaddubsw, a 16-bit add and a vpmaddwd, on 512-bit vectors
-// (16 rows x 8 k per instruction): about a quarter of the AVX2 tile's instructions per weight
+// (16 rows x 8 k per instruction): about a third of the AVX2 tile's instructions per weight
 // and token, and the same exact integer sums, so the results are bit-identical to AVX2's.
 //
 // This file holds only functions compiled for AVX-512 (target attributes) and includes no
