@@ -125,7 +125,7 @@ def setup(model: torch.nn.Module, mode: str) -> str:
     bf16_dot_prefetch(DEFAULT_PREFETCH)  # for every kernel mode without @D
     use_bf16_dot(mode != "on-fma")  # process-wide switches: set for every kernel mode
     use_int4_vnni(mode != "int4-avx2")
-    use_int8_avx512(mode != "int8-avx2")
+    int8_avx512 = use_int8_avx512(mode != "int8-avx2")
     if mode == "on-rows":
         swap_linears(model, panels=False)
         use_decode_attention(model)
@@ -133,7 +133,7 @@ def setup(model: torch.nn.Module, mode: str) -> str:
     name = apply_kernel(model, "on")  # says what the panels run on
     if mode.startswith("int8"):
         quantize_linears(model)
-        name = int8_name(use_int8_avx512(mode != "int8-avx2"))
+        name = int8_name(int8_avx512)
     elif mode.startswith("int4"):
         quantize_linears(model, bits=4)
         name = int4_name(use_int4_vnni(mode == "int4"))
