@@ -87,6 +87,24 @@ def test_a_target_frees_its_bfloat16_weights_and_computes_the_same(tmp_path):
 
 
 @needs_kernel()
+def test_a_drafts_tied_output_layer_takes_4_bits_a_targets_keeps_int8(tmp_path):
+    model = tiny_llama(seed=3, tie_word_embeddings=True).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "tied")
+    draft = load_model(f"{tmp_path / 'tied'}:int4", keep_weights=True, role="draft")
+    target = load_model(f"{tmp_path / 'tied'}:int4", role="target")
+    assert hasattr(draft.model.lm_head, "_specdecode_q4")
+    assert hasattr(target.model.lm_head, "_specdecode_qweight")
+    for loaded in (draft, target):  # the embedding still reads the bfloat16 weight
+        head, embed = loaded.model.lm_head, loaded.model.get_input_embeddings()
+        assert head.weight is embed.weight and not weight_freed(head)
+    with torch.inference_mode():
+        logits = draft.model(torch.tensor([PROMPT])).logits
+    assert torch.isfinite(logits).all()
+    with pytest.raises(ValueError, match="tied_bits must be 4 or 8"):
+        quantize_linears(tiny_llama(seed=1).to(torch.bfloat16), bits=4, tied_bits=2)
+
+
+@needs_kernel()
 def test_a_freed_layer_still_falls_back_to_pytorch():
     layer = torch.nn.Linear(64, 24).to(torch.bfloat16)
     quantize_linears(layer, bits=4, keep_weights=False)

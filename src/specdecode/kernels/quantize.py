@@ -193,6 +193,7 @@ def quantize_linears(
     bits: int = 8,
     keep_weights: bool = True,
     int4_codes: Mapping[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+    tied_bits: int = 8,
 ) -> int:
     """Run every bfloat16 CPU `nn.Linear` of `model` on quantized copies of its weights for the
     AVX2 kernels; returns how many.
@@ -200,7 +201,9 @@ def quantize_linears(
     bits=8: int8, one scale per output row (`quantize_int8`), in 16-row panels
     (`pack_int8_panels`; `int8_weights` gives them back). bits=4: 4-bit with a scale and a min per
     row and group of 32 k (`quantize_int4`, `pack_int4_panels`, `int4_weights`) where K is a
-    multiple of 32, except an output layer tied to the embedding (the logits keep int8).
+    multiple of 32, except an output layer tied to the embedding: it takes `tied_bits` (8 by
+    default, so a target's logits keep int8; 4 for a draft, models/quantized.py, whose output
+    layer is a large share of the bytes it reads).
     `int4_codes` (bits=4; module name -> (q [N, K] uint8, scale, low [N, K / 32] float16), e.g. a
     GGUF file's own, models/gguf_int4.py) gives those layers their 4-bit weights instead of
     `quantize_int4`; every other layer then runs on int8 (their source grid is not 4-bit).
@@ -217,6 +220,8 @@ def quantize_linears(
         raise ValueError(f"bits must be 4 or 8 (got {bits})")
     if int4_codes is not None and bits != 4:
         raise ValueError(f"int4_codes are 4-bit weights: they need bits=4 (got {bits})")
+    if tied_bits not in (4, 8):
+        raise ValueError(f"tied_bits must be 4 or 8 (got {tied_bits})")
     extension()
     count = 0
     shared = shared_storages(model)
@@ -233,7 +238,11 @@ def quantize_linears(
                         _quantize_int4(module, int4_codes[name])
                     else:
                         _quantize_int8(module)
-                elif bits == 4 and module.weight.shape[1] % _INT4_GROUP == 0 and not tied:
+                elif (
+                    bits == 4
+                    and module.weight.shape[1] % _INT4_GROUP == 0
+                    and (tied_bits == 4 or not tied)
+                ):
                     _quantize_int4(module)
                 else:
                     _quantize_int8(module)

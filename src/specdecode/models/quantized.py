@@ -91,13 +91,21 @@ def quantize_loaded(loaded: Any, spec: ModelSpec, *, keep_weights: bool, role: s
             f"drop the :{spec.quantization} suffix"
         )
     # a target's :int4 is the file's own model where it was made from a GGUF; a draft's is
-    # verified token by token, so it takes 4 bits everywhere (fewer bytes per draft forward)
+    # verified token by token, so it takes 4 bits everywhere (fewer bytes per draft forward),
+    # its output layer too where it is tied to the embedding (a target's keeps int8)
     file_grid = spec.bits == 4 and role != "draft"
+    tied_bits = 4 if role == "draft" else 8
     codes = _file_codes(loaded, spec) if file_grid else None
     if spec.bits == 4 and not file_grid:
         loaded.extra["int4_weights"] = "requantized"
     try:
-        quantize_linears(loaded.model, bits=spec.bits, keep_weights=keep_weights, int4_codes=codes)
+        quantize_linears(
+            loaded.model,
+            bits=spec.bits,
+            keep_weights=keep_weights,
+            int4_codes=codes,
+            tied_bits=tied_bits,
+        )
     except KernelUnavailable as err:
         raise _cannot_run(
             spec, role, f"the kernel cannot be used: {err}", "the CPU kernels need AVX2 and FMA"
