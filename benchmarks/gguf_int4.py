@@ -1,15 +1,16 @@
 """How close `MODEL:int4` of a cached preset now is to its GGUF (models/gguf_int4.py).
 
-`:int4` of a GGUF-made model takes the file's own 4-bit codes (Q4_K, Q4_1, Q4_0) and runs the
-file's other linears (Q6_K, Q5_0, Q8_0, ...) on int8 per row of the bfloat16 preset. Per tensor
+`:int4` of a GGUF-made model takes the file's own 4-bit codes (Q4_K, Q4_1, Q4_0) and 6-bit ones
+(Q6_K), and runs the file's other linears (Q5_0, Q8_0, ...) on int8 per row of the bfloat16
+preset. Per tensor
 kind and GGUF type this compares those weights, as the kernel computes with them (float32), with
 the GGUF's own values (gguf-py's dequantize):
 
 - `decoded = gguf`: for 4-bit tensors, whether `decode_float` (our decoding) equals gguf-py's
-  values bit for bit, every weight;
+  values bit for bit, every weight; for Q6_K, whether `decode_q6`'s d * sc * (q - 32) does;
 - `preset = bf16(gguf)`: whether the preset's weights are the GGUF values rounded to bfloat16
   (the module mapping, and for llama files the q / k permutation, checked on every row);
-- `:int4 as`: 4-bit (the file's codes) or int8 (per row);
+- `:int4 as`: 4-bit or 6-bit (the file's codes) or int8 (per row);
 - `exact groups`: the groups of 32 where `:int4` equals the GGUF values, all 32;
 - `max err / step`: for 4-bit, the largest |int4 - GGUF| over the group's step d*sc (groups
   with a step, sc > 0);
@@ -38,7 +39,14 @@ from tqdm import tqdm
 
 from specdecode.kernels.quantize import quantize_int8
 from specdecode.models import fetch, presets
-from specdecode.models.gguf_int4 import _PERMUTED, _hf_rows, _module_name, decode_float, decode_int4
+from specdecode.models.gguf_int4 import (
+    _PERMUTED,
+    _hf_rows,
+    _module_name,
+    decode_float,
+    decode_int4,
+    decode_q6,
+)
 
 ROWS = 2048  # rows per step (everything here is per row)
 FOUR_BIT = ("Q4_K", "Q4_1", "Q4_0")
@@ -101,6 +109,13 @@ def measure(name: str) -> dict[tuple[str, str], Tally]:
                     tally.groups += err.shape[0] * err.shape[1]
                     tally.exact += int((err == 0).all(-1).sum())
                     diff = err
+                elif qtype == "Q6_K":
+                    q, sc, d = decode_q6(raw)
+                    scale = sc.float().repeat_interleave(16, 1) * d.float().repeat_interleave(
+                        256, 1
+                    )
+                    diff = scale * (q.float() - 32) - gguf
+                    tally.decoded_equal &= not bool(diff.any())
                 else:
                     q8, s8 = quantize_int8(rows)
                     diff = q8.float() * s8[:, None] - gguf
@@ -121,8 +136,9 @@ def render(name: str, tallies: dict[tuple[str, str], Tally]) -> str:
         four = qtype in FOUR_BIT
         cells = [
             kind, qtype, str(t.tensors), f"{t.weights / total:.1%}",
-            ("yes" if t.decoded_equal else "NO") if four else "-",
-            "yes" if t.preset_equal else "NO", "4-bit (file's codes)" if four else "int8",
+            ("yes" if t.decoded_equal else "NO") if four or qtype == "Q6_K" else "-",
+            "yes" if t.preset_equal else "NO",
+            "4-bit (file's codes)" if four else "6-bit (file's)" if qtype == "Q6_K" else "int8",
             f"{t.exact / t.groups:.1%}" if four else "-",
             f"{t.max_step_err:.1e}" if four else "-", f"{(t.err2 / t.ref2) ** 0.5:.1e}",
         ]  # fmt: skip

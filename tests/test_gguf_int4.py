@@ -1,7 +1,8 @@
 """`:int4` of a GGUF-made model runs on the file's own 4-bit codes (models/gguf_int4.py): the
-decoding equals gguf-py's on random Q4_K / Q4_1 / Q4_0 blocks, a tiny Qwen2 / Llama model made from
-a GGUF computes with exactly codes * scale + low (llama.cpp's q / k row permutation undone), its
-linears of other types run on int8, and greedy speculation over it is that target alone."""
+decoding equals gguf-py's on random Q4_K / Q4_1 / Q4_0 / Q6_K blocks, a tiny Qwen2 / Llama model
+made from a GGUF computes with exactly codes * scale + low (llama.cpp's q / k row permutation
+undone) and its Q6_K linears with exactly the file's 6-bit weights, its linears of other types run
+on int8, and greedy speculation over it is that target alone."""
 
 from __future__ import annotations
 
@@ -16,16 +17,16 @@ from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 from specdecode import SpeculativeDecoder
 from specdecode.draft_spec import ModelSpec
 from specdecode.kernels import apply_kernel
-from specdecode.kernels.quantize import int4_weights, int8_weights, is_quantized
-from specdecode.models.gguf_int4 import decode_float, decode_int4, gguf_codes
+from specdecode.kernels.quantize import int4_weights, int8_weights, is_quantized, q6_weights
+from specdecode.models.gguf_int4 import decode_float, decode_int4, decode_q6, gguf_codes
 from specdecode.models.loading import LoadedModel
 from specdecode.models.quantized import quantize_loaded
 
 from conftest import _llama_like, needs_kernel, noisy_copy
 
 T = GGMLQuantizationType
-BLOCK_BYTES = {T.Q4_K: 144, T.Q4_1: 20, T.Q4_0: 18}
-BLOCK_WEIGHTS = {T.Q4_K: 256, T.Q4_1: 32, T.Q4_0: 32}
+BLOCK_BYTES = {T.Q4_K: 144, T.Q4_1: 20, T.Q4_0: 18, T.Q6_K: 210}
+BLOCK_WEIGHTS = {T.Q4_K: 256, T.Q4_1: 32, T.Q4_0: 32, T.Q6_K: 256}
 
 
 def random_blocks(qtype: T, rows: int, k: int, seed: int) -> np.ndarray:
@@ -33,6 +34,10 @@ def random_blocks(qtype: T, rows: int, k: int, seed: int) -> np.ndarray:
     d (and dmin / m) drawn positive and small enough that nothing overflows."""
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, (rows * k // BLOCK_WEIGHTS[qtype], BLOCK_BYTES[qtype]), np.uint8)
+    if qtype == T.Q6_K:  # codes and int8 scales random, d (the last two bytes) float16 > 0
+        d = rng.uniform(1e-6, 2e-5, (blocks.shape[0], 1)).astype(np.float16)
+        blocks[:, 208:] = d.view(np.uint8)
+        return blocks.reshape(rows, -1)
     halves = 2 if qtype in (T.Q4_K, T.Q4_1) else 1  # d, then dmin (Q4_K) or m (Q4_1)
     scales = rng.uniform(1e-4, 2e-3, (blocks.shape[0], halves)).astype(np.float16)
     if qtype == T.Q4_1:
@@ -49,6 +54,18 @@ def write_gguf(path, arch: str, tensors: dict[str, tuple[np.ndarray, T]]) -> Non
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def test_q6_k_decoding_is_exactly_gguf_dequantize(tmp_path):
+    raw = random_blocks(T.Q6_K, rows=6, k=512, seed=1)
+    write_gguf(tmp_path / "r.gguf", "qwen2", {"blk.0.ffn_down.weight": (raw, T.Q6_K)})
+    tensor = GGUFReader(tmp_path / "r.gguf").tensors[0]
+    expected = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type)).float()  # [6, 512]
+    q, sc, d = decode_q6(tensor.data)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 63 and sc.dtype == torch.int8
+    assert sc.shape == (6, 32) and d.shape == (6, 2) and d.dtype == torch.float16
+    scale = sc.float().repeat_interleave(16, 1) * d.float().repeat_interleave(256, 1)
+    assert torch.equal(scale * (q.float() - 32), expected)
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q4_1, T.Q4_0])
@@ -96,9 +113,10 @@ LAYOUT = {
     "blk.0.attn_output.weight": ("model.layers.0.self_attn.o_proj", T.Q4_0),
     "blk.0.ffn_gate.weight": ("model.layers.0.mlp.gate_proj", T.Q4_K),
     "blk.0.ffn_up.weight": ("model.layers.0.mlp.up_proj", T.Q4_K),
-    "blk.0.ffn_down.weight": ("model.layers.0.mlp.down_proj", T.Q5_0),
+    "blk.0.ffn_down.weight": ("model.layers.0.mlp.down_proj", T.Q6_K),
     "output.weight": ("lm_head", T.Q4_K),
 }
+LAYOUT_TYPES = {hf: qtype for hf, qtype in LAYOUT.values()}
 
 
 def gguf_made(tmp_path, arch: str):
@@ -118,7 +136,9 @@ def gguf_made(tmp_path, arch: str):
         tensors[name] = (raw, qtype)
         values = dequantize(raw, qtype)  # [N, K] in the file's row order
         codes = None
-        if qtype in BLOCK_BYTES:
+        if qtype == T.Q6_K:  # the 6-bit panels hold the file's weights exactly
+            codes = values
+        elif qtype in BLOCK_BYTES:
             q, scale, low = decode_int4(raw, qtype.name)
             codes = q.float().reshape(n, -1, 32) * scale.float()[..., None] + low.float()[..., None]
             codes = codes.reshape(n, k).numpy()
@@ -146,9 +166,11 @@ def test_int4_of_a_gguf_model_computes_with_the_files_codes(tmp_path, arch):
     for hf, _ in LAYOUT.values():
         module = modules[hf]
         assert is_quantized(module)
-        if hf in expected:  # 4-bit: exactly the file's codes times its float16 step, plus min
+        if LAYOUT_TYPES[hf] == T.Q6_K:  # 6-bit: exactly the file's weights
+            assert torch.equal(q6_weights(module), expected[hf]), hf
+        elif hf in expected:  # 4-bit: exactly the file's codes times its float16 step, plus min
             assert torch.equal(int4_weights(module), expected[hf]), hf
-        else:  # Q8_0 / Q5_0: int8 per row, kept at their precision
+        else:  # Q8_0: int8 per row, kept at its precision
             q, scale = int8_weights(module)
             assert q.dtype == torch.int8 and scale.shape == (module.weight.shape[0],), hf
 
@@ -166,7 +188,7 @@ def test_a_drafts_int4_takes_four_bits_everywhere(tmp_path):
     quantize_loaded(loaded, ModelSpec.parse("qwen2:int4"), keep_weights=True, role="draft")
     assert loaded.extra["int4_weights"] == "requantized"
     modules = dict(model.named_modules())
-    down = modules["model.layers.0.mlp.down_proj"]  # Q5_0 in the file: int8 for a target
+    down = modules["model.layers.0.mlp.down_proj"]  # Q6_K in the file: 6-bit for a target
     assert is_quantized(down) and int4_weights(down).shape == down.weight.shape
 
 
@@ -182,13 +204,10 @@ def test_a_file_of_another_model_falls_back_to_requantizing(tmp_path, capsys):
     assert "not the GGUF's own codes" in capsys.readouterr().err
     assert is_quantized(other.lm_head)
     codes, what = gguf_codes(model, path)
-    assert (
-        codes is not None
-        and len(codes) == 6
-        and set(codes.other)
-        == {
-            "model.layers.0.self_attn.v_proj",
-            "model.layers.0.mlp.down_proj",
-        }
+    assert codes is not None and len(codes) == 6
+    assert set(codes.other) == {"model.layers.0.self_attn.v_proj"}
+    assert set(codes.q6) == {"model.layers.0.mlp.down_proj"}
+    assert what == (
+        "4-bit from the GGUF's own codes for 6 linears (Q4_0, Q4_1, Q4_K), 6-bit for 1 (Q6_K), "
+        "int8 for the 1 of other types (Q8_0)"
     )
-    assert what.startswith("4-bit from the GGUF's own codes for 6 linears (Q4_0, Q4_1, Q4_K)")

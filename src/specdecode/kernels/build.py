@@ -27,7 +27,9 @@ _SOURCES = [
     Path(__file__).with_name(name)
     for name in ("linear_avx2.cpp", "linear_avx512.cpp", "draft_ops.cpp")
 ]
-_HEADERS = [Path(__file__).with_name(name) for name in ("kernel_common.h", "int4_tile.h")]
+_HEADERS = [
+    Path(__file__).with_name(name) for name in ("kernel_common.h", "int4_tile.h", "q6_tile.h")
+]
 
 
 class KernelUnavailable(RuntimeError):

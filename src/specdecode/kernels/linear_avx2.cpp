@@ -31,6 +31,7 @@
 
 #include "int4_tile.h"
 #include "kernel_common.h"
+#include "q6_tile.h"
 
 namespace specdecode_kernels {  // linear_avx512.cpp: the bfloat16 panels on AVX-512 BF16
 bool bf16_dot_supported();
@@ -620,6 +621,84 @@ torch::Tensor linear_int4_packed(torch::Tensor x, torch::Tensor panels, int64_t 
   return out;
 }
 
+// 6-bit panels: GGUF Q6_K's grid as the file has it (a GGUF-made target's Q6_K tensors: its
+// output layer, half its down and value projections), instead of int8 per row: 6.56 bits per
+// weight read, not 8, and the file's own weights, not a second rounding of them. Same 8-bit
+// activations as the int4 panels (groups of 32); the tile (q6_tile.h) sums each group exactly
+// in integers and adds (d dx) times it, group after group: batch invariant as they are.
+//   out = sum over groups of d dx (sum over its 16-k halves of sc (xq . q - 32 sum xq))
+torch::Tensor linear_q6_packed(torch::Tensor x, torch::Tensor lo, torch::Tensor hi,
+                               torch::Tensor sc, torch::Tensor d, int64_t N,
+                               c10::optional<torch::Tensor> bias) {
+  using specdecode_kernels::kQ6Block;
+  using specdecode_kernels::q6_tile;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() &&
+                  x.device().is_cpu(),
+              "linear_q6_packed: contiguous bfloat16 CPU x [M, K] expected");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % kQ6Block == 0, "linear_q6_packed: K must be a multiple of 256");
+  const int64_t P = (N + kPanel - 1) / kPanel, G = K / kInt4Group;
+  const auto bytes_ok = [&](const torch::Tensor& t, at::ScalarType type, int64_t numel) {
+    return t.scalar_type() == type && t.is_contiguous() && t.device().is_cpu() &&
+           t.numel() == numel;
+  };
+  TORCH_CHECK(N >= 0 && bytes_ok(lo, at::kByte, P * kPanel * K / 2) &&
+                  bytes_ok(hi, at::kByte, P * kPanel * K / 4) &&
+                  bytes_ok(sc, at::kChar, P * kPanel * K / 16) &&
+                  bytes_ok(d, at::kHalf, P * kPanel * K / kQ6Block),
+              "linear_q6_packed: contiguous panels expected: lo uint8 [P][K / 4][32], hi uint8 "
+              "[P][K / 8][32], sc int8 [P][K / 16][16], d float16 [P][K / 256][16]");
+  const QuantizedRows xr = quantize_rows(x);
+  std::vector<int32_t> xs(size_t(M * G));  // per group: its halves' sums of xq, packed
+  for (int64_t i = 0; i < M * G; ++i) {
+    int32_t a = 0, b = 0;
+    for (int j = 0; j < 16; ++j) {
+      a += xr.xq[i * kInt4Group + j];
+      b += xr.xq[i * kInt4Group + 16 + j];
+    }
+    xs[i] = int32_t((uint32_t(a) & 0xFFFF) | (uint32_t(b) << 16));
+  }
+  const std::vector<float> bias_f = bias_float(bias, N);
+  auto out = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const uint8_t* lp = lo.data_ptr<uint8_t>();
+  const uint8_t* hp = hi.data_ptr<uint8_t>();
+  const int8_t* sp = sc.data_ptr<int8_t>();
+  const auto* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const float* bp = bias_f.empty() ? nullptr : bias_f.data();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    float res[4 * kPanel];
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint8_t* pl = lp + p * kPanel * K / 2;
+      const uint8_t* ph = hp + p * kPanel * K / 4;
+      const int8_t* ps = sp + p * kPanel * K / 16;
+      const uint16_t* pd = dp + p * kPanel * K / kQ6Block;
+      const int64_t rows = std::min<int64_t>(kPanel, N - p * kPanel);
+      const int64_t blocks = (M + 3) / 4;  // as few blocks as possible, near-equal
+      for (int64_t b = 0, t0 = 0; b < blocks; ++b) {
+        const int64_t block = (M - t0) / (blocks - b);
+        const int8_t* xt = xr.xq.data() + t0 * K;
+        const int32_t* st = xs.data() + t0 * G;
+        const float* dt = xr.dx.data() + t0 * G;
+        switch (block) {
+          case 4: q6_tile<4>(pl, ph, ps, pd, K, xt, st, dt, res); break;
+          case 3: q6_tile<3>(pl, ph, ps, pd, K, xt, st, dt, res); break;
+          case 2: q6_tile<2>(pl, ph, ps, pd, K, xt, st, dt, res); break;
+          default: q6_tile<1>(pl, ph, ps, pd, K, xt, st, dt, res); break;
+        }
+        for (int64_t t = 0; t < block; ++t)
+          for (int64_t i = 0; i < rows; ++i) {
+            const int64_t n = p * kPanel + i;
+            op[(t0 + t) * N + n] = float_to_bf16(res[t * kPanel + i] + (bp ? bp[n] : 0.f));
+          }
+        t0 += block;
+      }
+    }
+  });
+  return out;
+}
+
 // draft_ops.cpp: the lean draft forward's fused small operations
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x,
                                                       c10::optional<torch::Tensor> delta,
@@ -650,6 +729,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "int8-weight linear on 16-row panels (one scale per row), batch invariant");
   m.def("linear_int4_packed", &linear_int4_packed,
         "int4-weight linear on 16-row panels (a scale and a min per row and 32 k), batch invariant");
+  m.def("linear_q6_packed", &linear_q6_packed,
+        "linear on 6-bit panels (GGUF Q6_K's grid) and 8-bit activations, batch invariant");
   m.def("add_rms_norm", &add_rms_norm, "residual sum and RMSNorm of a few bfloat16 rows");
   m.def("add_rms_norm_f32", &add_rms_norm_f32,
         "residual sum (float32) and RMSNorm (to bfloat16) of a few rows");

@@ -1,7 +1,8 @@
 """A model's linears on int8 or 4-bit copies of their weights (`quantize_linears`).
 
 A model spec's `:int8` or `:int4` suffix asks for it (models/quantized.py): int8 with one scale per
-output row, or 4-bit with a scale and a min per row and group of 32 k. A quantized draft reads half
+output row, or 4-bit with a scale and a min per row and group of 32 k. A GGUF-made target's Q6_K
+tensors keep the file's 6-bit grid (`q6` panels: `pack_q6_panels`). A quantized draft reads half
 (int8) or about a third (4-bit) of the bytes per forward (its acceptance may change; measure it)
 and the output stays the target's own. A quantized target is a different model: speculation over
 it reproduces the quantized target, not its bfloat16 original; `keep_weights=False` frees its
@@ -30,6 +31,9 @@ from specdecode.kernels.panels import (
 _QWEIGHT, _SCALE = "_specdecode_qweight", "_specdecode_scale"  # int8 buffers of quantized ones
 _INT4_GROUP = 32  # k per scale and min (kInt4Group in the C++)
 _Q4, _Q4_SCALE, _Q4_MIN = "_specdecode_q4", "_specdecode_q4_scale", "_specdecode_q4_min"
+# the 6-bit panels' buffers: low 4 bits, top 2 bits, sc per 16 k, d per 256 k
+_Q6 = ("_specdecode_q6", "_specdecode_q6_high", "_specdecode_q6_scale", "_specdecode_q6_d")
+_Q6_SUB, _Q6_BLOCK = 16, 256  # k per sc, per d (kQ6Sub, kQ6Block in q6_tile.h)
 
 
 def quant_name(bits: int) -> str:
@@ -75,6 +79,11 @@ def int8_weights(module: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
     return panels.permute(0, 2, 1).reshape(-1, k)[:n], scale
 
 
+def _bias(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
+    """The layer's bias in x's dtype (the PyTorch fall-backs: float32 inputs to a bfloat16 layer)."""
+    return None if module.bias is None else module.bias.to(x.dtype)
+
+
 def _int8_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if (
         x.dtype != torch.bfloat16
@@ -84,7 +93,7 @@ def _int8_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         # inputs the kernel does not take: the same quantized weights, through PyTorch
         q, scale = int8_weights(self)
         weight = (q.float() * scale[:, None]).to(x.dtype)
-        return F.linear(x, weight, self.bias)
+        return F.linear(x, weight, _bias(self, x))
     flat = x.reshape(-1, x.shape[-1]).contiguous()  # [..., K] -> [M, K]
     panels, scale = getattr(self, _QWEIGHT), getattr(self, _SCALE)
     out = extension().linear_int8_packed(flat, panels, scale.shape[0], scale, self.bias)
@@ -118,24 +127,42 @@ def pack_int4_panels(
     uint8 (per panel of 16 rows and step of 4 k, byte 4r + j holds row r's weight at k = 4s + j
     in its low nibble and row r + 8's in its high one), scales and mins [P, K / 32, 16] float16;
     rows past N are zeros."""
-    n, k = q.shape
-    pad = -n % PANEL
-    q, scale, low = (F.pad(t, (0, 0, 0, pad)) if pad else t for t in (q, scale, low))
-    rows = q.reshape(-1, 2, PANEL // 2, k)  # [P, low | high nibble, 8, K]
+    scales, mins = (_per_panel(t) for t in (scale, low))
+    return _nibble_panels(q), scales, mins
+
+
+def _padded(t: torch.Tensor) -> torch.Tensor:
+    """[N, ...] -> [16 P, ...]: rows past N zeros."""
+    pad = -t.shape[0] % PANEL
+    return F.pad(t, (0, 0, 0, pad)) if pad else t
+
+
+def _per_panel(t: torch.Tensor) -> torch.Tensor:
+    """Per-row values [N, C] (a scale per group) -> [P, C, 16]: a panel's 16 rows side by side."""
+    return _padded(t).reshape(-1, PANEL, t.shape[1]).permute(0, 2, 1).contiguous()
+
+
+def _nibble_panels(q: torch.Tensor) -> torch.Tensor:
+    """4-bit values q [N, K] uint8 -> [P, K / 4, 32]: byte 4r + j of step s holds row r at
+    k = 4s + j (low nibble) and row r + 8 (high nibble)."""
+    k = q.shape[1]
+    rows = _padded(q).reshape(-1, 2, PANEL // 2, k)  # [P, low | high nibble, 8, K]
     bytes_ = rows[:, 0] | (rows[:, 1] << 4)  # [P, 8, K]
     panels = bytes_.reshape(-1, PANEL // 2, k // 4, 4).permute(0, 2, 1, 3)
-    scales, mins = (
-        t.reshape(-1, PANEL, k // _INT4_GROUP).permute(0, 2, 1).contiguous() for t in (scale, low)
-    )
-    return panels.reshape(-1, k // 4, 32).contiguous(), scales, mins
+    return panels.reshape(-1, k // 4, 32).contiguous()
+
+
+def _nibbles(panels: torch.Tensor, k: int) -> torch.Tensor:
+    """`_nibble_panels` undone: [P, K / 4, 32] -> [16 P, K] uint8."""
+    steps = panels.reshape(-1, k // 4, PANEL // 2, 4).permute(0, 2, 1, 3).reshape(-1, 1, 8, k)
+    return torch.cat([steps & 0xF, steps >> 4], dim=1).reshape(-1, k)
 
 
 def int4_weights(module: torch.nn.Linear) -> torch.Tensor:
     """A 4-bit layer's weight as it computes with it: [N, K] float32 (q * scale + min)."""
     panels, scales, mins = (getattr(module, name) for name in (_Q4, _Q4_SCALE, _Q4_MIN))
     n, k = module.weight.shape
-    steps = panels.reshape(-1, k // 4, PANEL // 2, 4).permute(0, 2, 1, 3).reshape(-1, 1, 8, k)
-    q = torch.cat([steps & 0xF, steps >> 4], dim=1).reshape(-1, k).float()  # [N', K]
+    q = _nibbles(panels, k).float()  # [N', K]
     scale, low = (t.permute(0, 2, 1).reshape(-1, k // _INT4_GROUP) for t in (scales, mins))
     groups = q.reshape(-1, k // _INT4_GROUP, _INT4_GROUP)
     return (groups * scale[..., None] + low[..., None]).reshape(-1, k)[:n]
@@ -148,13 +175,73 @@ def _int4_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         or (torch.is_grad_enabled() and x.requires_grad)
     ):
         # inputs the kernel does not take: the same quantized weights, through PyTorch
-        return F.linear(x, int4_weights(self).to(x.dtype), self.bias)
+        return F.linear(x, int4_weights(self).to(x.dtype), _bias(self, x))
     flat = x.reshape(-1, x.shape[-1]).contiguous()  # [..., K] -> [M, K]
     panels, scales, mins = (getattr(self, name) for name in (_Q4, _Q4_SCALE, _Q4_MIN))
     out = extension().linear_int4_packed(
         flat, panels, self.weight.shape[0], scales, mins, self.bias
     )
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def pack_q6_panels(
+    q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GGUF Q6_K's grid, w = d * sc * (q - 32) (q [N, K] uint8 in 0..63, sc [N, K / 16] int8,
+    d [N, K / 256] float16) -> the layout `linear_q6_packed` reads: the low 4 bits as int4
+    panels [P, K / 4, 32]; the top 2 bits [P, K / 8, 32] (byte 4r + j of step pair t, from bit
+    0: rows r and r + 8 at k = 8t + j, then at k = 8t + 4 + j); sc [P, K / 16, 16] and
+    d [P, K / 256, 16]. Rows past N are zeros."""
+    n, k = q.shape
+    if k % _Q6_BLOCK or sc.shape != (n, k // _Q6_SUB) or d.shape != (n, k // _Q6_BLOCK):
+        raise ValueError(
+            f"6-bit codes for a [{n}, {k}] linear are q [N, K] (K a multiple of 256), sc "
+            f"[N, K / 16] and d [N, K / 256] (got {[tuple(t.shape) for t in (q, sc, d)]})"
+        )
+    q = q.to(torch.uint8)
+    top = (_padded(q) >> 4).reshape(-1, 2, PANEL // 2, k // 8, 2, 4)  # [P, half, r, t, e, j]
+    high = top[:, 0, :, :, 0] | top[:, 1, :, :, 0] << 2 | top[:, 0, :, :, 1] << 4
+    high = high | top[:, 1, :, :, 1] << 6  # [P, r, t, j]
+    high = high.permute(0, 2, 1, 3).reshape(-1, k // 8, 32).contiguous()
+    return _nibble_panels(q & 0xF), high, _per_panel(sc.to(torch.int8)), _per_panel(d.half())
+
+
+def q6_weights(module: torch.nn.Linear) -> torch.Tensor:
+    """A 6-bit layer's weight as it computes with it: [N, K] float32 (d * sc * (q - 32))."""
+    lo, high, sc, d = (getattr(module, name) for name in _Q6)
+    n, k = module.weight.shape
+    top = high.reshape(-1, k // 8, PANEL // 2, 4).permute(0, 2, 1, 3)  # [P, r, t, j]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(4, 1, 1, 1, 1)
+    bits = (top[None] >> shifts) & 3  # [e * 2 + half, P, r, t, j]
+    bits = bits.reshape(2, 2, *top.shape).permute(2, 1, 3, 4, 0, 5)  # [P, half, r, t, e, j]
+    q = _nibbles(lo, k) | (bits.reshape(-1, k) << 4)  # [N', K]
+    scale, step = (t.permute(0, 2, 1).reshape(-1, t.shape[1]).float() for t in (sc, d))
+    w = scale.repeat_interleave(_Q6_SUB, 1) * step.repeat_interleave(_Q6_BLOCK, 1)
+    return (w * (q.float() - 32))[:n]
+
+
+def _q6_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if (
+        x.dtype != torch.bfloat16
+        or x.device.type != "cpu"
+        or (torch.is_grad_enabled() and x.requires_grad)
+    ):
+        # inputs the kernel does not take: the same 6-bit weights, through PyTorch
+        return F.linear(x, q6_weights(self).to(x.dtype), _bias(self, x))
+    flat = x.reshape(-1, x.shape[-1]).contiguous()  # [..., K] -> [M, K]
+    buffers = (getattr(self, name) for name in _Q6)
+    out = extension().linear_q6_packed(flat, *buffers, self.weight.shape[0], self.bias)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _quantize_q6(module: torch.nn.Linear, codes: tuple[torch.Tensor, ...]) -> None:
+    n, k = module.weight.shape
+    if codes[0].shape != (n, k):
+        raise ValueError(f"6-bit codes for a [{n}, {k}] linear: q is {tuple(codes[0].shape)}")
+    module._buffers.pop(PANELS_BUFFER, None)  # a tied layer's panels: no longer read
+    for name, tensor in zip(_Q6, pack_q6_panels(*codes), strict=True):
+        module.register_buffer(name, tensor, persistent=False)  # the state dict: own weights only
+    set_forward(module, _q6_forward)
 
 
 def _quantize_int4(
@@ -194,6 +281,7 @@ def quantize_linears(
     keep_weights: bool = True,
     int4_codes: Mapping[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
     tied_bits: int = 8,
+    q6_codes: Mapping[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
 ) -> int:
     """Run every bfloat16 CPU `nn.Linear` of `model` on quantized copies of its weights for the
     AVX2 kernels; returns how many.
@@ -206,7 +294,9 @@ def quantize_linears(
     layer is a large share of the bytes it reads).
     `int4_codes` (bits=4; module name -> (q [N, K] uint8, scale, low [N, K / 32] float16), e.g. a
     GGUF file's own, models/gguf_int4.py) gives those layers their 4-bit weights instead of
-    `quantize_int4`; every other layer then runs on int8 (their source grid is not 4-bit).
+    `quantize_int4`, and `q6_codes` (module name -> (q [N, K] uint8 in 0..63, sc [N, K / 16]
+    int8, d [N, K / 256] float16), a file's Q6_K tensors) others their 6-bit ones
+    (`pack_q6_panels`); every other layer then runs on int8 (their source grid is not 4-bit).
 
     With `keep_weights` (drafts) the bfloat16 weights stay (`restore_linears` undoes it), so
     the model holds 1.5 (int8) or about 2.6 (4-bit) bytes per linear weight. `keep_weights=False`
@@ -218,8 +308,10 @@ def quantize_linears(
     """
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8 (got {bits})")
-    if int4_codes is not None and bits != 4:
-        raise ValueError(f"int4_codes are 4-bit weights: they need bits=4 (got {bits})")
+    if (int4_codes is not None or q6_codes is not None) and bits != 4:
+        raise ValueError(f"a file's int4 / q6 codes need bits=4 (got {bits})")
+    if q6_codes is not None and int4_codes is None:
+        raise ValueError("q6_codes come with the file's int4_codes (models/gguf_int4.py)")
     if tied_bits not in (4, 8):
         raise ValueError(f"tied_bits must be 4 or 8 (got {tied_bits})")
     extension()
@@ -236,6 +328,8 @@ def quantize_linears(
                 if int4_codes is not None:
                     if name in int4_codes:
                         _quantize_int4(module, int4_codes[name])
+                    elif q6_codes is not None and name in q6_codes:
+                        _quantize_q6(module, q6_codes[name])
                     else:
                         _quantize_int8(module)
                 elif (
@@ -258,7 +352,7 @@ def _untied(weight: torch.Tensor, shared: set[int]) -> bool:
 
 
 def is_quantized(module: torch.nn.Module) -> bool:
-    return _QWEIGHT in module._buffers or _Q4 in module._buffers
+    return any(name in module._buffers for name in (_QWEIGHT, _Q4, _Q6[0]))
 
 
 def free_weight(module: torch.nn.Linear) -> None:
@@ -280,8 +374,8 @@ def weight_freed(module: torch.nn.Module) -> bool:
 
 
 def drop_quantized(module: torch.nn.Module) -> None:
-    """Drop a quantized layer's int8 or 4-bit copies (its bfloat16 weight stays)."""
-    for name in (_QWEIGHT, _SCALE, _Q4, _Q4_SCALE, _Q4_MIN):
+    """Drop a quantized layer's int8, 4-bit or 6-bit copies (its bfloat16 weight stays)."""
+    for name in (_QWEIGHT, _SCALE, _Q4, _Q4_SCALE, _Q4_MIN, *_Q6):
         if name in module._buffers:
             del module._buffers[name]
 
@@ -298,4 +392,7 @@ def quantized_call(
     if _QWEIGHT in module._buffers:
         panels, scale = module._buffers[_QWEIGHT], module._buffers[_SCALE]
         return lambda x: ext.linear_int8_packed(x, panels, n, scale, bias)
+    if _Q6[0] in module._buffers:
+        lo, high, sc, d = (module._buffers[name] for name in _Q6)
+        return lambda x: ext.linear_q6_packed(x, lo, high, sc, d, n, bias)
     return None

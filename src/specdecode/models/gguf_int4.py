@@ -8,7 +8,9 @@ uint8, scale and low [N, K / 32] float16, `kernels.quantize.pack_int4_panels`), 
 the float16 rounding of Q4_K's step d·sc and min dmin·m (Q4_0 / Q4_1: exact). `gguf_codes` maps
 the file's tensors to the model's module names (Qwen2 / Llama; llama.cpp's q / k row permutation
 of the llama architecture undone), checks the mapping against the loaded weights, and names the
-linears of other types (Q6_K, Q5_0, Q8_0, ...), which `:int4` keeps at int8 per row.
+linears of other types. Q6_K ones (a Q4_K_M file's output layer, half its down and value
+projections) keep the file's 6-bit grid exactly (`decode_q6`, the kernel's 6-bit panels); the
+rest (Q5_0, Q8_0, ...) `:int4` keeps at int8 per row.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ import torch
 
 # (q [N, K] uint8 in 0..15, scale [N, K / 32] float16, low [N, K / 32] float16): w = q*scale + low
 Int4Codes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+# (q [N, K] uint8 in 0..63, sc [N, K / 16] int8, d [N, K / 256] float16): w = d * sc * (q - 32)
+Q6Codes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+_Q6K_BYTES = 210  # a Q6_K block of 256 weights: ql [128], qh [64], sc [16] int8, d float16
 
 ARCHITECTURES = ("llama", "qwen2")  # GGUF general.architecture values whose names map below
 _PERMUTED = ("llama",)  # llama.cpp's converter permutes q / k rows for these (not for qwen2)
@@ -90,6 +95,28 @@ def decode_int4(raw: np.ndarray, qtype: str) -> Int4Codes:
     return torch.from_numpy(q.astype(np.uint8)), scale, low
 
 
+def decode_q6(raw: np.ndarray) -> Q6Codes:
+    """GGUF Q6_K rows `raw` [R, K / 256 * 210] uint8 -> the kernel's 6-bit form: q [R, K]
+    uint8 in 0..63, sc [R, K / 16] int8, d [R, K / 256] float16, exactly the file's
+    (w = d * sc * (q - 32), as ggml's dequantize_row_q6_K)."""
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, _Q6K_BYTES)
+    ql = blocks[:, :128].reshape(-1, 2, 1, 2, 32)  # [B, half of 128, -, 32-byte row, l]
+    qh = blocks[:, 128:192].reshape(-1, 2, 1, 32)  # [B, half, -, l]
+    # weight 128 i + 32 c + l: c = 0, 1 the low nibbles of ql rows 0, 1; c = 2, 3 their high
+    # ones; its top 2 bits at bit 2c of qh[l]
+    low = (ql >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1, 1)) & 0xF  # [B, 2, 2, 2, 32]
+    top = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3  # [B, 2, 4, 32]
+    q = low.reshape(-1, 2, 4, 32) | (top << 4)
+    sc = blocks[:, 192:208].view(np.int8)  # [B, 16]: weight w's is sc[w // 16]
+    d = np.ascontiguousarray(blocks[:, 208:210]).view(np.float16)  # [B, 1]
+    return (
+        torch.from_numpy(q.reshape(rows, -1).astype(np.uint8)),
+        torch.from_numpy(sc.reshape(rows, -1).copy()),
+        torch.from_numpy(d.reshape(rows, -1).copy()),
+    )
+
+
 def decode_float(raw: np.ndarray, qtype: str) -> torch.Tensor:
     """The same rows' weights [R, K] float32 as gguf-py dequantizes them (q*step - min)."""
     q, step, minus = _decode(raw, qtype)
@@ -110,22 +137,42 @@ def _hf_rows(name: str, rows: int, config: Any, permuted: bool) -> torch.Tensor 
     return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).flatten()
 
 
+def _reordered(codes: tuple[torch.Tensor, ...], order: torch.Tensor | None) -> tuple:
+    return codes if order is None else tuple(t[order].contiguous() for t in codes)
+
+
+@dataclass
+class Q6Tensors(Mapping[str, Q6Codes]):
+    """Module name -> its `Q6Codes`, decoded from the file when asked for."""
+
+    tensors: dict[str, tuple[Any, torch.Tensor | None]] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> Q6Codes:
+        tensor, order = self.tensors[name]
+        return _reordered(decode_q6(tensor.data), order)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+
 @dataclass
 class GgufCodes(Mapping[str, Int4Codes]):
     """Module name -> its `Int4Codes`, decoded from the file when asked for (one tensor at a
-    time); `other` names the linears the file stores in another type (module -> type)."""
+    time); `q6` the same for its Q6_K linears; `other` names the linears the file stores in
+    another type (module -> type)."""
 
     path: Path
     tensors: dict[str, tuple[Any, torch.Tensor | None]]  # module -> (ReaderTensor, row order)
     types: dict[str, str] = field(default_factory=dict)  # module -> GGUF type, every linear
     other: dict[str, str] = field(default_factory=dict)
+    q6: Q6Tensors = field(default_factory=Q6Tensors)
 
     def __getitem__(self, name: str) -> Int4Codes:
         tensor, order = self.tensors[name]
-        q, scale, low = decode_int4(tensor.data, tensor.tensor_type.name)
-        if order is not None:
-            q, scale, low = (t[order].contiguous() for t in (q, scale, low))
-        return q, scale, low
+        return _reordered(decode_int4(tensor.data, tensor.tensor_type.name), order)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.tensors)
@@ -134,12 +181,14 @@ class GgufCodes(Mapping[str, Int4Codes]):
         return len(self.tensors)
 
     def summary(self) -> str:
-        """'4-bit from the file's own codes for 170 linears (Q4_K), int8 for 27 (Q6_K)'."""
+        """'4-bit from the GGUF's own codes for 170 linears (Q4_K), 6-bit for 29 (Q6_K)'."""
 
         def kinds(names: Mapping[str, str] | Any) -> str:
             return ", ".join(sorted({self.types[n] for n in names}))
 
         text = f"4-bit from the GGUF's own codes for {len(self)} linears ({kinds(self.tensors)})"
+        if self.q6:
+            text += f", 6-bit for {len(self.q6)} (Q6_K)"
         if self.other:
             text += f", int8 for the {len(self.other)} of other types ({kinds(self.other)})"
         return text
@@ -186,6 +235,8 @@ def gguf_codes(model: torch.nn.Module, path: str | Path) -> tuple[GgufCodes | No
         codes.types[name] = qtype
         if qtype in ("Q4_K", "Q4_1", "Q4_0"):
             codes.tensors[name] = (tensor, order)
+        elif qtype == "Q6_K":
+            codes.q6.tensors[name] = (tensor, order)
         else:
             codes.other[name] = qtype
     if not codes.tensors:

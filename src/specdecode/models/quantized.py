@@ -10,7 +10,8 @@ original): its name carries the suffix (`LoadedModel.name`, the bench's records)
 weights are freed (`keep_weights=False`) but for an output layer tied to the embedding.
 
 `:int4` of a GGUF-made model (a preset, a `.gguf` path) takes the file's own 4-bit codes where it
-has them (models/gguf_int4.py) and int8 for its linears of other types; a stderr line says so,
+has them (models/gguf_int4.py), its Q6_K grid for Q6_K linears and int8 for its linears of other
+types; a stderr line says so,
 and `LoadedModel.extra["int4_weights"]` ("gguf" or "requantized"). Other models are re-quantized.
 """
 
@@ -105,6 +106,7 @@ def quantize_loaded(loaded: Any, spec: ModelSpec, *, keep_weights: bool, role: s
             keep_weights=keep_weights,
             int4_codes=codes,
             tied_bits=tied_bits,
+            q6_codes=codes.q6 if codes is not None else None,
         )
     except KernelUnavailable as err:
         raise _cannot_run(
