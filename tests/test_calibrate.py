@@ -247,6 +247,7 @@ def test_the_cache_gives_the_record_back(tiny_pair, cache):
         (dict(specdecode="0.0.1"), "differs in specdecode"),
         (dict(threads=64), "differs in threads"),
         (dict(format=2), "differs in format"),
+        (dict(kernels="0" * 16), "differs in kernels"),  # the kernels' code changed
     ],
 )
 def test_a_record_from_another_machine_or_version_is_ignored(tiny_pair, cache, capsys, change, why):

@@ -114,6 +114,7 @@ def machine_key(target: LoadedModel, draft: Any) -> MachineKey:
 
     import specdecode
     from specdecode.cache import KVCache
+    from specdecode.kernels.build import source_digest
     from specdecode.kernels.cpu import cpu_flags
     from specdecode.lean import runs_lean, target_cache
 
@@ -137,6 +138,7 @@ def machine_key(target: LoadedModel, draft: Any) -> MachineKey:
         draft_kernel=draft_kernel,
         draft_forward=forward,
         target_forward="hf" if isinstance(target_cache(target.model), KVCache) else "lean",
+        kernels=source_digest(),
     )
 
 

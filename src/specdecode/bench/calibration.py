@@ -58,6 +58,7 @@ class MachineKey:
     draft_forward: str  # "lean" (lean.py), "hf" (the model's own) or "none"
     target_forward: str = "hf"  # "lean" (lean.target_cache) or "hf"
     format: int = FORMAT
+    kernels: str = ""  # kernels.build.source_digest(): the kernels' code, between versions too
 
     def differences(self, other: MachineKey) -> list[str]:
         """The fields in which `other` differs from this key."""

@@ -118,6 +118,17 @@ def _progress(
         ticker.join()
 
 
+def _digest(paths: list[Path]) -> str:
+    return hashlib.sha256(b"".join(path.read_bytes() for path in paths)).hexdigest()[:16]
+
+
+@functools.cache
+def source_digest() -> str:
+    """A digest of the kernels' C++ sources and headers: what a measured cost of them depends on
+    beyond the package version (a calibration keys on it)."""
+    return _digest([*_SOURCES, *_HEADERS])
+
+
 @functools.cache
 def extension() -> Any:
     """The compiled kernel module (built once per machine; PyTorch caches the build)."""
@@ -131,7 +142,7 @@ def extension() -> Any:
     timeout_s = float(os.environ.get(LOCK_TIMEOUT_ENV, DEFAULT_LOCK_TIMEOUT_S))
     wait_for_build_lock(directory / "lock", timeout_s)
     # PyTorch rebuilds when a source or a flag changes, not a header: the headers' digest is a flag
-    header = hashlib.sha256(b"".join(h.read_bytes() for h in _HEADERS)).hexdigest()[:16]
+    header = _digest(_HEADERS)
     flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", f"-DSPECDECODE_HEADER_{header}"]
     try:
         with _progress("specdecode: building the CPU kernels (once per machine)"):
