@@ -13,11 +13,14 @@ n rows / ms over one. Kernels, in alternating rounds:
   int4-avx2   the same with its tile on AVX2 where the CPU has AVX-512 VNNI (the same results)
   int8        specdecode's int8 linear (one scale per output row)
   int8-avx2   the same with its tile on AVX2 where the CPU has AVX-512 F (the same results)
+  q6          specdecode's 6-bit linear (GGUF Q6_K's grid, a GGUF-made int4 target's Q6_K
+              tensors: the weight's codes random here, the time does not depend on them)
   torch-int4  torch.ops.aten._weight_int4pack_mm_for_cpu (groups of 32, bfloat16 scale and zero)
   torch-int8  torch._weight_int8pack_mm (one scale per output row)
 
 Bytes read per weight: int4 4.5 + the float16 scale and min per 32 (5 bits), int8 8 (+ a
-float32 scale per row), torch-int4 4 + its bfloat16 scale and zero per 32 (5 bits).
+float32 scale per row), q6 6 + an int8 sc per 16 + a float16 d per 256 (6.56 bits),
+torch-int4 4 + its bfloat16 scale and zero per 32 (5 bits).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 
 from specdecode.kernels.build import extension
 from specdecode.kernels.cpu_linear import swap_linears
-from specdecode.kernels.quantize import quantize_linears
+from specdecode.kernels.quantize import _quantize_q6, quantize_linears
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # kernel_rate, also when imported
 from kernel_rate import seconds
@@ -57,6 +60,15 @@ def ours(weight: torch.Tensor, bits: int):
     layer.weight.data.copy_(weight)
     swap_linears(layer)
     quantize_linears(layer, bits=bits)
+    return layer
+
+
+def q6(weight: torch.Tensor):
+    n, k = weight.shape
+    layer = torch.nn.Linear(k, n, bias=False).to(torch.bfloat16)
+    q = torch.randint(0, 64, (n, k), dtype=torch.uint8)
+    sc = torch.randint(-128, 128, (n, k // 16)).to(torch.int8)
+    _quantize_q6(layer, (q, sc, torch.full((n, k // 256), 1e-4).half()))
     return layer
 
 
@@ -99,6 +111,7 @@ KERNELS = {
     "int4-avx2": (lambda w: ours_on_tile(w, 4, False), 4.5 + 32 / GROUP),
     "int8": (lambda w: ours_on_tile(w, 8, True), 8.0),
     "int8-avx2": (lambda w: ours_on_tile(w, 8, False), 8.0),
+    "q6": (q6, 6.0 + 8 / 16 + 16 / 256),
     "torch-int4": (torch_int4, 4.0 + 32 / GROUP),
     "torch-int8": (torch_int8, 8.0),
 }
