@@ -555,6 +555,19 @@ QuantizedRows quantize_rows(const torch::Tensor& x) {
 
 }  // namespace
 
+// A tile's results res [block][16] (tokens t0.., the `rows` rows of panel p) plus the bias, as
+// bfloat16 into out [M][N].
+namespace {
+inline void store_tile(uint16_t* out, const float* res, const float* bias, int64_t t0,
+                       int64_t block, int64_t p, int64_t rows, int64_t N) {
+  for (int64_t t = 0; t < block; ++t)
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t n = p * kPanel + i;
+      out[(t0 + t) * N + n] = float_to_bf16(res[t * kPanel + i] + (bias ? bias[n] : 0.f));
+    }
+}
+}  // namespace
+
 // x: [M, K] bfloat16 (K a multiple of 32), panels: uint8 [ceil(N / 16)][K / 4][32] (see above;
 // rows past N zero), scales, mins: float16 [ceil(N / 16)][K / 32][16], bias: [N] or None ->
 // [M, N] bfloat16 with out[m, n] = sum_k xq[m, k] dx (scale q + min) + bias[n], the min term
@@ -609,11 +622,7 @@ torch::Tensor linear_int4_packed(torch::Tensor x, torch::Tensor panels, int64_t 
             default: int4_tile<1>(panel, s, m, K, xt, dt, st, res); break;
           }
         }
-        for (int64_t t = 0; t < block; ++t)
-          for (int64_t i = 0; i < rows; ++i) {
-            const int64_t n = p * kPanel + i;
-            op[(t0 + t) * N + n] = float_to_bf16(res[t * kPanel + i] + (bp ? bp[n] : 0.f));
-          }
+        store_tile(op, res, bp, t0, block, p, rows, N);
         t0 += block;
       }
     }
@@ -687,11 +696,7 @@ torch::Tensor linear_q6_packed(torch::Tensor x, torch::Tensor lo, torch::Tensor 
           case 2: q6_tile<2>(pl, ph, ps, pd, K, xt, st, dt, res); break;
           default: q6_tile<1>(pl, ph, ps, pd, K, xt, st, dt, res); break;
         }
-        for (int64_t t = 0; t < block; ++t)
-          for (int64_t i = 0; i < rows; ++i) {
-            const int64_t n = p * kPanel + i;
-            op[(t0 + t) * N + n] = float_to_bf16(res[t * kPanel + i] + (bp ? bp[n] : 0.f));
-          }
+        store_tile(op, res, bp, t0, block, p, rows, N);
         t0 += block;
       }
     }

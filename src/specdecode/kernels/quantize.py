@@ -84,22 +84,6 @@ def _bias(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
     return None if module.bias is None else module.bias.to(x.dtype)
 
 
-def _int8_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if (
-        x.dtype != torch.bfloat16
-        or x.device.type != "cpu"
-        or (torch.is_grad_enabled() and x.requires_grad)
-    ):
-        # inputs the kernel does not take: the same quantized weights, through PyTorch
-        q, scale = int8_weights(self)
-        weight = (q.float() * scale[:, None]).to(x.dtype)
-        return F.linear(x, weight, _bias(self, x))
-    flat = x.reshape(-1, x.shape[-1]).contiguous()  # [..., K] -> [M, K]
-    panels, scale = getattr(self, _QWEIGHT), getattr(self, _SCALE)
-    out = extension().linear_int8_packed(flat, panels, scale.shape[0], scale, self.bias)
-    return out.reshape(*x.shape[:-1], out.shape[-1])
-
-
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric 4-bit per row and group of 32 k: weight [N, K] ~= q * scale + min, q [N, K]
     uint8 in 0..15, scale and min [N, K / 32] float16 (min the group's, scale = (max - min) / 15,
@@ -168,22 +152,6 @@ def int4_weights(module: torch.nn.Linear) -> torch.Tensor:
     return (groups * scale[..., None] + low[..., None]).reshape(-1, k)[:n]
 
 
-def _int4_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if (
-        x.dtype != torch.bfloat16
-        or x.device.type != "cpu"
-        or (torch.is_grad_enabled() and x.requires_grad)
-    ):
-        # inputs the kernel does not take: the same quantized weights, through PyTorch
-        return F.linear(x, int4_weights(self).to(x.dtype), _bias(self, x))
-    flat = x.reshape(-1, x.shape[-1]).contiguous()  # [..., K] -> [M, K]
-    panels, scales, mins = (getattr(self, name) for name in (_Q4, _Q4_SCALE, _Q4_MIN))
-    out = extension().linear_int4_packed(
-        flat, panels, self.weight.shape[0], scales, mins, self.bias
-    )
-    return out.reshape(*x.shape[:-1], out.shape[-1])
-
-
 def pack_q6_panels(
     q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -220,18 +188,28 @@ def q6_weights(module: torch.nn.Linear) -> torch.Tensor:
     return (w * (q.float() - 32))[:n]
 
 
-def _q6_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def _quantized_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A quantized layer's forward: its kernel call (`quantized_call`) for bfloat16 CPU inputs,
+    else the same quantized weights through PyTorch (float32 inputs, autograd)."""
     if (
         x.dtype != torch.bfloat16
         or x.device.type != "cpu"
         or (torch.is_grad_enabled() and x.requires_grad)
     ):
-        # inputs the kernel does not take: the same 6-bit weights, through PyTorch
-        return F.linear(x, q6_weights(self).to(x.dtype), _bias(self, x))
+        return F.linear(x, quantized_weights(self).to(x.dtype), _bias(self, x))
     flat = x.reshape(-1, x.shape[-1]).contiguous()  # [..., K] -> [M, K]
-    buffers = (getattr(self, name) for name in _Q6)
-    out = extension().linear_q6_packed(flat, *buffers, self.weight.shape[0], self.bias)
+    out = quantized_call(self, extension())(flat)
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def quantized_weights(module: torch.nn.Linear) -> torch.Tensor:
+    """A quantized layer's weight [N, K] float32 as it computes with it (int8, 4-bit or 6-bit)."""
+    if _Q4 in module._buffers:
+        return int4_weights(module)
+    if _Q6[0] in module._buffers:
+        return q6_weights(module)
+    q, scale = int8_weights(module)
+    return q.float() * scale[:, None]
 
 
 def _quantize_q6(module: torch.nn.Linear, codes: tuple[torch.Tensor, ...]) -> None:
@@ -241,7 +219,7 @@ def _quantize_q6(module: torch.nn.Linear, codes: tuple[torch.Tensor, ...]) -> No
     module._buffers.pop(PANELS_BUFFER, None)  # a tied layer's panels: no longer read
     for name, tensor in zip(_Q6, pack_q6_panels(*codes), strict=True):
         module.register_buffer(name, tensor, persistent=False)  # the state dict: own weights only
-    set_forward(module, _q6_forward)
+    set_forward(module, _quantized_forward)
 
 
 def _quantize_int4(
@@ -263,7 +241,7 @@ def _quantize_int4(
     # not persistent: the state dict keeps only the model's own weights
     for name, tensor in ((_Q4, panels), (_Q4_SCALE, scales), (_Q4_MIN, mins)):
         module.register_buffer(name, tensor, persistent=False)
-    set_forward(module, _int4_forward)
+    set_forward(module, _quantized_forward)
 
 
 def _quantize_int8(module: torch.nn.Linear) -> None:
@@ -272,7 +250,7 @@ def _quantize_int8(module: torch.nn.Linear) -> None:
     # not persistent: the state dict keeps only the model's own weights
     module.register_buffer(_QWEIGHT, pack_int8_panels(q), persistent=False)
     module.register_buffer(_SCALE, scale, persistent=False)
-    set_forward(module, _int8_forward)
+    set_forward(module, _quantized_forward)
 
 
 def quantize_linears(
