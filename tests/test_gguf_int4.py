@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
-from gguf.quants import Q4_K, dequantize, quantize
+from gguf.quants import dequantize, quantize
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
@@ -76,21 +76,23 @@ def test_decoding_equals_gguf_dequantize(tmp_path, qtype):
     expected = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type)).float()  # [6, 512]
     assert expected.shape == (6, 512)
     assert torch.equal(decode_float(tensor.data, qtype.name), expected)
-    q, scale, low = decode_int4(tensor.data, qtype.name)
-    assert q.dtype == torch.uint8 and int(q.max()) <= 15 and scale.shape == (6, 16)
-    groups = q.float().reshape(6, 16, 32) * scale.float()[..., None] + low.float()[..., None]
-    diff = (groups.reshape(6, 512) - expected).abs()
-    if qtype == T.Q4_K:  # only the float16 rounding of the step d*sc and min dmin*m remains
-        d = tensor.data.reshape(-1, 144)[:, 0:4].copy().view(np.float16).astype(np.float32)
-        sc, m = Q4_K.get_scale_min(tensor.data.reshape(-1, 144)[:, 4:16].copy())
-        step = torch.from_numpy(d[:, :1] * sc).reshape(6, 16)
-        minimum = torch.from_numpy(d[:, 1:] * m).reshape(6, 16)
-        assert torch.equal(scale, step.half()) and torch.equal(low, (-minimum).half())
-        bound = 15 * (step - step.half().float()).abs() + (minimum - (-low.float())).abs()
-        assert bool((diff <= bound.repeat_interleave(32, 1) * 1.001 + 1e-9).all())
-        assert float(diff.max()) > 0  # float16 does not hold every d*sc: not exact
-    else:  # Q4_0 / Q4_1: d and m are float16 already, -8 d too
-        assert float(diff.max()) == 0.0
+    q, sc, ml, d, dl = decode_int4(tensor.data, qtype.name)
+    assert q.dtype == sc.dtype == torch.uint8 and ml.dtype == torch.int8
+    assert int(q.max()) <= 15 and sc.shape == ml.shape == (6, 16)
+    # Q4_K: the file's 6-bit codes under its d and -dmin per 256 k; Q4_0 / Q4_1: a step per group
+    assert d.shape == dl.shape == ((6, 2) if qtype == T.Q4_K else (6, 16))
+    assert d.dtype == dl.dtype == torch.float16
+    assert torch.equal(_weights(q, sc, ml, d, dl), expected)  # the file's weights exactly
+
+
+def _weights(q, sc, ml, d, dl) -> torch.Tensor:
+    """Int4 codes -> weights [N, K] float32: q (d sc) + dl ml per group (exact products)."""
+    n, k = q.shape
+    g = k // 32
+    repeat = g // d.shape[1]
+    scale = sc.float() * d.float().repeat_interleave(repeat, 1)
+    low = ml.float() * dl.float().repeat_interleave(repeat, 1)
+    return (q.float().reshape(n, g, 32) * scale[..., None] + low[..., None]).reshape(n, k)
 
 
 def _model(arch: str, seed: int = 0):
@@ -122,7 +124,7 @@ LAYOUT_TYPES = {hf: qtype for hf, qtype in LAYOUT.values()}
 def gguf_made(tmp_path, arch: str):
     """A tiny bfloat16 model whose linears hold a GGUF file's values (as transformers' loader
     gives them: llama q / k rows un-permuted), the file, and each module's expected float32
-    weights from the file's codes (q * float16(step) + float16(-min), un-permuted too)."""
+    weights from the file's codes (its 4-bit and 6-bit ones: its values, un-permuted too)."""
     model = _model(arch)
     modules = dict(model.named_modules())
     processor = LlamaTensorProcessor(config=model.config.to_dict())
@@ -135,13 +137,8 @@ def gguf_made(tmp_path, arch: str):
             raw = quantize(modules[hf].weight.detach().float().numpy(), qtype)
         tensors[name] = (raw, qtype)
         values = dequantize(raw, qtype)  # [N, K] in the file's row order
-        codes = None
-        if qtype == T.Q6_K:  # the 6-bit panels hold the file's weights exactly
-            codes = values
-        elif qtype in BLOCK_BYTES:
-            q, scale, low = decode_int4(raw, qtype.name)
-            codes = q.float().reshape(n, -1, 32) * scale.float()[..., None] + low.float()[..., None]
-            codes = codes.reshape(n, k).numpy()
+        # the 6-bit and 4-bit panels hold the file's weights exactly
+        codes = values if qtype == T.Q6_K or qtype in BLOCK_BYTES else None
         if arch == "llama":  # transformers' own reverse permutation
             values = processor.process(values, name).weights
             codes = processor.process(codes, name).weights if codes is not None else None

@@ -1,5 +1,5 @@
-"""4-bit drafts: the int4 kernel computes x @ (q * scale + min)^T on activations quantized to 8
-bits per token and group of 32 k (the min term on the exact sum of x), up to one bfloat16
+"""4-bit drafts: the int4 kernel computes x @ (q * scale + min)^T (scale and min coded on 8 bits
+under float16 steps) on activations quantized to 8 bits per token and group of 32 k (the min term on the exact sum of x), up to one bfloat16
 rounding, batch invariant; `quantize_linears(bits=4)` keeps the state dict and a tied output layer on
 int8; `MODEL:int4` drafts stay lossless."""
 
@@ -13,22 +13,25 @@ from specdecode import SpeculativeDecoder
 from specdecode.drafters import resolve_draft
 from specdecode.kernels import quantize_linears, restore_linears
 from specdecode.kernels.build import extension, int4_vnni_on, use_int4_vnni
-from specdecode.kernels.quantize import int4_weights, pack_int4_panels, quantize_int4
+from specdecode.kernels.quantize import (
+    dequantize_int4,
+    int4_scale_min,
+    int4_shift,
+    int4_weights,
+    pack_int4_panels,
+    quantize_int4,
+)
 
 from conftest import linear_case, needs_kernel, noisy_copy, tiny_llama, tiny_qwen2
 
 pytestmark = needs_kernel()
 
 
-def _dequantized(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    n, k = q.shape
-    groups = q.float().reshape(n, k // 32, 32) * scale[..., None] + low[..., None]
-    return groups.reshape(n, k)  # [N, K] float32
-
-
-def _reference(x, q, scale, low, b):
+def _reference(x, codes, b):
     """What the kernel computes, in float64: per group (scale dx) (xq . q) + min (sum of x)."""
     m, k = x.shape
+    q = codes[0]
+    scale, low = int4_scale_min(codes)
     groups = x.double().reshape(m, k // 32, 32)  # [M, G, 32]
     amax = groups.abs().amax(-1)  # [M, G]
     # 127 / amax as the kernel rounds it (a tensor division: `127 / t` multiplies by 1 / t)
@@ -41,40 +44,65 @@ def _reference(x, q, scale, low, b):
     return out if b is None else out + b.double()
 
 
+def _per_group_steps(codes):
+    """The same weights with one step per group (shift 0, as a Q4_0 / Q4_1 file's): sc, ml the
+    codes as they are, d and dl repeated per group."""
+    q, sc, ml, d, dl = codes
+    g = sc.shape[1]
+    return q, sc, ml, *(t.repeat_interleave(8, 1)[:, :g].contiguous() for t in (d, dl))
+
+
 def test_activation_quantization_stays_close_to_the_float_product():
     x, w, _ = linear_case(4, 896, 64, seed=7, bias=False)
-    q, scale, low = quantize_int4(w)
-    exact = F.linear(x.double(), _dequantized(q, scale, low).double())
-    error = (int4_linear(x, q, scale, low, None).double() - exact).norm() / exact.norm()
+    codes = quantize_int4(w)
+    exact = F.linear(x.double(), dequantize_int4(codes).double())
+    error = (int4_linear(x, codes, None).double() - exact).norm() / exact.norm()
     assert error < 0.01  # 8-bit activations per 32: under 1% of the product's norm
 
 
-def int4_linear(x, q, scale, low, b):
-    """The kernel call a 4-bit layer makes, on `q` packed into panels first."""
-    panels, scales, mins = pack_int4_panels(q, scale, low)
-    return extension().linear_int4_packed(x, panels, q.shape[0], scales, mins, b)
+def int4_linear(x, codes, b):
+    """The kernel call a 4-bit layer makes, on the codes packed into panels first."""
+    panels, packed, steps = pack_int4_panels(*codes)
+    shift = int4_shift(packed.shape[1], steps.shape[1])
+    return extension().linear_int4_packed(x, panels, codes[0].shape[0], packed, steps, shift, b)
 
 
-def test_quantize_int4_round_trip_and_exact_on_its_grid():
+def test_quantize_int4_round_trip_and_its_codes():
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(40, 96, generator=gen)
-    w[3, :32] = 0.5  # a constant group keeps a usable scale
-    q, scale, low = quantize_int4(w)
-    assert q.dtype == torch.uint8 and q.shape == w.shape and int(q.max()) <= 15
-    assert scale.shape == low.shape == (40, 3) and scale[3, 0] == 1
-    assert scale.dtype == low.dtype == torch.float16  # 2 bytes each per 32 weights
-    error = (_dequantized(q, scale, low) - w).abs()
-    assert (error <= scale.repeat_interleave(32, dim=1) / 2 + 1e-6).all()
-    # weights already on a 4-bit grid per group (GGUF Q4_K's) come back exactly
-    grid = torch.randint(0, 16, (40, 96), generator=gen).float()
-    grid[:, ::32], grid[:, 1::32] = 0, 15  # every group spans the whole grid
-    on_grid = grid * 0.03125 - 0.25
-    q, scale, low = quantize_int4(on_grid)
-    assert torch.equal(_dequantized(q, scale, low), on_grid)
+    w = torch.randn(40, 288, generator=gen)  # 9 groups: a block of 8 and a short one
+    w[3, :32] = 0.5  # a constant group: its min, step code 0
+    q, sc, ml, d, dl = codes = quantize_int4(w)
+    assert q.dtype == sc.dtype == torch.uint8 and ml.dtype == torch.int8
+    assert q.shape == w.shape and int(q.max()) <= 15
+    assert sc.shape == ml.shape == (40, 9) and d.shape == dl.shape == (40, 2)
+    assert d.dtype == dl.dtype == torch.float16  # 2 bytes each per 256 weights
+    weights = dequantize_int4(codes)
+    assert sc[3, 0] == 0 and (weights[3, :32] - 0.5).abs().max() <= float(dl[3, 0])
+    # within half a step, plus the coding of the min (half of dl) and of the step (15 d / 2)
+    _, _, _, d_group, dl_group = _per_group_steps(codes)
+    bound = int4_scale_min(codes)[0] / 2 + dl_group.float() / 2 + 7.5 * d_group.float()
+    assert ((weights - w).abs() <= bound.repeat_interleave(32, dim=1) + 1e-6).all()
+    # about as close as float16 steps per group: RMS error within 1% of that
+    groups = w.reshape(40, 9, 32)
+    lo = groups.amin(-1).half().float()
+    st = ((groups.amax(-1) - lo) / 15).half().float()
+    st = torch.where(st > 0, st, torch.ones_like(st))
+    per_group = torch.round((groups - lo[..., None]) / st[..., None]).clamp(0, 15)
+    per_group = (per_group * st[..., None] + lo[..., None]).reshape(40, 288)
+    rms = lambda t: float((t - w).pow(2).mean().sqrt())  # noqa: E731
+    assert rms(dequantize_int4(codes)) <= 1.01 * rms(per_group)
     with pytest.raises(ValueError, match="multiple of 32"):
         quantize_int4(torch.randn(4, 48))
     with pytest.raises(ValueError, match="float16's range"):
         quantize_int4(torch.full((1, 32), 1e6))
+
+
+def test_int4_panels_decode_back_to_the_codes_weights():
+    w = torch.randn(20, 320, generator=torch.Generator().manual_seed(1))
+    for codes in (quantize_int4(w), _per_group_steps(quantize_int4(w))):
+        layer = torch.nn.Linear(320, 20, bias=False).to(torch.bfloat16)
+        quantize_linears(layer, bits=4, int4_codes={"": codes})
+        assert torch.equal(int4_weights(layer), dequantize_int4(codes))
 
 
 @pytest.mark.parametrize("k", [32, 96, 896])
@@ -83,20 +111,21 @@ def test_quantize_int4_round_trip_and_exact_on_its_grid():
 def test_int4_kernel_matches_the_dequantized_linear(k, n, bias):
     for m in (1, 2, 3, 5, 6):
         x, w, b = linear_case(m, k, n, seed=k * 100 + n + m, bias=bias)
-        q, scale, low = quantize_int4(w)
-        out = int4_linear(x, q, scale, low, b)
-        reference = _reference(x, q, scale, low, b).float()
-        assert out.dtype == torch.bfloat16 and out.shape == (m, n)
-        torch.testing.assert_close(out.float(), reference, rtol=2**-8, atol=1e-4)
+        codes = quantize_int4(w)
+        for form in (codes, _per_group_steps(codes)):
+            out = int4_linear(x, form, b)
+            reference = _reference(x, form, b).float()
+            assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+            torch.testing.assert_close(out.float(), reference, rtol=2**-8, atol=1e-4)
 
 
 @pytest.mark.parametrize("m", [2, 3, 4, 7])
 def test_int4_kernel_is_batch_invariant_bit_for_bit(m):
     x, w, b = linear_case(m, 160, 72, seed=m, bias=True)
-    q, scale, low = quantize_int4(w)
-    together = int4_linear(x, q, scale, low, b)
+    codes = quantize_int4(w)
+    together = int4_linear(x, codes, b)
     for i in range(m):
-        assert torch.equal(together[i], int4_linear(x[i : i + 1], q, scale, low, b)[0])
+        assert torch.equal(together[i], int4_linear(x[i : i + 1], codes, b)[0])
 
 
 def test_int4_tile_on_avx512_vnni_is_bit_identical_to_avx2():
@@ -107,29 +136,41 @@ def test_int4_tile_on_avx512_vnni_is_bit_identical_to_avx2():
     x, w, b = linear_case(17, 896, 72, seed=5, bias=True)
     x[:, :32] = 100.0  # one group of equal, large activations: every xq = 127
     x[0, 32:64] = -3e4
-    q, scale, low = quantize_int4(w)
+    q, sc, ml, d, dl = quantize_int4(w)
     q[:, :64] = 15
+    sc[:, 0], ml[:, 0], ml[:, 1] = 255, -128, 127  # extreme codes: exact products all the same
     try:
-        for m in range(1, 18):  # tiles of 1-8 tokens, and blocks of them
-            vnni = int4_linear(x[:m], q, scale, low, b)
-            use_int4_vnni(False)
-            avx2 = int4_linear(x[:m], q, scale, low, b)
-            use_int4_vnni(True)
-            assert torch.equal(vnni, avx2), m
+        for codes in ((q, sc, ml, d, dl), _per_group_steps((q, sc, ml, d, dl))):
+            for m in range(1, 18):  # tiles of 1-8 tokens, and blocks of them
+                vnni = int4_linear(x[:m], codes, b)
+                use_int4_vnni(False)
+                avx2 = int4_linear(x[:m], codes, b)
+                use_int4_vnni(True)
+                assert torch.equal(vnni, avx2), m
     finally:
         use_int4_vnni(True)
 
 
 def test_int4_kernel_refuses_bad_arguments():
     x, w, _ = linear_case(2, 64, 8, seed=0, bias=False)
-    panels, scales, mins = pack_int4_panels(*quantize_int4(w))
+    panels, codes, steps = pack_int4_panels(*quantize_int4(w))
     kernel = extension().linear_int4_packed
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        kernel(x[:, :48].contiguous(), panels, 8, scales, mins, None)
+        kernel(x[:, :48].contiguous(), panels, 8, codes, steps, 3, None)
     with pytest.raises(RuntimeError, match="uint8 panels"):
-        kernel(x, panels.to(torch.int8), 8, scales, mins, None)
-    with pytest.raises(RuntimeError, match="scales and mins"):
-        kernel(x, panels, 8, scales[:, :1].contiguous(), mins, None)
+        kernel(x, panels.to(torch.int8), 8, codes, steps, 3, None)
+    with pytest.raises(RuntimeError, match="uint8 codes"):
+        kernel(x, panels, 8, codes[:, :1].contiguous(), steps, 3, None)
+    with pytest.raises(RuntimeError, match="float16 steps"):
+        kernel(x, panels, 8, codes, steps, 0, None)  # 1 block where 2 groups want 2
+    with pytest.raises(RuntimeError, match="shift"):
+        kernel(x, panels, 8, codes, steps, -1, None)
+    layer = torch.nn.Linear(64, 8).to(torch.bfloat16)
+    q, sc, ml, d, dl = quantize_int4(w)
+    with pytest.raises(ValueError, match="int4 codes for a"):
+        quantize_linears(layer, bits=4, int4_codes={"": (q, sc, ml, d)})
+    with pytest.raises(ValueError, match="blocks of steps"):
+        quantize_linears(layer, bits=4, int4_codes={"": (q, sc, ml, d[:, :0], dl[:, :0])})
 
 
 def test_quantize_linears_4_bit_keeps_the_state_dict_and_a_tied_head_on_int8():
@@ -203,7 +244,7 @@ def test_speculative_decoding_with_a_4_bit_draft_is_lossless(factory):
 def test_int4_kernel_turns_non_finite_activations_into_nan_outputs():
     x, w, _ = linear_case(3, 64, 16, seed=5, bias=False)
     x[0, 3], x[1, 40] = float("inf"), float("nan")
-    q, scale, low = quantize_int4(w)
-    out = int4_linear(x, q, scale, low, None).float()
+    codes = quantize_int4(w)
+    out = int4_linear(x, codes, None).float()
     assert out[:2].isnan().all() and out[2].isfinite().all()
-    assert torch.equal(out[2], int4_linear(x[2:], q, scale, low, None).float()[0])
+    assert torch.equal(out[2], int4_linear(x[2:], codes, None).float()[0])

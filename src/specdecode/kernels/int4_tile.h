@@ -20,15 +20,28 @@ inline __m256 half8(const uint16_t* h) {  // 8 float16 -> float32
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
 }
 
+// 8 rows' group scale d * sc and min dl * ml as float32: exact products (an 8-bit code times a
+// float16, 19 significant bits at most), so the AVX-512 tile's own computing of them is equal.
+inline __m256 group_scale8(const uint8_t* sc, const uint16_t* d) {
+  const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)), half8(d));
+}
+inline __m256 group_min8(const uint8_t* ml, const uint16_t* dl) {
+  const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(ml));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)), half8(dl));
+}
+
 // MR tokens x 16 rows (one panel). Per group: 8 steps of 4 k, each one 32-byte load unpacked
 // into rows 0-7 and 8-15 (and, shift) and per token one 4-byte broadcast and two byte
 // multiply-adds; then each row's group sum sits in a 32-bit lane, and totals (in res, touched
-// once per group) += scale dx sum + min xsum. The multiply-add is vpmaddubsw summed in 16 bits
+// once per group) += scale dx sum + min xsum, with scale = d sc and min = dl ml from the
+// group's codes and its block's steps (block g >> shift). The multiply-add is vpmaddubsw summed in 16 bits
 // (8 steps of two products of at most 15 * 127: below 2^15, no saturation), then vpmaddwd by
 // ones: the exact integer sum, as int4_tile512's vpdpbusd gives it.
 template <int MR>
-inline void int4_tile(const uint8_t* p, const uint16_t* sc, const uint16_t* mn, int64_t K,
-                      const int8_t* xq, const float* dx, const float* xsum, float* res) {
+inline void int4_tile(const uint8_t* p, const uint8_t* codes, const uint16_t* steps, int shift,
+                      int64_t K, const int8_t* xq, const float* dx, const float* xsum,
+                      float* res) {
   const int64_t G = K / kInt4Group;
   for (int i = 0; i < MR * 16; ++i) res[i] = 0.f;
   const __m256i low = _mm256_set1_epi8(0xF);
@@ -51,9 +64,11 @@ inline void int4_tile(const uint8_t* p, const uint16_t* sc, const uint16_t* mn, 
         acc[t][1] = _mm256_add_epi16(acc[t][1], _mm256_maddubs_epi16(w1, xv));
       }
     }
+    const uint8_t* cg = codes + g * 32;            // sc [16] uint8, then ml [16] int8
+    const uint16_t* sg = steps + (g >> shift) * 32;  // d [16], then dl [16] float16
     SD_UNROLL for (int v = 0; v < 2; ++v) {
-      const __m256 s = half8(sc + g * 16 + v * 8);
-      const __m256 m = half8(mn + g * 16 + v * 8);
+      const __m256 s = group_scale8(cg + v * 8, sg + v * 8);
+      const __m256 m = group_min8(cg + 16 + v * 8, sg + 16 + v * 8);
       SD_UNROLL for (int t = 0; t < MR; ++t) {
         float* out = res + t * 16 + v * 8;
         const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[t][v], ones));

@@ -44,8 +44,9 @@ bool int8_avx512_supported();
 void int8_avx512_tile(int64_t mr, int64_t panels, const int8_t* p, int64_t K, int64_t pstride,
                       const float* x, float* res);
 int64_t int4_vnni_tile_rows();
-void int4_vnni_tile(int64_t mr, const uint8_t* p, const uint16_t* sc, const uint16_t* mn,
-                    int64_t K, const int8_t* xq, const float* dx, const float* xsum, float* res);
+void int4_vnni_tile(int64_t mr, const uint8_t* p, const uint8_t* codes, const uint16_t* steps,
+                    int shift, int64_t K, const int8_t* xq, const float* dx, const float* xsum,
+                    float* res);
 }  // namespace specdecode_kernels
 
 namespace {
@@ -476,7 +477,11 @@ torch::Tensor linear_int8_packed(torch::Tensor x, torch::Tensor panels, int64_t 
 // ---- int4 panels (4-bit weights, of a draft or a target) ----------------------------------
 // Each row's weights in groups of 32 k: w = scale * q + min, q in 0..15 (asymmetric, one scale
 // and one min per row and group: the grid of GGUF's Q4_K sub-blocks, which the presets were
-// converted from). Activations are quantized too, per token and group of 32 k: x ~= dx * xq,
+// converted from). As in Q4_K, the scale and min are 8-bit codes times float16 steps shared by
+// a block of groups: scale = d sc (sc uint8), min = dl ml (ml int8), d and dl per row and block
+// of 2^shift groups (shift 3: Q4_K's 256 k, and `quantize_int4`'s; shift 0: one per group, Q4_0
+// and Q4_1 files). Both products are exact in float32, so a Q4_K file's weights come out as
+// the file has them. Activations are quantized too, per token and group of 32 k: x ~= dx * xq,
 // xq in -127..127 (symmetric, dx = max |x| / 127), as llama.cpp does for its 4-bit formats.
 // Then a group's x . q is an exact integer sum, and AVX2's byte multiply-add
 // (vpmaddubsw: 32 unsigned x signed byte products summed in pairs, one instruction) does 32
@@ -485,9 +490,10 @@ torch::Tensor linear_int8_packed(torch::Tensor x, torch::Tensor panels, int64_t 
 //   out = sum over groups of (scale dx) (xq . q) + min (sum of x over the group)
 // A panel holds 16 rows as K / 4 steps of 32 bytes: byte 4r + j of step s holds row r's weight
 // at k = 4s + j (low nibble) and row r + 8's (high nibble), so one 32-byte load gives 8 rows x
-// 4 k twice, and one broadcast of 4 activation bytes serves both. Scales and mins are
-// [P][K / 32][16] float16 (F16C widens them): 5 bits per weight read in all, where float32 ones
-// made it 6 (a one-token forward is bound by those bytes). Tiles of 1-4 tokens x 16 rows (1-8
+// 4 k twice, and one broadcast of 4 activation bytes serves both. Codes are [P][K / 32][32]
+// (per group: 16 rows' sc, then their ml), steps [P][blocks][32] float16 (16 rows' d, then dl):
+// 4.625 bits per weight read in all with blocks of 8 groups, where float16 scales and mins per
+// group made it 5 (a one-token forward is bound by those bytes). Tiles of 1-4 tokens x 16 rows (1-8
 // on AVX-512 VNNI; more tokens: near-equal blocks). Each output's float32 sum runs over the
 // groups in the same order whatever the tile, and a token's quantization depends on that token
 // alone: batch invariant.
@@ -568,12 +574,12 @@ inline void store_tile(uint16_t* out, const float* res, const float* bias, int64
 }
 }  // namespace
 
-// x: [M, K] bfloat16 (K a multiple of 32), panels: uint8 [ceil(N / 16)][K / 4][32] (see above;
-// rows past N zero), scales, mins: float16 [ceil(N / 16)][K / 32][16], bias: [N] or None ->
-// [M, N] bfloat16 with out[m, n] = sum_k xq[m, k] dx (scale q + min) + bias[n], the min term
-// on the exact sum of x.
+// x: [M, K] bfloat16 (K a multiple of 32), panels: uint8 [P = ceil(N / 16)][K / 4][32] (see
+// above; rows past N zero), codes: uint8 [P][K / 32][32], steps: float16
+// [P][ceil(K / 32 / 2^shift)][32], bias: [N] or None -> [M, N] bfloat16 with out[m, n] =
+// sum_k xq[m, k] dx (scale q + min) + bias[n], the min term on the exact sum of x.
 torch::Tensor linear_int4_packed(torch::Tensor x, torch::Tensor panels, int64_t N,
-                                 torch::Tensor scales, torch::Tensor mins,
+                                 torch::Tensor codes, torch::Tensor steps, int64_t shift,
                                  c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() &&
                   x.device().is_cpu(),
@@ -584,27 +590,32 @@ torch::Tensor linear_int4_packed(torch::Tensor x, torch::Tensor panels, int64_t 
   TORCH_CHECK(panels.scalar_type() == at::kByte && panels.is_contiguous() &&
                   panels.device().is_cpu() && N >= 0 && panels.numel() == P * kPanel * K / 2,
               "linear_int4_packed: contiguous uint8 panels of ceil(N / 16) * 16 * K / 2 bytes");
-  for (const auto* t : {&scales, &mins})
-    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->device().is_cpu() &&
-                    t->numel() == P * G * kPanel,
-                "linear_int4_packed: contiguous float16 scales and mins [P][K / 32][16]");
+  TORCH_CHECK(shift >= 0 && shift <= 8, "linear_int4_packed: shift must be in 0..8");
+  const int64_t B = (G + (int64_t(1) << shift) - 1) >> shift;  // blocks of groups per row
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  codes.device().is_cpu() && codes.numel() == P * G * 2 * kPanel,
+              "linear_int4_packed: contiguous uint8 codes [P][K / 32][32]");
+  TORCH_CHECK(steps.scalar_type() == at::kHalf && steps.is_contiguous() &&
+                  steps.device().is_cpu() && steps.numel() == P * B * 2 * kPanel,
+              "linear_int4_packed: contiguous float16 steps [P][ceil(K / 32 / 2^shift)][32]");
   const QuantizedRows xr = quantize_rows(x);
   const std::vector<float> bias_f = bias_float(bias, N);
   auto out = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   const uint8_t* pp = panels.data_ptr<uint8_t>();
-  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  const auto* mp = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(steps.data_ptr<at::Half>());
+  const int sh = static_cast<int>(shift);
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const float* bp = bias_f.empty() ? nullptr : bias_f.data();
-  const int64_t pstride = (K / 2) * kPanel, sstride = G * kPanel;
+  const int64_t pstride = (K / 2) * kPanel, cstride = G * 2 * kPanel, sstride = B * 2 * kPanel;
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     float res[8 * kPanel];
     const int64_t most = g_int4_vnni ? specdecode_kernels::int4_vnni_tile_rows() : 4;
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* panel = pp + p * pstride;
+      const uint8_t* c = cp + p * cstride;
       const uint16_t* s = sp + p * sstride;
-      const uint16_t* m = mp + p * sstride;
       const int64_t rows = std::min<int64_t>(kPanel, N - p * kPanel);
       const int64_t blocks = (M + most - 1) / most;  // as few blocks as possible, near-equal
       for (int64_t b = 0, t0 = 0; b < blocks; ++b) {
@@ -613,13 +624,13 @@ torch::Tensor linear_int4_packed(torch::Tensor x, torch::Tensor panels, int64_t 
         const float* dt = xr.dx.data() + t0 * G;
         const float* st = xr.xsum.data() + t0 * G;
         if (g_int4_vnni) {
-          specdecode_kernels::int4_vnni_tile(block, panel, s, m, K, xt, dt, st, res);
+          specdecode_kernels::int4_vnni_tile(block, panel, c, s, sh, K, xt, dt, st, res);
         } else {
           switch (block) {
-            case 4: int4_tile<4>(panel, s, m, K, xt, dt, st, res); break;
-            case 3: int4_tile<3>(panel, s, m, K, xt, dt, st, res); break;
-            case 2: int4_tile<2>(panel, s, m, K, xt, dt, st, res); break;
-            default: int4_tile<1>(panel, s, m, K, xt, dt, st, res); break;
+            case 4: int4_tile<4>(panel, c, s, sh, K, xt, dt, st, res); break;
+            case 3: int4_tile<3>(panel, c, s, sh, K, xt, dt, st, res); break;
+            case 2: int4_tile<2>(panel, c, s, sh, K, xt, dt, st, res); break;
+            default: int4_tile<1>(panel, c, s, sh, K, xt, dt, st, res); break;
           }
         }
         store_tile(op, res, bp, t0, block, p, rows, N);
@@ -733,7 +744,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_int8_packed", &linear_int8_packed,
         "int8-weight linear on 16-row panels (one scale per row), batch invariant");
   m.def("linear_int4_packed", &linear_int4_packed,
-        "int4-weight linear on 16-row panels (a scale and a min per row and 32 k), batch invariant");
+        "int4-weight linear on 16-row panels (a coded scale and min per row and 32 k), batch "
+        "invariant");
   m.def("linear_q6_packed", &linear_q6_packed,
         "linear on 6-bit panels (GGUF Q6_K's grid) and 8-bit activations, batch invariant");
   m.def("add_rms_norm", &add_rms_norm, "residual sum and RMSNorm of a few bfloat16 rows");

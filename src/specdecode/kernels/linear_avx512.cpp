@@ -247,9 +247,17 @@ SD_VNNI512 inline __m512 half16(const uint16_t* h) {  // 16 float16 -> float32
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
 }
 
+// 16 rows' codes (uint8 sc or int8 ml) times their float16 steps: exact, as int4_tile.h's
+SD_VNNI512 inline __m512 coded16(const uint8_t* codes, const uint16_t* steps, bool is_signed) {
+  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+  const __m512i wide = is_signed ? _mm512_cvtepi8_epi32(c) : _mm512_cvtepu8_epi32(c);
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(wide), half16(steps));
+}
+
 template <int MR>
-SD_VNNI512 void int4_tile512(const uint8_t* p, const uint16_t* sc, const uint16_t* mn, int64_t K,
-                             const int8_t* xq, const float* dx, const float* xsum, float* res) {
+SD_VNNI512 void int4_tile512(const uint8_t* p, const uint8_t* codes, const uint16_t* steps,
+                             int shift, int64_t K, const int8_t* xq, const float* dx,
+                             const float* xsum, float* res) {
   const int64_t G = K / 32;
   const __m512i low = _mm512_set1_epi8(0xF);
   const __m512i interleave =
@@ -277,7 +285,9 @@ SD_VNNI512 void int4_tile512(const uint8_t* p, const uint16_t* sc, const uint16_
         acc[t][1] = _mm512_dpbusd_epi32(acc[t][1], w1, xv);
       }
     }
-    const __m512 s = half16(sc + g * 16), m = half16(mn + g * 16);
+    const uint8_t* cg = codes + g * 32;            // sc [16] uint8, then ml [16] int8
+    const uint16_t* sg = steps + (g >> shift) * 32;  // d [16], then dl [16] float16
+    const __m512 s = coded16(cg, sg, false), m = coded16(cg + 16, sg + 16, true);
     SD_UNROLL for (int t = 0; t < MR; ++t) {
       const __m512i sum = _mm512_add_epi32(_mm512_permutex2var_epi32(acc[t][0], even, acc[t][1]),
                                            _mm512_permutex2var_epi32(acc[t][0], odd, acc[t][1]));
@@ -294,18 +304,18 @@ SD_VNNI512 void int4_tile512(const uint8_t* p, const uint16_t* sc, const uint16_
 int64_t int4_vnni_tile_rows() { return 8; }
 
 // int4_tile512<mr> (1 <= mr <= int4_vnni_tile_rows()): the arguments of int4_tile
-SD_VNNI512 void int4_vnni_tile(int64_t mr, const uint8_t* p, const uint16_t* sc,
-                               const uint16_t* mn, int64_t K, const int8_t* xq, const float* dx,
-                               const float* xsum, float* res) {
+SD_VNNI512 void int4_vnni_tile(int64_t mr, const uint8_t* p, const uint8_t* codes,
+                               const uint16_t* steps, int shift, int64_t K, const int8_t* xq,
+                               const float* dx, const float* xsum, float* res) {
   switch (mr) {
-    case 8: int4_tile512<8>(p, sc, mn, K, xq, dx, xsum, res); break;
-    case 7: int4_tile512<7>(p, sc, mn, K, xq, dx, xsum, res); break;
-    case 6: int4_tile512<6>(p, sc, mn, K, xq, dx, xsum, res); break;
-    case 5: int4_tile512<5>(p, sc, mn, K, xq, dx, xsum, res); break;
-    case 4: int4_tile512<4>(p, sc, mn, K, xq, dx, xsum, res); break;
-    case 3: int4_tile512<3>(p, sc, mn, K, xq, dx, xsum, res); break;
-    case 2: int4_tile512<2>(p, sc, mn, K, xq, dx, xsum, res); break;
-    default: int4_tile512<1>(p, sc, mn, K, xq, dx, xsum, res); break;
+    case 8: int4_tile512<8>(p, codes, steps, shift, K, xq, dx, xsum, res); break;
+    case 7: int4_tile512<7>(p, codes, steps, shift, K, xq, dx, xsum, res); break;
+    case 6: int4_tile512<6>(p, codes, steps, shift, K, xq, dx, xsum, res); break;
+    case 5: int4_tile512<5>(p, codes, steps, shift, K, xq, dx, xsum, res); break;
+    case 4: int4_tile512<4>(p, codes, steps, shift, K, xq, dx, xsum, res); break;
+    case 3: int4_tile512<3>(p, codes, steps, shift, K, xq, dx, xsum, res); break;
+    case 2: int4_tile512<2>(p, codes, steps, shift, K, xq, dx, xsum, res); break;
+    default: int4_tile512<1>(p, codes, steps, shift, K, xq, dx, xsum, res); break;
   }
 }
 

@@ -30,7 +30,8 @@ from specdecode.kernels.panels import (
 
 _QWEIGHT, _SCALE = "_specdecode_qweight", "_specdecode_scale"  # int8 buffers of quantized ones
 _INT4_GROUP = 32  # k per scale and min (kInt4Group in the C++)
-_Q4, _Q4_SCALE, _Q4_MIN = "_specdecode_q4", "_specdecode_q4_scale", "_specdecode_q4_min"
+# the 4-bit panels' buffers: weights, codes (sc, ml per group), steps (d, dl per block)
+_Q4 = ("_specdecode_q4", "_specdecode_q4_codes", "_specdecode_q4_steps")
 # the 6-bit panels' buffers: low 4 bits, top 2 bits, sc per 16 k, d per 256 k
 _Q6 = ("_specdecode_q6", "_specdecode_q6_high", "_specdecode_q6_scale", "_specdecode_q6_d")
 _Q6_SUB, _Q6_BLOCK = 16, 256  # k per sc, per d (kQ6Sub, kQ6Block in q6_tile.h)
@@ -84,35 +85,82 @@ def _bias(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
     return None if module.bias is None else module.bias.to(x.dtype)
 
 
-def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric 4-bit per row and group of 32 k: weight [N, K] ~= q * scale + min, q [N, K]
-    uint8 in 0..15, scale and min [N, K / 32] float16 (min the group's, scale = (max - min) / 15,
-    both rounded to float16 before q is chosen on their grid; scale 1 where the group is
-    constant). Weights on such a grid (GGUF Q4_K sub-blocks) come back exactly where their group
-    spans all 16 steps and its step and min are float16 numbers (rare in the presets, which are
-    also rounded to bfloat16: docs/lab-notes/2026-12-02-int4-targets.md)."""
+# A 4-bit linear's codes (`quantize_int4`, models/gguf_int4.py's `decode_int4`): q [N, K] uint8
+# in 0..15, sc [N, G] uint8, ml [N, G] int8 (G = K / 32 groups), d and dl [N, B] float16 (B blocks
+# of groups: ceil(G / 8), or G for one per group). w = q * scale + min per group, scale = d sc and
+# min = dl ml with d, dl those of the group's block.
+Int4Codes = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+_INT4_BLOCK_SHIFT = 3  # 2^3 groups of 32 k share their steps d and dl: GGUF Q4_K's 256 k
+
+
+def int4_shift(groups: int, blocks: int) -> int:
+    """Groups per block of steps, as a shift (the kernel's `shift`): 0 where each group has its
+    own steps (blocks == groups), else 3 (blocks == ceil(groups / 8))."""
+    if blocks == groups:
+        return 0
+    if blocks == -(-groups // (1 << _INT4_BLOCK_SHIFT)):
+        return _INT4_BLOCK_SHIFT
+    raise ValueError(f"{blocks} blocks of steps for {groups} groups: expected {groups} or 1 per 8")
+
+
+def _per_block(t: torch.Tensor, blocks: int, reduce: Callable[[torch.Tensor], torch.Tensor]):
+    """[N, G] per group -> [N, blocks] reduced over each block of 8 groups (the last may be short:
+    padded with zeros, which reduce (an absolute maximum) ignores)."""
+    pad = blocks * (1 << _INT4_BLOCK_SHIFT) - t.shape[1]
+    return reduce(F.pad(t, (0, pad)).reshape(t.shape[0], blocks, -1))
+
+
+def _per_group(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """[N, B] per block of 8 groups -> [N, G]."""
+    return t.repeat_interleave(1 << _INT4_BLOCK_SHIFT, dim=1)[:, :groups]
+
+
+def quantize_int4(weight: torch.Tensor) -> Int4Codes:
+    """Asymmetric 4-bit per row and group of 32 k, on Q4_K's kind of grid: weight [N, K] ~=
+    q * scale + min per group, q in 0..15, scale = d * sc and min = dl * ml with 8-bit codes
+    (sc uint8, ml int8) per group and float16 steps d, dl per block of 8 groups (`Int4Codes`).
+
+    Per group its min and step (max - min) / 15 are fitted, then coded on their block's steps
+    (dl = max |min| / 127, d = max step / 255, rounded to nearest), and q is chosen on the coded
+    grid. The codes cost about 0.03% of RMS error against float16 scales and mins per group
+    (random and heavy-tailed weights), for 4.625 bits a weight read instead of 5."""
     n, k = weight.shape
     if k % _INT4_GROUP:
         raise ValueError(f"int4 needs K a multiple of {_INT4_GROUP} (got {k})")
-    groups = weight.float().reshape(n, k // _INT4_GROUP, _INT4_GROUP)
+    g = k // _INT4_GROUP
+    groups = weight.float().reshape(n, g, _INT4_GROUP)
     if groups.numel() and float(groups.abs().max()) > torch.finfo(torch.float16).max:
-        raise ValueError("int4 needs weights within float16's range (its scales are float16)")
-    low = groups.amin(-1).half()  # [N, G]
-    scale = ((groups.amax(-1) - low.float()) / 15).half()
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant (or tiny) groups
-    q = torch.round((groups - low.float()[..., None]) / scale.float()[..., None]).clamp_(0, 15)
-    return q.to(torch.uint8).reshape(n, k), scale, low
+        raise ValueError("int4 needs weights within float16's range (its steps are float16)")
+    blocks = -(-g // (1 << _INT4_BLOCK_SHIFT))
+
+    def step(top: torch.Tensor, codes: int) -> torch.Tensor:  # [N, B] float16, 1 where 0
+        d = (top / codes).half()
+        return torch.where(d > 0, d, torch.ones_like(d))
+
+    low = groups.amin(-1)  # [N, G]
+    dl = step(_per_block(low.abs(), blocks, lambda t: t.amax(-1)), 127)
+    ml = torch.round(low / _per_group(dl.float(), g)).clamp_(-128, 127)
+    low = ml * _per_group(dl.float(), g)  # the coded min
+    scale = (groups.amax(-1) - low) / 15
+    d = step(_per_block(scale, blocks, lambda t: t.amax(-1)), 255)
+    sc = torch.round(scale / _per_group(d.float(), g)).clamp_(0, 255)
+    scale = sc * _per_group(d.float(), g)  # the coded step (0: the group is its min)
+    q = (groups - low[..., None]) / torch.where(scale > 0, scale, 1)[..., None]
+    q = torch.round(q).clamp_(0, 15).to(torch.uint8).reshape(n, k)
+    return q, sc.to(torch.uint8), ml.to(torch.int8), d, dl
 
 
 def pack_int4_panels(
-    q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor
+    q: torch.Tensor, sc: torch.Tensor, ml: torch.Tensor, d: torch.Tensor, dl: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`quantize_int4`'s output -> the layout `linear_int4_packed` reads: panels [P, K / 4, 32]
-    uint8 (per panel of 16 rows and step of 4 k, byte 4r + j holds row r's weight at k = 4s + j
-    in its low nibble and row r + 8's in its high one), scales and mins [P, K / 32, 16] float16;
-    rows past N are zeros."""
-    scales, mins = (_per_panel(t) for t in (scale, low))
-    return _nibble_panels(q), scales, mins
+    """`Int4Codes` -> the layout `linear_int4_packed` reads: panels [P, K / 4, 32] uint8 (per
+    panel of 16 rows and step of 4 k, byte 4r + j holds row r's weight at k = 4s + j in its low
+    nibble and row r + 8's in its high one), codes [P, G, 32] uint8 (a group's 16 sc, then its
+    16 ml) and steps [P, B, 32] float16 (a block's 16 d, then its 16 dl); rows past N zeros."""
+    ml_bytes = ml.to(torch.int8).view(torch.uint8)  # the kernel reads them back as int8
+    codes = torch.cat([_per_panel(sc.to(torch.uint8)), _per_panel(ml_bytes)], dim=2)
+    steps = torch.cat([_per_panel(d.half()), _per_panel(dl.half())], dim=2)
+    return _nibble_panels(q.to(torch.uint8)), codes, steps
 
 
 def _padded(t: torch.Tensor) -> torch.Tensor:
@@ -142,14 +190,36 @@ def _nibbles(panels: torch.Tensor, k: int) -> torch.Tensor:
     return torch.cat([steps & 0xF, steps >> 4], dim=1).reshape(-1, k)
 
 
+def _unpanel(t: torch.Tensor) -> torch.Tensor:
+    """`_per_panel` undone: [P, C, 16] -> [16 P, C]."""
+    return t.permute(0, 2, 1).reshape(-1, t.shape[1])
+
+
+def int4_scale_min(codes: Int4Codes) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's scale d * sc and min dl * ml [N, G] float32 (exact products)."""
+    _, sc, ml, d, dl = codes
+    g = sc.shape[1]
+    repeat = 1 << int4_shift(g, d.shape[1])
+    d, dl = (t.float().repeat_interleave(repeat, 1)[:, :g] for t in (d, dl))
+    return sc.float() * d, ml.float() * dl
+
+
+def dequantize_int4(codes: Int4Codes) -> torch.Tensor:
+    """`Int4Codes` -> the weights [N, K] float32 they code, as the kernel computes with them."""
+    q = codes[0]
+    n, k = q.shape
+    scale, low = int4_scale_min(codes)
+    groups = q.float().reshape(n, k // _INT4_GROUP, _INT4_GROUP)
+    return (groups * scale[..., None] + low[..., None]).reshape(n, k)
+
+
 def int4_weights(module: torch.nn.Linear) -> torch.Tensor:
     """A 4-bit layer's weight as it computes with it: [N, K] float32 (q * scale + min)."""
-    panels, scales, mins = (getattr(module, name) for name in (_Q4, _Q4_SCALE, _Q4_MIN))
+    panels, codes, steps = (getattr(module, name) for name in _Q4)
     n, k = module.weight.shape
-    q = _nibbles(panels, k).float()  # [N', K]
-    scale, low = (t.permute(0, 2, 1).reshape(-1, k // _INT4_GROUP) for t in (scales, mins))
-    groups = q.reshape(-1, k // _INT4_GROUP, _INT4_GROUP)
-    return (groups * scale[..., None] + low[..., None]).reshape(-1, k)[:n]
+    sc, ml = _unpanel(codes[..., :PANEL]), _unpanel(codes[..., PANEL:]).view(torch.int8)
+    d, dl = (_unpanel(t) for t in steps.split(PANEL, 2))
+    return dequantize_int4((_nibbles(panels, k), sc, ml, d, dl))[:n]
 
 
 def pack_q6_panels(
@@ -204,7 +274,7 @@ def _quantized_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def quantized_weights(module: torch.nn.Linear) -> torch.Tensor:
     """A quantized layer's weight [N, K] float32 as it computes with it (int8, 4-bit or 6-bit)."""
-    if _Q4 in module._buffers:
+    if _Q4[0] in module._buffers:
         return int4_weights(module)
     if _Q6[0] in module._buffers:
         return q6_weights(module)
@@ -222,24 +292,24 @@ def _quantize_q6(module: torch.nn.Linear, codes: tuple[torch.Tensor, ...]) -> No
     set_forward(module, _quantized_forward)
 
 
-def _quantize_int4(
-    module: torch.nn.Linear, codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-) -> None:
+def _quantize_int4(module: torch.nn.Linear, codes: Int4Codes | None = None) -> None:
     if codes is None:
         codes = quantize_int4(row_major(module))
     else:
         n, k = module.weight.shape
+        g = k // _INT4_GROUP
         shapes = [tuple(t.shape) for t in codes]
-        if k % _INT4_GROUP or shapes != [(n, k), *[(n, k // _INT4_GROUP)] * 2]:
+        if k % _INT4_GROUP or len(codes) != 5 or shapes[:3] != [(n, k), (n, g), (n, g)]:
             raise ValueError(
-                f"int4 codes for a [{n}, {k}] linear are q [N, K], scale and low [N, K / 32] "
-                f"(got {shapes})"
+                f"int4 codes for a [{n}, {k}] linear are q [N, K], sc and ml [N, K / 32], "
+                f"d and dl [N, blocks] (got {shapes})"
             )
-        codes = (codes[0].to(torch.uint8), codes[1].half(), codes[2].half())
-    panels, scales, mins = pack_int4_panels(*codes)
+        if shapes[4] != shapes[3] or shapes[3][0] != n:
+            raise ValueError(f"int4 steps d and dl must both be [{n}, blocks] (got {shapes[3:]})")
+        int4_shift(g, shapes[3][1])  # a valid number of blocks
     module._buffers.pop(PANELS_BUFFER, None)  # a tied layer's panels: no longer read
     # not persistent: the state dict keeps only the model's own weights
-    for name, tensor in ((_Q4, panels), (_Q4_SCALE, scales), (_Q4_MIN, mins)):
+    for name, tensor in zip(_Q4, pack_int4_panels(*codes), strict=True):
         module.register_buffer(name, tensor, persistent=False)
     set_forward(module, _quantized_forward)
 
@@ -257,7 +327,7 @@ def quantize_linears(
     model: torch.nn.Module,
     bits: int = 8,
     keep_weights: bool = True,
-    int4_codes: Mapping[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+    int4_codes: Mapping[str, Int4Codes] | None = None,
     tied_bits: int = 8,
     q6_codes: Mapping[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
 ) -> int:
@@ -265,13 +335,13 @@ def quantize_linears(
     AVX2 kernels; returns how many.
 
     bits=8: int8, one scale per output row (`quantize_int8`), in 16-row panels
-    (`pack_int8_panels`; `int8_weights` gives them back). bits=4: 4-bit with a scale and a min per
-    row and group of 32 k (`quantize_int4`, `pack_int4_panels`, `int4_weights`) where K is a
+    (`pack_int8_panels`; `int8_weights` gives them back). bits=4: 4-bit with a coded scale and min
+    per row and group of 32 k (`quantize_int4`, `pack_int4_panels`, `int4_weights`) where K is a
     multiple of 32, except an output layer tied to the embedding: it takes `tied_bits` (8 by
     default, so a target's logits keep int8; 4 for a draft, models/quantized.py, whose output
     layer is a large share of the bytes it reads).
-    `int4_codes` (bits=4; module name -> (q [N, K] uint8, scale, low [N, K / 32] float16), e.g. a
-    GGUF file's own, models/gguf_int4.py) gives those layers their 4-bit weights instead of
+    `int4_codes` (bits=4; module name -> its `Int4Codes`, e.g. a GGUF file's own,
+    models/gguf_int4.py) gives those layers their 4-bit weights instead of
     `quantize_int4`, and `q6_codes` (module name -> (q [N, K] uint8 in 0..63, sc [N, K / 16]
     int8, d [N, K / 256] float16), a file's Q6_K tensors) others their 6-bit ones
     (`pack_q6_panels`); every other layer then runs on int8 (their source grid is not 4-bit).
@@ -330,7 +400,7 @@ def _untied(weight: torch.Tensor, shared: set[int]) -> bool:
 
 
 def is_quantized(module: torch.nn.Module) -> bool:
-    return any(name in module._buffers for name in (_QWEIGHT, _Q4, _Q6[0]))
+    return any(name in module._buffers for name in (_QWEIGHT, _Q4[0], _Q6[0]))
 
 
 def free_weight(module: torch.nn.Linear) -> None:
@@ -353,7 +423,7 @@ def weight_freed(module: torch.nn.Module) -> bool:
 
 def drop_quantized(module: torch.nn.Module) -> None:
     """Drop a quantized layer's int8, 4-bit or 6-bit copies (its bfloat16 weight stays)."""
-    for name in (_QWEIGHT, _SCALE, _Q4, _Q4_SCALE, _Q4_MIN, *_Q6):
+    for name in (_QWEIGHT, _SCALE, *_Q4, *_Q6):
         if name in module._buffers:
             del module._buffers[name]
 
@@ -364,9 +434,10 @@ def quantized_call(
     """A quantized layer's kernel call for x [M, K] contiguous bfloat16, or None when `module`
     is not quantized (cpu_linear.direct_linear)."""
     bias, n = module.bias, module.weight.shape[0]
-    if _Q4 in module._buffers:
-        panels, scales, mins = (module._buffers[name] for name in (_Q4, _Q4_SCALE, _Q4_MIN))
-        return lambda x: ext.linear_int4_packed(x, panels, n, scales, mins, bias)
+    if _Q4[0] in module._buffers:
+        panels, codes, steps = (module._buffers[name] for name in _Q4)
+        shift = int4_shift(codes.shape[1], steps.shape[1])
+        return lambda x: ext.linear_int4_packed(x, panels, n, codes, steps, shift, bias)
     if _QWEIGHT in module._buffers:
         panels, scale = module._buffers[_QWEIGHT], module._buffers[_SCALE]
         return lambda x: ext.linear_int8_packed(x, panels, n, scale, bias)

@@ -3,9 +3,10 @@
 A GGUF-made model (a preset, or a `.gguf` path) was dequantized to bfloat16 when loaded; a
 min / max grid fitted to those weights is not the file's (docs/lab-notes/2026-12-02-int4-targets.md).
 Where the file stores a linear as Q4_K, Q4_1 or Q4_0, its blocks are groups of 32 weights on
-`q * step + min` with 4-bit codes: `decode_int4` turns them into the kernel's form (q [N, K]
-uint8, scale and low [N, K / 32] float16, `kernels.quantize.pack_int4_panels`), exact but for
-the float16 rounding of Q4_K's step d·sc and min dmin·m (Q4_0 / Q4_1: exact). `gguf_codes` maps
+`q * step + min` with 4-bit codes: `decode_int4` turns them into the kernel's form
+(`kernels.quantize.Int4Codes`, `pack_int4_panels`) exactly: Q4_K's 6-bit sc and m per group and
+float16 d and dmin per 256 k as they are; Q4_0 and Q4_1's float16 step and min per group as
+steps of codes 1. `gguf_codes` maps
 the file's tensors to the model's module names (Qwen2 / Llama; llama.cpp's q / k row permutation
 of the llama architecture undone), checks the mapping against the loaded weights, and names the
 linears of other types. Q6_K ones (a Q4_K_M file's output layer, half its down and value
@@ -25,8 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-# (q [N, K] uint8 in 0..15, scale [N, K / 32] float16, low [N, K / 32] float16): w = q*scale + low
-Int4Codes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+from specdecode.kernels.quantize import Int4Codes
+
 # (q [N, K] uint8 in 0..63, sc [N, K / 16] int8, d [N, K / 256] float16): w = d * sc * (q - 32)
 Q6Codes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 _Q6K_BYTES = 210  # a Q6_K block of 256 weights: ql [128], qh [64], sc [16] int8, d float16
@@ -50,16 +51,29 @@ def _f16(raw: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)
 
 
-def _q4k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q4_K blocks [B, 144] -> q [B, 256], step and min [B, 8] float32 (w = q*step - min)."""
-    d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])  # [B, 1]
+def _q4k_codes(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K blocks [B, 144] -> q [B, 256] and the 6-bit sc and m [B, 8] (w = d sc q - dmin m)."""
     s = blocks[:, 4:16].astype(np.uint8)  # [B, 12]: 8 six-bit sc and m, packed
     sc = np.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 0xF) | ((s[:, 0:4] >> 6) << 4)], axis=1)
     m = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], axis=1)
     qs = blocks[:, 16:].reshape(-1, 4, 1, 32)  # 4 chunks of 64 weights, 32 bytes each
     q = (qs >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0xF  # low nibbles: sub-block 2c
+    return q.reshape(-1, 256), sc, m
+
+
+def _q4k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K blocks [B, 144] -> q [B, 256], step and min [B, 8] float32 (w = q*step - min)."""
+    d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])  # [B, 1]
+    q, sc, m = _q4k_codes(blocks)
     # d*sc and dmin*m are exact in float32 (11 by 6 significant bits)
-    return q.reshape(-1, 256), d * sc.astype(np.float32), dmin * m.astype(np.float32)
+    return q, d * sc.astype(np.float32), dmin * m.astype(np.float32)
+
+
+def _q4_01_codes(blocks: np.ndarray, with_min: bool) -> np.ndarray:
+    """Q4_1 [B, 20] (d, m, 16 bytes) or Q4_0 [B, 18] (d, 16 bytes) blocks -> q [B, 32]."""
+    qs = blocks[:, 4 if with_min else 2 :].reshape(-1, 1, 16)
+    q = (qs >> np.array([0, 4], np.uint8).reshape(1, 2, 1)) & 0xF  # weights 0..15, then 16..31
+    return q.reshape(-1, 32)
 
 
 def _q4_01(blocks: np.ndarray, with_min: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -67,9 +81,7 @@ def _q4_01(blocks: np.ndarray, with_min: bool) -> tuple[np.ndarray, np.ndarray, 
     q [B, 32], step and min [B, 1] float32 (w = q*step - min)."""
     d = _f16(blocks[:, 0:2])
     minus = -_f16(blocks[:, 2:4]) if with_min else 8 * d  # 8*d: exact (a power of two)
-    qs = blocks[:, 4 if with_min else 2 :].reshape(-1, 1, 16)
-    q = (qs >> np.array([0, 4], np.uint8).reshape(1, 2, 1)) & 0xF  # weights 0..15, then 16..31
-    return q.reshape(-1, 32), d, minus
+    return _q4_01_codes(blocks, with_min), d, minus
 
 
 def _decode(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -88,11 +100,41 @@ def _decode(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, np.nda
 
 def decode_int4(raw: np.ndarray, qtype: str) -> Int4Codes:
     """GGUF rows `raw` [R, bytes] uint8 of type `qtype` ("Q4_K", "Q4_1", "Q4_0") -> the kernel's
-    int4 form: q [R, K] uint8, scale = float16(step), low = float16(-min), [R, K / 32] each."""
-    q, step, minus = _decode(raw, qtype)
-    scale = torch.from_numpy(step).half()
-    low = torch.from_numpy(-minus).half()
-    return torch.from_numpy(q.astype(np.uint8)), scale, low
+    int4 codes, the file's weights exactly: q [R, K] uint8; Q4_K: sc = its sc, ml = its m,
+    d = its d, dl = -dmin per 256 k; Q4_1 (w = d q + m) and Q4_0 (w = d (q - 8)): per group
+    sc = 1, d = its d, and ml = 1, dl = m (Q4_1) or ml = -8, dl = d (Q4_0)."""
+    sizes = {"Q4_K": 144, "Q4_1": 20, "Q4_0": 18}
+    if qtype not in sizes:
+        raise ValueError(f"not a 4-bit GGUF type with groups of 32: {qtype} (Q4_K, Q4_1, Q4_0)")
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, sizes[qtype])
+    if qtype == "Q4_K":
+        q, sc, m = _q4k_codes(blocks)
+        d, dl = blocks[:, 0:2], _f16_negated(blocks[:, 2:4])
+    else:
+        q = _q4_01_codes(blocks, with_min=qtype == "Q4_1")
+        sc = np.ones((len(blocks), 1), np.uint8)
+        m = np.full((len(blocks), 1), 1 if qtype == "Q4_1" else -8, np.int8)
+        d = blocks[:, 0:2]
+        dl = blocks[:, 2:4] if qtype == "Q4_1" else d
+
+    def per_row(t: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(t).reshape(rows, -1).copy()).view(dtype)
+
+    return (
+        per_row(q.astype(np.uint8), torch.uint8),
+        per_row(sc.astype(np.uint8), torch.uint8),
+        per_row(m.astype(np.int8), torch.int8),
+        per_row(d, torch.float16),
+        per_row(dl, torch.float16),
+    )
+
+
+def _f16_negated(raw: np.ndarray) -> np.ndarray:
+    """Float16 fields [B, 2] uint8 -> their negation, the same bytes but the sign bit."""
+    out = np.ascontiguousarray(raw).copy()
+    out[:, 1] ^= 0x80  # little-endian: the sign is the top bit of the second byte
+    return out
 
 
 def decode_q6(raw: np.ndarray) -> Q6Codes:
