@@ -405,3 +405,34 @@ def test_the_demo_drafts_what_the_calibration_picks(tiny_folders, monkeypatch, c
     )  # fmt: skip
     assert rows[0].identical and rows[0].spec.stats.nodes_verified > 0  # a tree ran
     assert "calibration (cal.json): tree dynamic:5,6,2" in capsys.readouterr().err
+
+
+def test_forward_seconds_times_rounds_over_every_size_after_a_warm_up_round():
+    # a machine that speeds up while it measures shifts every size alike: the sizes are timed
+    # in rounds (warm-up round first, untimed), not one size's repeats after another's
+    from specdecode.bench.costs import forward_seconds
+
+    order: list[int] = []
+
+    class Recording:
+        def __init__(self, model) -> None:
+            pass
+
+        def forward(self, ids, last_only: bool = False) -> None:
+            if not last_only:
+                order.append(len(ids))
+
+        def rollback(self, length: int) -> None:
+            pass
+
+    ticks = iter(range(10_000))  # each forward "takes" one tick more than the one before
+    seen: list[int] = []
+    model = tiny_llama(seed=0)
+    seconds = forward_seconds(
+        model, [1, 2, 3], prefix=4, repeats=2, clock=lambda: next(ticks) ** 2,
+        cache_type=Recording, done=seen.append,
+    )  # fmt: skip
+    assert order == [1, 2, 3] * 3 and seen == order
+    assert set(seconds) == {1, 2, 3}
+    # every size's median comes from the same timed rounds: later sizes, later (slower) ticks
+    assert seconds[1] < seconds[2] < seconds[3]

@@ -3,10 +3,11 @@
 
 `measure` takes the measurements calibration.py describes (its docstring says how the defaults
 are chosen from them): the target's and the draft's forwards over 1..16 new tokens after a cached
-prefix (bench/costs.py, median of `REPEATS` after a warm-up), a greedy chain run at k =
-`CHAIN_K` on the first prompt of each of `PROMPT_CATEGORIES` (its per-position acceptance and
-step overhead; its answers are the target's greedy output), and every tree of `TREE_CANDIDATES`
-replayed on those answers with the real draft (bench/replay.py: draft forwards only).
+prefix (bench/costs.py, median of `REPEATS` rounds over every size after a warm-up round), a
+greedy chain run at k = `CHAIN_K` on the first prompt of each of `PROMPT_CATEGORIES` (its
+per-position acceptance and step overhead; its answers are the target's greedy output), and
+every tree of `TREE_CANDIDATES` replayed on those answers with the real draft (bench/replay.py:
+draft forwards only).
 
 `calibrated` reads the cache first: one JSON file per key in the folder `CACHE_FOLDER` of the
 specdecode cache dir (models/fetch.py `cache_dir`), named by a hash of the machine key (CPU
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
 RELEVANT_FLAGS = ("avx2", "avx512_bf16", "avx512_vnni", "avx512f", "fma")
 CHAIN_K = 8  # the chain run's k: every chain k = 1..CHAIN_K is predicted from it
 PREFIX = 128  # cached tokens before the timed forwards
-REPEATS = 3  # timed forwards per size (after one warm-up), their median kept
+REPEATS = 3  # timed rounds over every size (after a warm-up round), each size's median kept
 MAX_NEW_TOKENS = 48  # per calibration prompt
 # the first prompt of each; short ones (summarization and extraction prompts run to ~1000
 # characters, whose prefill would cost more than the rest), acceptance from high to lower
@@ -355,7 +356,7 @@ def measure(
     prefix = max(1, min([prefix, *(n - MAX_ROWS for n in contexts)]))
     clock = clock_for(target.device)
     sizes = range(1, MAX_ROWS + 1)
-    total = MAX_ROWS * len(models) + len(prompts) * (1 + len(shapes))
+    total = MAX_ROWS * (repeats + 1) * len(models) + len(prompts) * (1 + len(shapes))
     with tqdm(
         total=total, desc="calibrate", unit="step", disable=not progress, file=sys.stderr
     ) as bar:

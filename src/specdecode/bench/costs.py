@@ -36,10 +36,13 @@ def forward_seconds(
     """Median seconds of one forward over n new tokens after a cached `prefix`, per n in sizes.
 
     Random ids (the cost of a forward does not depend on which tokens it sees); the cache is
-    rolled back after every forward, so each one extends the same prefix. One untimed forward
-    of each size first (warm-up). `cache_type(model)` runs the forwards (a KVCache: the model's
-    own forward; lean.LeanCache: the lean forward; lean.target_cache: the forward the target
-    decodes with). `done(n)` is called after each size (a progress bar).
+    rolled back after every forward, so each one extends the same prefix. One untimed round over
+    every size first (warm-up), then `repeats` timed rounds, each over every size in turn: a
+    machine that speeds up or slows down while it measures (a VM whose first seconds run slower:
+    docs/benchmarks.md, "Calibration on Zen 4") shifts every size alike instead of the first
+    ones measured. `cache_type(model)` runs the forwards (a KVCache: the model's own
+    forward; lean.LeanCache: the lean forward; lean.target_cache: the forward the target decodes
+    with). `done(n)` is called after each forward (a progress bar: (repeats + 1) * len(sizes)).
     """
     vocab = model.get_input_embeddings().num_embeddings
     device = next(model.parameters()).device
@@ -47,20 +50,18 @@ def forward_seconds(
     ids = torch.randint(0, vocab, (prefix + max(sizes),), generator=gen).to(device)
     cache = cache_type(model)
     cache.forward(ids[:prefix], last_only=True)
-    seconds: dict[int, float] = {}
-    for n in sizes:
-        times = []
-        for attempt in range(repeats + 1):
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for attempt in range(repeats + 1):
+        for n in sizes:
             start = clock()
             cache.forward(ids[prefix : prefix + n])
             elapsed = clock() - start
             cache.rollback(prefix)
-            if attempt:  # the first is the warm-up
-                times.append(elapsed)
-        seconds[n] = _median(times)
-        if done is not None:
-            done(n)
-    return seconds
+            if attempt:  # the first round is the warm-up
+                times[n].append(elapsed)
+            if done is not None:
+                done(n)
+    return {n: _median(t) for n, t in times.items()}
 
 
 def verify_costs(
