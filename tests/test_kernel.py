@@ -170,3 +170,29 @@ def test_direct_linear_computes_what_the_module_does(kind):
         for m in (1, 3, 6):
             x, _, _ = linear_case(m, k, 1, seed=m, bias=False)
             assert torch.equal(call(x), layer(x))
+
+
+def test_argmax_rows_equals_torch_argmax_first_index_and_nans():
+    # greedy decoding's argmax on the kernel: the same index as torch.argmax, bfloat16 and
+    # float32, ties (the first index), NaNs (the first NaN), short rows and tails past 8
+    from specdecode.sampling import greedy_tokens
+
+    gen = torch.Generator().manual_seed(0)
+    for width in (1, 5, 8, 9, 31, 1000, 151_936):
+        x = torch.randn(4, width, generator=gen)
+        x[1] = x[1].round()  # many ties
+        x[2, width // 2 :] = x[2].max() + 1  # a tie run at the top, in the tail for short rows
+        if width > 3:
+            x[3, width - 2] = float("nan")  # a NaN (in the tail, or not)
+            x[3, width - 1] = float("nan")
+        for dtype in (torch.float32, torch.bfloat16):
+            logits = x.to(dtype)
+            expected = logits.argmax(-1)
+            assert torch.equal(extension().argmax_rows(logits), expected), (width, dtype)
+            assert torch.equal(greedy_tokens(logits), expected)
+            assert torch.equal(greedy_tokens(logits[0]), logits[0].argmax(-1))
+    x = torch.full((2, 40), -torch.inf)
+    x[1, 3] = float("nan")
+    assert extension().argmax_rows(x).tolist() == x.argmax(-1).tolist() == [0, 3]
+    with pytest.raises(RuntimeError, match="argmax_rows"):
+        extension().argmax_rows(torch.zeros(2, 3, dtype=torch.float16))

@@ -6,6 +6,7 @@ verification compares the two distributions the tokens are really drawn from (in
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,36 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+# A faster argmax over rows [R, V] -> [R] for contiguous CPU bfloat16 / float32 logits, equal to
+# torch.argmax(-1): the CPU kernels register theirs when they load (kernels/build.py), so the core
+# imports no kernel.
+_argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+def use_argmax_rows(argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+    """Register (or, with None, drop) the argmax `greedy_tokens` runs CPU logits through."""
+    global _argmax_rows
+    _argmax_rows = argmax_rows
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """[..., V] logits -> [...] int64: the argmax over V, exactly `logits.argmax(-1)` (the first
+    index of the largest value, or of the first NaN). Contiguous CPU bfloat16 / float32 logits go
+    through the registered `use_argmax_rows` (the CPU kernels', once a model has loaded them:
+    PyTorch's argmax is slow at a vocabulary's width on the CPU,
+    docs/lab-notes/2026-12-03-zen4-vs-llamacpp.md); anything else through PyTorch."""
+    if (
+        _argmax_rows is None
+        or logits.device.type != "cpu"
+        or logits.dtype not in (torch.bfloat16, torch.float32)
+        or logits.dim() == 0
+        or logits.shape[-1] == 0
+    ):
+        return logits.argmax(-1)
+    rows = logits.reshape(-1, logits.shape[-1]).contiguous()  # [R, V]
+    return _argmax_rows(rows).reshape(logits.shape[:-1])
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

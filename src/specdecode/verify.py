@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.sampling import sample
+from specdecode.sampling import greedy_tokens, sample
 
 
 def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
@@ -18,7 +18,7 @@ def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
     draft_tokens: [k] int64; target_logits: [k+1, V] (row i predicts the token after draft i).
     """
     k = draft_tokens.shape[0]
-    target_tokens = target_logits.argmax(-1)  # [k+1]
+    target_tokens = greedy_tokens(target_logits)  # [k+1]
     matches = draft_tokens == target_tokens[:k]  # [k]
     n_accepted = int(matches.cumprod(0).sum())  # length of the all-true prefix
     return n_accepted, int(target_tokens[n_accepted])

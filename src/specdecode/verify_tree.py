@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.sampling import sample
+from specdecode.sampling import greedy_tokens, sample
 from specdecode.tree import TokenTree
 
 
@@ -21,7 +21,7 @@ def verify_tree_greedy(tree: TokenTree, target_logits: torch.Tensor) -> tuple[li
     and the accepted path is unique: the walk finds the longest root-to-node path whose every
     token is the target's argmax at its parent. The argmax at its last row is the next token.
     """
-    argmax = target_logits.argmax(-1).tolist()  # [N+1], one host sync
+    argmax = greedy_tokens(target_logits).tolist()  # [N+1], one host sync
     tokens = tree.tokens.tolist()
     children = tree.children()
     path: list[int] = []

@@ -9,7 +9,7 @@ import torch
 
 from specdecode.cache import KVCache, forward_rows
 from specdecode.lean import LeanCache, draft_cache
-from specdecode.sampling import SamplingParams, logits_to_probs, sample
+from specdecode.sampling import SamplingParams, greedy_tokens, logits_to_probs, sample
 from specdecode.types import Draft, ForwardMeter
 
 
@@ -114,7 +114,7 @@ class ModelDrafter(DraftModelState):
                         drafter._cached_drafts = depth
                         continue
                 if q is None:
-                    token = row_logits.argmax()
+                    token = greedy_tokens(row_logits)
                 else:
                     token = sample(q, drafter.generator)  # q: [V_common]
                     qs[i].append(q)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from specdecode.kernels.cpu import BF16_DOT_ENV
+from specdecode.sampling import use_argmax_rows
 
 _SOURCES = [
     Path(__file__).with_name(name)
@@ -158,6 +159,7 @@ def extension() -> Any:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise KernelUnavailable(f"building it failed: {first}") from err
     ext.set_bf16_dot(os.environ.get(BF16_DOT_ENV, "1") != "0")
+    use_argmax_rows(ext.argmax_rows)  # greedy decoding's argmax on CPU logits (sampling.py)
     return ext
 
 

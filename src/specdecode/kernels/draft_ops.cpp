@@ -318,3 +318,80 @@ torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
   }
   return out;
 }
+
+// Greedy decoding's argmax over the vocabulary, per row of logits x [R, V] (bfloat16 or float32,
+// on the CPU) -> [R] int64, as torch.argmax(x, -1) gives it: the first index of the largest
+// value, or of the first NaN where a row has one. PyTorch's own ran a row of a 151,936-token
+// vocabulary far slower than a read of it (docs/lab-notes/2026-12-03-zen4-vs-llamacpp.md), up to
+// three times per speculative step. Eight lanes of running maxima with their first indices (a
+// strict comparison keeps the first), then the smallest index among the lanes that hold the
+// maximum, then the tail one by one.
+namespace {
+
+// vec(i): x[i .. i + 8) as float32; one(i): x[i]
+template <typename Vec, typename One>
+int64_t argmax_row(const Vec& vec, const One& one, const int64_t V) {
+  int64_t best = 0, i = 0;
+  if (V >= 8) {
+    __m256 top = vec(0), nan = _mm256_cmp_ps(top, top, _CMP_UNORD_Q);
+    __m256i where = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), at = where;
+    const __m256i eight = _mm256_set1_epi32(8);
+    for (i = 8; i + 8 <= V; i += 8) {
+      at = _mm256_add_epi32(at, eight);
+      const __m256 v = vec(i);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      const __m256 more = _mm256_cmp_ps(v, top, _CMP_GT_OQ);
+      top = _mm256_blendv_ps(top, v, more);
+      where = _mm256_blendv_epi8(where, at, _mm256_castps_si256(more));
+    }
+    if (_mm256_movemask_ps(nan)) {  // a NaN before the tail: the first one is the answer
+      for (int64_t j = 0; j < i; ++j)
+        if (std::isnan(one(j))) return j;
+    }
+    alignas(32) float tops[8];
+    alignas(32) int32_t idx[8];
+    _mm256_store_ps(tops, top);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(idx), where);
+    best = idx[0];
+    float best_value = tops[0];
+    for (int l = 1; l < 8; ++l)
+      if (tops[l] > best_value || (tops[l] == best_value && idx[l] < best)) {
+        best_value = tops[l];
+        best = idx[l];
+      }
+  } else {
+    if (V == 0) return 0;
+    if (std::isnan(one(0))) return 0;
+    i = 1;
+  }
+  for (; i < V; ++i) {  // the tail: against the best so far
+    const float v = one(i);
+    if (std::isnan(v)) return i;
+    if (v > one(best)) best = i;
+  }
+  return best;
+}
+
+}  // namespace
+
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu() &&
+                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "argmax_rows: contiguous bfloat16 or float32 CPU x [R, V] expected");
+  const int64_t R = x.size(0), V = x.size(1);
+  TORCH_CHECK(V > 0, "argmax_rows: rows of at least one value expected");
+  auto out = torch::empty({R}, x.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    if (x.scalar_type() == at::kFloat) {
+      const float* row = x.data_ptr<float>() + r * V;
+      o[r] = argmax_row([&](int64_t i) { return _mm256_loadu_ps(row + i); },
+                        [&](int64_t i) { return row[i]; }, V);
+    } else {
+      const auto* row = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) + r * V;
+      o[r] = argmax_row([&](int64_t i) { return load_bf16(row + i); },
+                        [&](int64_t i) { return bf16_to_float(row[i]); }, V);
+    }
+  }
+  return out;
+}

@@ -726,6 +726,7 @@ torch::Tensor rope_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
                              torch::Tensor sin, torch::Tensor keys, torch::Tensor values,
                              int64_t past, c10::optional<torch::Tensor> mask, double scale);
 torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up);
+torch::Tensor argmax_rows(torch::Tensor x);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "bfloat16 linear for few tokens (AVX2 + FMA), batch invariant");
@@ -754,4 +755,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_attention", &rope_attention,
         "rotary embedding, cache write and attention of a few new tokens (float32 cache)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a few bfloat16 rows, rounded as PyTorch does");
+  m.def("argmax_rows", &argmax_rows,
+        "argmax over the last dimension of [R, V] bfloat16 or float32 logits, as torch.argmax");
 }
