@@ -39,7 +39,7 @@ def forward_seconds(
     rolled back after every forward, so each one extends the same prefix. One untimed round over
     every size first (warm-up), then `repeats` timed rounds, each over every size in turn: a
     machine that speeds up or slows down while it measures (a VM whose first seconds run slower:
-    docs/benchmarks.md, "Calibration on Zen 4") shifts every size alike instead of the first
+    docs/lab-notes/2026-12-03-zen4-vs-llamacpp.md) shifts every size alike instead of the first
     ones measured. `cache_type(model)` runs the forwards (a KVCache: the model's own
     forward; lean.LeanCache: the lean forward; lean.target_cache: the forward the target decodes
     with). `done(n)` is called after each forward (a progress bar: (repeats + 1) * len(sizes)).
