@@ -84,13 +84,17 @@ def _q4_01(blocks: np.ndarray, with_min: bool) -> tuple[np.ndarray, np.ndarray, 
     return _q4_01_codes(blocks, with_min), d, minus
 
 
-def _decode(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rows `raw` [R, bytes] of a 4-bit type -> q [R, K], step and min [R, K / 32] float32."""
+def _blocks(raw: np.ndarray, qtype: str) -> np.ndarray:
+    """Rows `raw` [R, bytes] of a 4-bit type -> its blocks [R * blocks per row, block bytes]."""
     sizes = {"Q4_K": 144, "Q4_1": 20, "Q4_0": 18}
     if qtype not in sizes:
         raise ValueError(f"not a 4-bit GGUF type with groups of 32: {qtype} (Q4_K, Q4_1, Q4_0)")
-    rows = raw.shape[0]
-    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, sizes[qtype])
+    return np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, sizes[qtype])
+
+
+def _decode(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows `raw` [R, bytes] of a 4-bit type -> q [R, K], step and min [R, K / 32] float32."""
+    rows, blocks = raw.shape[0], _blocks(raw, qtype)
     if qtype == "Q4_K":
         q, step, minus = _q4k(blocks)
     else:
@@ -103,11 +107,7 @@ def decode_int4(raw: np.ndarray, qtype: str) -> Int4Codes:
     int4 codes, the file's weights exactly: q [R, K] uint8; Q4_K: sc = its sc, ml = its m,
     d = its d, dl = -dmin per 256 k; Q4_1 (w = d q + m) and Q4_0 (w = d (q - 8)): per group
     sc = 1, d = its d, and ml = 1, dl = m (Q4_1) or ml = -8, dl = d (Q4_0)."""
-    sizes = {"Q4_K": 144, "Q4_1": 20, "Q4_0": 18}
-    if qtype not in sizes:
-        raise ValueError(f"not a 4-bit GGUF type with groups of 32: {qtype} (Q4_K, Q4_1, Q4_0)")
-    rows = raw.shape[0]
-    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, sizes[qtype])
+    rows, blocks = raw.shape[0], _blocks(raw, qtype)
     if qtype == "Q4_K":
         q, sc, m = _q4k_codes(blocks)
         d, dl = blocks[:, 0:2], _f16_negated(blocks[:, 2:4])
