@@ -35,9 +35,9 @@ inline __m256 group_min8(const uint8_t* ml, const uint16_t* dl) {
 // into rows 0-7 and 8-15 (and, shift) and per token one 4-byte broadcast and two byte
 // multiply-adds; then each row's group sum sits in a 32-bit lane, and totals (in res, touched
 // once per group) += scale dx sum + min xsum, with scale = d sc and min = dl ml from the
-// group's codes and its block's steps (block g >> shift). The multiply-add is vpmaddubsw summed in 16 bits
-// (8 steps of two products of at most 15 * 127: below 2^15, no saturation), then vpmaddwd by
-// ones: the exact integer sum, as int4_tile512's vpdpbusd gives it.
+// group's codes and its block's steps (block g >> shift). The multiply-add is vpmaddubsw
+// summed in 16 bits (8 steps of two products of at most 15 * 127: below 2^15, no saturation),
+// then vpmaddwd by ones: the exact integer sum, as int4_tile512's vpdpbusd gives it.
 template <int MR>
 inline void int4_tile(const uint8_t* p, const uint8_t* codes, const uint16_t* steps, int shift,
                       int64_t K, const int8_t* xq, const float* dx, const float* xsum,

@@ -103,11 +103,11 @@ def int4_shift(groups: int, blocks: int) -> int:
     raise ValueError(f"{blocks} blocks of steps for {groups} groups: expected {groups} or 1 per 8")
 
 
-def _per_block(t: torch.Tensor, blocks: int, reduce: Callable[[torch.Tensor], torch.Tensor]):
-    """[N, G] per group -> [N, blocks] reduced over each block of 8 groups (the last may be short:
-    padded with zeros, which reduce (an absolute maximum) ignores)."""
+def _block_max(t: torch.Tensor, blocks: int) -> torch.Tensor:
+    """[N, G] non-negative per group -> [N, blocks]: the largest over each block of 8 groups (the
+    last may be short: padded with zeros)."""
     pad = blocks * (1 << _INT4_BLOCK_SHIFT) - t.shape[1]
-    return reduce(F.pad(t, (0, pad)).reshape(t.shape[0], blocks, -1))
+    return F.pad(t, (0, pad)).reshape(t.shape[0], blocks, -1).amax(-1)
 
 
 def _per_group(t: torch.Tensor, groups: int) -> torch.Tensor:
@@ -138,11 +138,11 @@ def quantize_int4(weight: torch.Tensor) -> Int4Codes:
         return torch.where(d > 0, d, torch.ones_like(d))
 
     low = groups.amin(-1)  # [N, G]
-    dl = step(_per_block(low.abs(), blocks, lambda t: t.amax(-1)), 127)
+    dl = step(_block_max(low.abs(), blocks), 127)
     ml = torch.round(low / _per_group(dl.float(), g)).clamp_(-128, 127)
     low = ml * _per_group(dl.float(), g)  # the coded min
     scale = (groups.amax(-1) - low) / 15
-    d = step(_per_block(scale, blocks, lambda t: t.amax(-1)), 255)
+    d = step(_block_max(scale, blocks), 255)
     sc = torch.round(scale / _per_group(d.float(), g)).clamp_(0, 255)
     scale = sc * _per_group(d.float(), g)  # the coded step (0: the group is its min)
     q = (groups - low[..., None]) / torch.where(scale > 0, scale, 1)[..., None]
