@@ -16,6 +16,7 @@ n rows / ms over one. Kernels, in alternating rounds:
   int8-avx2   the same with its tile on AVX2 where the CPU has AVX-512 F (the same results)
   q6          specdecode's 6-bit linear (GGUF Q6_K's grid, a GGUF-made int4 target's Q6_K
               tensors: the weight's codes random here, the time does not depend on them)
+  q6-avx2     the same with its tile on AVX2 where the CPU has AVX-512 VNNI (the same results)
   torch-int4  torch.ops.aten._weight_int4pack_mm_for_cpu (groups of 32, bfloat16 scale and zero)
   torch-int8  torch._weight_int8pack_mm (one scale per output row)
 
@@ -95,11 +96,11 @@ def torch_int8(weight: torch.Tensor):
 
 
 def ours_on_tile(weight: torch.Tensor, bits: int, avx512: bool):
-    """Our `bits`-bit linear with its tile switched per call: AVX-512 (VNNI for 4 bits, F for
-    8) where the CPU has it (`avx512`), else AVX2 (the same results)."""
-    layer = ours(weight, bits)
+    """Our `bits`-bit linear with its tile switched per call: AVX-512 (VNNI for 4 and 6 bits,
+    F for 8) where the CPU has it (`avx512`), else AVX2 (the same results)."""
+    layer = q6(weight) if bits == 6 else ours(weight, bits)
     ext = extension()
-    switch = ext.set_int4_vnni if bits == 4 else ext.set_int8_avx512
+    switch = ext.set_int8_avx512 if bits == 8 else ext.set_int4_vnni
 
     def call(x: torch.Tensor) -> torch.Tensor:
         switch(avx512)
@@ -112,13 +113,15 @@ def ours_on_tile(weight: torch.Tensor, bits: int, avx512: bool):
 # 2026-12-03 this said 4.5 + 1 for the float16 scale and min per 32, which were 5 bits: the int4
 # GB/s printed before then are 10% too high)
 INT4_BITS = 4.0 + 16 / GROUP + 32 / 256
+Q6_BITS = 6.0 + 8 / 16 + 16 / 256
 
 KERNELS = {
     "int4": (lambda w: ours_on_tile(w, 4, True), INT4_BITS),
     "int4-avx2": (lambda w: ours_on_tile(w, 4, False), INT4_BITS),
     "int8": (lambda w: ours_on_tile(w, 8, True), 8.0),
     "int8-avx2": (lambda w: ours_on_tile(w, 8, False), 8.0),
-    "q6": (q6, 6.0 + 8 / 16 + 16 / 256),
+    "q6": (lambda w: ours_on_tile(w, 6, True), Q6_BITS),
+    "q6-avx2": (lambda w: ours_on_tile(w, 6, False), Q6_BITS),
     "torch-int4": (torch_int4, 4.0 + 32 / GROUP),
     "torch-int8": (torch_int8, 8.0),
 }

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdecode.kernels.build import extension
+from specdecode.kernels.build import extension, use_int4_vnni
 from specdecode.kernels.quantize import _quantize_q6, pack_q6_panels, q6_weights
 
 from conftest import linear_case, needs_kernel
@@ -100,6 +100,30 @@ def test_q6_kernel_is_batch_invariant_bit_for_bit(m):
     together = q6_linear(x, q, sc, d, b)
     for i in range(m):
         assert torch.equal(together[i], q6_linear(x[i : i + 1], q, sc, d, b)[0])
+
+
+def test_q6_tile_on_avx512_vnni_is_bit_identical_to_avx2():
+    # both tiles sum the same integers exactly (the VNNI switch covers the 6-bit tile too); the
+    # extreme group (q = 63 and 0 against |xq| = 127, sc = -128 and 127) checks that neither
+    # saturates, the random rest every lane of the top bits' layout
+    if not use_int4_vnni(True):
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    n, k = 40, 768
+    x, _, b = linear_case(17, k, n, seed=7, bias=True)
+    q, sc, d = random_codes(n, k, seed=7)
+    x[:, :32] = 100.0  # one group of equal, large activations: every xq = 127
+    x[0, 32:64] = -3e4
+    q[:20, :32], q[20:, :32] = 63, 0
+    sc[:, 0], sc[:, 1] = -128, 127
+    try:
+        for m in range(1, 18):  # tiles of 1-6 tokens, and blocks of them
+            vnni = q6_linear(x[:m], q, sc, d, b)
+            use_int4_vnni(False)
+            avx2 = q6_linear(x[:m], q, sc, d, b)
+            use_int4_vnni(True)
+            assert torch.equal(vnni, avx2), m
+    finally:
+        use_int4_vnni(True)
 
 
 def test_q6_layer_runs_the_kernel_and_falls_back_for_float32_and_autograd():

@@ -47,6 +47,10 @@ int64_t int4_vnni_tile_rows();
 void int4_vnni_tile(int64_t mr, const uint8_t* p, const uint8_t* codes, const uint16_t* steps,
                     int shift, int64_t K, const int8_t* xq, const float* dx, const float* xsum,
                     float* res);
+int64_t q6_vnni_tile_rows();
+void q6_vnni_tile(int64_t mr, const uint8_t* lo, const uint8_t* hi, const int8_t* sc,
+                  const uint16_t* d, int64_t K, const int8_t* xq, const int32_t* xs,
+                  const float* dx, float* res);
 }  // namespace specdecode_kernels
 
 namespace {
@@ -55,8 +59,8 @@ namespace {
 // where the CPU has it, unless `set_bf16_dot(false)`. One switch for the whole process, so that
 // decoding one token and verifying several round alike.
 bool g_bf16_dot = specdecode_kernels::bf16_dot_supported();
-// Whether the int4 tile runs on AVX-512 VNNI (bit-identical to AVX2, fewer instructions): where
-// the CPU has it, unless `set_int4_vnni(false)` (for comparisons).
+// Whether the int4 and 6-bit tiles run on AVX-512 VNNI (bit-identical to AVX2, fewer
+// instructions): where the CPU has it, unless `set_int4_vnni(false)` (for comparisons).
 bool g_int4_vnni = specdecode_kernels::int4_vnni_supported();
 // Whether the int8 tile runs on AVX-512 F (bit-identical to AVX2, half the instructions): where
 // the CPU has it, unless `set_int8_avx512(false)` (for comparisons).
@@ -688,24 +692,29 @@ torch::Tensor linear_q6_packed(torch::Tensor x, torch::Tensor lo, torch::Tensor 
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const float* bp = bias_f.empty() ? nullptr : bias_f.data();
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    float res[4 * kPanel];
+    float res[6 * kPanel];
+    const int64_t most = g_int4_vnni ? specdecode_kernels::q6_vnni_tile_rows() : 4;
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* pl = lp + p * kPanel * K / 2;
       const uint8_t* ph = hp + p * kPanel * K / 4;
       const int8_t* ps = sp + p * kPanel * K / 16;
       const uint16_t* pd = dp + p * kPanel * K / kQ6Block;
       const int64_t rows = std::min<int64_t>(kPanel, N - p * kPanel);
-      const int64_t blocks = (M + 3) / 4;  // as few blocks as possible, near-equal
+      const int64_t blocks = (M + most - 1) / most;  // as few blocks as possible, near-equal
       for (int64_t b = 0, t0 = 0; b < blocks; ++b) {
         const int64_t block = (M - t0) / (blocks - b);
         const int8_t* xt = xr.xq.data() + t0 * K;
         const int32_t* st = xs.data() + t0 * G;
         const float* dt = xr.dx.data() + t0 * G;
-        switch (block) {
-          case 4: q6_tile<4>(pl, ph, ps, pd, K, xt, st, dt, res); break;
-          case 3: q6_tile<3>(pl, ph, ps, pd, K, xt, st, dt, res); break;
-          case 2: q6_tile<2>(pl, ph, ps, pd, K, xt, st, dt, res); break;
-          default: q6_tile<1>(pl, ph, ps, pd, K, xt, st, dt, res); break;
+        if (g_int4_vnni) {
+          specdecode_kernels::q6_vnni_tile(block, pl, ph, ps, pd, K, xt, st, dt, res);
+        } else {
+          switch (block) {
+            case 4: q6_tile<4>(pl, ph, ps, pd, K, xt, st, dt, res); break;
+            case 3: q6_tile<3>(pl, ph, ps, pd, K, xt, st, dt, res); break;
+            case 2: q6_tile<2>(pl, ph, ps, pd, K, xt, st, dt, res); break;
+            default: q6_tile<1>(pl, ph, ps, pd, K, xt, st, dt, res); break;
+          }
         }
         store_tile(op, res, bp, t0, block, p, rows, N);
         t0 += block;
@@ -737,7 +746,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_int8_avx512", &set_int8_avx512,
         "the int8 tile on AVX-512 F (where the CPU has it; same results) or on AVX2");
   m.def("set_int4_vnni", &set_int4_vnni,
-        "the int4 tile on AVX-512 VNNI (where the CPU has it; same results) or on AVX2");
+        "the int4 and 6-bit tiles on AVX-512 VNNI (where the CPU has it; same results) or on "
+        "AVX2");
   m.def(
       "bf16_dot_on", [] { return g_bf16_dot; }, "whether bfloat16 panels run on AVX-512 BF16");
   m.def("bf16_dot_prefetch", &specdecode_kernels::bf16_dot_prefetch,

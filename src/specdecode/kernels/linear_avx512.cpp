@@ -1,6 +1,6 @@
 // Linear-layer paths for CPUs with AVX-512, called from linear_avx2.cpp where the CPU has the
-// instructions: the bfloat16 panels on AVX-512 BF16, the int4 panel tile on AVX-512 VNNI and
-// the int8 panel tile on AVX-512 F.
+// instructions: the bfloat16 panels on AVX-512 BF16, the int4 and 6-bit panel tiles on AVX-512
+// VNNI and the int8 panel tile on AVX-512 F.
 //
 // bfloat16 panels (AMD Zen 4/5, Intel Cooper Lake and later): one `vdpbf16ps` multiplies 16
 // rows' weights at a pair of k (one 64-byte line of a panel, whose layout [K/2][16][2] is exactly
@@ -319,5 +319,108 @@ SD_VNNI512 void int4_vnni_tile(int64_t mr, const uint8_t* p, const uint8_t* code
   }
 }
 
-}  // namespace specdecode_kernels
+namespace {
 
+// The 6-bit panel tile (q6_tile.h has the layout and the AVX2 build) on 512-bit VNNI: MR tokens
+// x 16 rows. Per group of 32 k, four 64-byte loads of the low 4 bits, interleaved by one permute
+// as in int4_tile512 (lane 2i: row i's first 4 k of the load, lane 2i + 1: its next 4), and one
+// 32-byte load of the top 2 bits, whose lane i serves lanes 2i and 2i + 1: a permute doubles it
+// and a rotation per lane brings each lane's 2 bits to bits 4-5 of every byte. Each token then
+// pays one 8-byte broadcast and two `vpdpbusd` per load, into a half's sums (rows 0-7, 8-15,
+// interleaved as above); after each half of 16 k a permute and an add give row i's sum in lane
+// i, times that half's sc. The group's sum minus 32 (sc_a xs_a + sc_b xs_b) is the AVX2 tile's
+// exact int32, and (d dx) times it is added to the totals in the same order and rounding: the
+// results are bit-identical to q6_tile's (tested).
+template <int MR>
+SD_VNNI512 void q6_tile512(const uint8_t* lo, const uint8_t* hi, const int8_t* sc,
+                           const uint16_t* d, int64_t K, const int8_t* xq, const int32_t* xs,
+                           const float* dx, float* res) {
+  const int64_t G = K / 32;
+  const __m512i low = _mm512_set1_epi8(0xF);
+  const __m512i top = _mm512_set1_epi8(0x30);
+  const __m512i interleave =
+      _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+  const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  // rows 0-7 take bits 0-1 (first 4 k) and 4-5 (next 4 k) of each byte; rows 8-15 bits 2-3, 6-7
+  const __m512i turn0 = _mm512_setr_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
+  const __m512i turn1 =
+      _mm512_setr_epi32(2, 30, 2, 30, 2, 30, 2, 30, 2, 30, 2, 30, 2, 30, 2, 30);
+  const __m512i even =
+      _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int i = 0; i < MR * 16; ++i) res[i] = 0.f;
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* lg = lo + g * 256;  // 16 rows x 32 k at 4 bits
+    const uint8_t* hg = hi + g * 128;  // and at 2 bits
+    SD_UNROLL for (int line = 0; line < 4; ++line)
+      _mm_prefetch(reinterpret_cast<const char*>(lg + 4096 + 64 * line), _MM_HINT_T0);
+    SD_UNROLL for (int line = 0; line < 2; ++line)
+      _mm_prefetch(reinterpret_cast<const char*>(hg + 2048 + 64 * line), _MM_HINT_T0);
+    const int8_t* sg = sc + g * 32;  // the group's two halves' sc: sg, sg + 16
+    __m512i sum[MR];
+    SD_UNROLL for (int t = 0; t < MR; ++t) sum[t] = _mm512_setzero_si512();
+    SD_UNROLL for (int u = 0; u < 2; ++u) {
+      __m512i acc[MR][2];
+      SD_UNROLL for (int t = 0; t < MR; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_si512();
+      SD_UNROLL for (int c = 0; c < 2; ++c) {
+        const int q = 2 * u + c;  // k 8q .. 8q + 7 of the group
+        const __m512i raw = _mm512_permutexvar_epi32(interleave, _mm512_loadu_si512(lg + 64 * q));
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hg + 32 * q));
+        const __m512i hh = _mm512_permutexvar_epi32(twice, _mm512_castsi256_si512(h));
+        const __m512i w0 = _mm512_or_si512(_mm512_and_si512(raw, low),
+                                           _mm512_and_si512(_mm512_rolv_epi32(hh, turn0), top));
+        const __m512i w1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low),
+                                           _mm512_and_si512(_mm512_rolv_epi32(hh, turn1), top));
+        SD_UNROLL for (int t = 0; t < MR; ++t) {
+          int64_t eight;
+          std::memcpy(&eight, xq + t * K + g * 32 + 8 * q, 8);
+          const __m512i xv = _mm512_set1_epi64(eight);
+          acc[t][0] = _mm512_dpbusd_epi32(acc[t][0], w0, xv);
+          acc[t][1] = _mm512_dpbusd_epi32(acc[t][1], w1, xv);
+        }
+      }
+      const __m512i s =
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + 16 * u)));
+      SD_UNROLL for (int t = 0; t < MR; ++t) {
+        const __m512i rows =
+            _mm512_add_epi32(_mm512_permutex2var_epi32(acc[t][0], even, acc[t][1]),
+                             _mm512_permutex2var_epi32(acc[t][0], odd, acc[t][1]));
+        sum[t] = _mm512_add_epi32(sum[t], _mm512_mullo_epi32(rows, s));
+      }
+    }
+    // per row (sc_a, sc_b) as int16 pairs: with a token's packed (xs_a, xs_b) one vpmaddwd
+    const __m128i sa = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sg));
+    const __m128i sb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + 16));
+    const __m512i ab = _mm512_cvtepi8_epi16(
+        _mm256_set_m128i(_mm_unpackhi_epi8(sa, sb), _mm_unpacklo_epi8(sa, sb)));
+    const __m512 dv = half16(d + (g * 32 / 256) * 16);
+    SD_UNROLL for (int t = 0; t < MR; ++t) {
+      float* out = res + t * 16;
+      const __m512i offset = _mm512_madd_epi16(ab, _mm512_set1_epi32(xs[t * G + g]));
+      const __m512i total = _mm512_sub_epi32(sum[t], _mm512_slli_epi32(offset, 5));
+      const __m512 ddx = _mm512_mul_ps(dv, _mm512_set1_ps(dx[t * G + g]));
+      _mm512_storeu_ps(out,
+                       _mm512_fmadd_ps(ddx, _mm512_cvtepi32_ps(total), _mm512_loadu_ps(out)));
+    }
+  }
+}
+
+}  // namespace
+
+int64_t q6_vnni_tile_rows() { return 6; }
+
+// q6_tile512<mr> (1 <= mr <= q6_vnni_tile_rows()): the arguments of q6_tile
+SD_VNNI512 void q6_vnni_tile(int64_t mr, const uint8_t* lo, const uint8_t* hi, const int8_t* sc,
+                             const uint16_t* d, int64_t K, const int8_t* xq, const int32_t* xs,
+                             const float* dx, float* res) {
+  switch (mr) {
+    case 6: q6_tile512<6>(lo, hi, sc, d, K, xq, xs, dx, res); break;
+    case 5: q6_tile512<5>(lo, hi, sc, d, K, xq, xs, dx, res); break;
+    case 4: q6_tile512<4>(lo, hi, sc, d, K, xq, xs, dx, res); break;
+    case 3: q6_tile512<3>(lo, hi, sc, d, K, xq, xs, dx, res); break;
+    case 2: q6_tile512<2>(lo, hi, sc, d, K, xq, xs, dx, res); break;
+    default: q6_tile512<1>(lo, hi, sc, d, K, xq, xs, dx, res); break;
+  }
+}
+
+}  // namespace specdecode_kernels

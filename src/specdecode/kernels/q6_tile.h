@@ -1,6 +1,7 @@
 // The 6-bit panel tile on AVX2 (see "6-bit panels" in linear_avx2.cpp): GGUF Q6_K's grid,
 // w = d sc (q - 32) with q in 0..63, a signed 8-bit sc per row and 16 k, a float16 d per row and
-// 256 k. One build for every CPU (AVX-512 machines run it too), so nothing to keep in step.
+// 256 k. linear_avx512.cpp has its AVX-512 VNNI twin, q6_tile512, which must give the same
+// results bit for bit.
 #pragma once
 
 #include <immintrin.h>
