@@ -98,10 +98,12 @@ def test_the_cpu_flags_agree_with_the_extension():
     default = os.environ.get(cpu.BF16_DOT_ENV, "1") != "0"
     try:
         assert build.use_bf16_dot(True) == ({"avx512f", "avx512bw", "avx512_bf16"} <= flags)
-        assert build.use_int4_vnni(True) == ({"avx512f", "avx512vl", "avx512_vnni"} <= flags)
+        assert build.use_int4_vnni(True) == (
+            {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags
+        )
         assert build.use_int8_avx512(True) == ("avx512f" in flags)
     finally:
         build.use_bf16_dot(default)
     assert build.bf16_dot_on() == cpu.bf16_dot_expected()
-    assert build.int4_vnni_on() == ({"avx512f", "avx512vl", "avx512_vnni"} <= flags)
+    assert build.int4_vnni_on() == ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags)
     assert build.int8_avx512_on() == ("avx512f" in flags)

@@ -222,10 +222,10 @@ SD_AVX512F void int8_avx512_tile(int64_t mr, int64_t panels, const int8_t* p, in
   }
 }
 
-bool int4_vnni_supported() {
+bool int4_vnni_supported() {  // the int4 and 6-bit tiles use AVX-512 BW instructions too
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-         __builtin_cpu_supports("avx512vnni");
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
 
 namespace {
