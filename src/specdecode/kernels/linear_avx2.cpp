@@ -78,6 +78,7 @@ constexpr int64_t kPanelPrefetch = 8192;  // elements ahead within a panel (16 K
 using specdecode_kernels::bf16_to_float;
 using specdecode_kernels::float_to_bf16;
 using specdecode_kernels::lane_sum;
+using specdecode_kernels::with_tile_rows;
 
 // The row format (a template parameter of the row tiles): widens 16 consecutive weights of a row
 // to two float32 vectors (`load16`) that multiply the matching two vectors of a token's prepared
@@ -630,12 +631,9 @@ torch::Tensor linear_int4_packed(torch::Tensor x, torch::Tensor panels, int64_t 
         if (g_int4_vnni) {
           specdecode_kernels::int4_vnni_tile(block, panel, c, s, sh, K, xt, dt, st, res);
         } else {
-          switch (block) {
-            case 4: int4_tile<4>(panel, c, s, sh, K, xt, dt, st, res); break;
-            case 3: int4_tile<3>(panel, c, s, sh, K, xt, dt, st, res); break;
-            case 2: int4_tile<2>(panel, c, s, sh, K, xt, dt, st, res); break;
-            default: int4_tile<1>(panel, c, s, sh, K, xt, dt, st, res); break;
-          }
+          with_tile_rows<4>(block, [&](auto n) {
+            int4_tile<decltype(n)::value>(panel, c, s, sh, K, xt, dt, st, res);
+          });
         }
         store_tile(op, res, bp, t0, block, p, rows, N);
         t0 += block;
@@ -709,12 +707,9 @@ torch::Tensor linear_q6_packed(torch::Tensor x, torch::Tensor lo, torch::Tensor 
         if (g_int4_vnni) {
           specdecode_kernels::q6_vnni_tile(block, pl, ph, ps, pd, K, xt, st, dt, res);
         } else {
-          switch (block) {
-            case 4: q6_tile<4>(pl, ph, ps, pd, K, xt, st, dt, res); break;
-            case 3: q6_tile<3>(pl, ph, ps, pd, K, xt, st, dt, res); break;
-            case 2: q6_tile<2>(pl, ph, ps, pd, K, xt, st, dt, res); break;
-            default: q6_tile<1>(pl, ph, ps, pd, K, xt, st, dt, res); break;
-          }
+          with_tile_rows<4>(block, [&](auto n) {
+            q6_tile<decltype(n)::value>(pl, ph, ps, pd, K, xt, st, dt, res);
+          });
         }
         store_tile(op, res, bp, t0, block, p, rows, N);
         t0 += block;

@@ -307,16 +307,9 @@ int64_t int4_vnni_tile_rows() { return 8; }
 SD_VNNI512 void int4_vnni_tile(int64_t mr, const uint8_t* p, const uint8_t* codes,
                                const uint16_t* steps, int shift, int64_t K, const int8_t* xq,
                                const float* dx, const float* xsum, float* res) {
-  switch (mr) {
-    case 8: int4_tile512<8>(p, codes, steps, shift, K, xq, dx, xsum, res); break;
-    case 7: int4_tile512<7>(p, codes, steps, shift, K, xq, dx, xsum, res); break;
-    case 6: int4_tile512<6>(p, codes, steps, shift, K, xq, dx, xsum, res); break;
-    case 5: int4_tile512<5>(p, codes, steps, shift, K, xq, dx, xsum, res); break;
-    case 4: int4_tile512<4>(p, codes, steps, shift, K, xq, dx, xsum, res); break;
-    case 3: int4_tile512<3>(p, codes, steps, shift, K, xq, dx, xsum, res); break;
-    case 2: int4_tile512<2>(p, codes, steps, shift, K, xq, dx, xsum, res); break;
-    default: int4_tile512<1>(p, codes, steps, shift, K, xq, dx, xsum, res); break;
-  }
+  with_tile_rows<8>(mr, [&](auto n) {
+    int4_tile512<decltype(n)::value>(p, codes, steps, shift, K, xq, dx, xsum, res);
+  });
 }
 
 namespace {
@@ -413,14 +406,8 @@ int64_t q6_vnni_tile_rows() { return 6; }
 SD_VNNI512 void q6_vnni_tile(int64_t mr, const uint8_t* lo, const uint8_t* hi, const int8_t* sc,
                              const uint16_t* d, int64_t K, const int8_t* xq, const int32_t* xs,
                              const float* dx, float* res) {
-  switch (mr) {
-    case 6: q6_tile512<6>(lo, hi, sc, d, K, xq, xs, dx, res); break;
-    case 5: q6_tile512<5>(lo, hi, sc, d, K, xq, xs, dx, res); break;
-    case 4: q6_tile512<4>(lo, hi, sc, d, K, xq, xs, dx, res); break;
-    case 3: q6_tile512<3>(lo, hi, sc, d, K, xq, xs, dx, res); break;
-    case 2: q6_tile512<2>(lo, hi, sc, d, K, xq, xs, dx, res); break;
-    default: q6_tile512<1>(lo, hi, sc, d, K, xq, xs, dx, res); break;
-  }
+  with_tile_rows<6>(
+      mr, [&](auto n) { q6_tile512<decltype(n)::value>(lo, hi, sc, d, K, xq, xs, dx, res); });
 }
 
 }  // namespace specdecode_kernels
