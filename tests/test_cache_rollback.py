@@ -108,8 +108,12 @@ def test_a_copied_prefill_decodes_like_a_fresh_one_and_stays_independent(llama_p
         copied = [t for block in decode(target, prompt, 12, prefilled=shared.copy()) for t in block]
         assert copied == expected
         assert len(shared) == len(prompt) - 1
-    with pytest.raises(ValueError, match="must cover the prompt but its last token"):
-        next(decode(target, [*prompt, 7], 4, prefilled=shared.copy()))
+    # a cache over a prefix of the prompt: only the rest is prefilled, the same answer
+    longer = [*prompt, 7]
+    prefix = [t for block in decode(target, longer, 12, prefilled=shared.copy()) for t in block]
+    assert prefix == [t for block in decode(target, longer, 12) for t in block]
+    with pytest.raises(ValueError, match="must cover at most the prompt but its last token"):
+        next(decode(target, prompt[:-1], 4, prefilled=shared.copy()))
 
 
 @pytest.mark.parametrize("forward", ["hf", "lean"])

@@ -122,7 +122,9 @@ class Batch:
         """Prefill a new row (target and drafter) and add it; it takes part from the next step.
 
         `drafter` is the row's own (`fork_drafter` of a shared one); every row of a batch drafts
-        with the same kind of drafter, or none.
+        with the same kind of drafter, or none. `prefilled`: the row's target cache, holding a
+        prefix of the prompt already (step.prefill); else `new_cache` makes one. Should the
+        prefill fail, the cache is closed (a store row goes back to its store).
         """
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an integer >= 0 (got {max_new_tokens!r})")
@@ -131,10 +133,17 @@ class Batch:
         stats.k_max = self.policy.k_max if drafter is not None else 0
         stats.k_policy = self.policy.name if drafter is not None else ""
         stats.prompt_tokens = len(prompt_ids)
-        state = prefill(self.target, prompt_ids, stats, prefilled, self.new_cache)
-        if drafter is not None:
-            with torch.inference_mode():  # the draft's prefill: no autograd graph
-                drafter.begin(prompt_ids, params, generator, self.meter)
+        cache = prefilled if prefilled is not None else self.new_cache(self.target)
+        try:
+            state = prefill(self.target, prompt_ids, stats, cache)
+            if drafter is not None:
+                with torch.inference_mode():  # the draft's prefill: no autograd graph
+                    drafter.begin(prompt_ids, params, generator, self.meter)
+        except BaseException:  # a store row is given back, not lost with the failed row
+            close = getattr(cache, "close", None)
+            if close is not None:
+                close()
+            raise
         if drafter is not None and not self._policy_started:
             self.policy.begin()
             self._policy_started = True
@@ -145,11 +154,15 @@ class Batch:
         return row
 
     def remove(self, row: Row) -> None:
-        """Take a row out (finished, cancelled or failed); its store row, if any, is freed."""
+        """Take a row out (finished, cancelled or failed); its store row, if any, is freed,
+        and its drafter ends its sequence (`end`, where it has one)."""
         self.rows.remove(row)
         close = getattr(row.state.target_cache, "close", None)
         if close is not None:
             close()
+        end = getattr(row.drafter, "end", None)
+        if end is not None:
+            end()
 
     def running(self) -> list[Row]:
         return [row for row in self.rows if not row.done]

@@ -6,6 +6,11 @@ one batched step (batch.py) and says what each one produced, `cancel(generation)
 at once. Each generation keeps its own sampling parameters, seed, stop strings, EOS ids,
 `max_new_tokens` and exact counters (`Stats`); a stop string ends its row only.
 
+A joining row starts from what ended rows left behind: the free store row, and the draft
+cache, holding the longest prefix of its prompt (a shared system prompt, the same prompt
+again) keep it, bit for bit what its prefill would compute, so only the rest is prefilled
+(`LeanStore`, `PrefixPool`; `Stats.cached_tokens` counts the prompt positions kept).
+
 The store is made once, for `max_rows` sequences of up to `max_len` positions each (`LeanStore`
 where the target runs the lean forward, else `store.StaticStore` over the model's own forward);
 `store_bytes` says its size. A full store refuses a new row (`StoreFull`) rather than evicting
@@ -19,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specdecode.batch import Batch, Row, fork_drafter
-from specdecode.lean import LeanCache, LeanStore, target_cache
+from specdecode.lean import LeanCache, LeanStore, PrefixPool, target_cache
 from specdecode.models.compat import context_length
 from specdecode.request import GenerationRequest
 from specdecode.sampling import make_generator
@@ -102,9 +107,12 @@ class BatchSession:
             target,
             policy=decoder.k_policy,
             meter=meter,
-            new_cache=lambda model: self.store.open_row(),
+            new_cache=lambda model: self.store.open_row(),  # rows made without a prompt
         )
         self.generations: list[Generation] = []
+        # the draft caches of ended rows, for the next rows' prompts (as the store keeps the
+        # target's): one per row of the store
+        self.draft_prefixes = PrefixPool(max_rows)
 
     @property
     def max_rows(self) -> int:
@@ -145,14 +153,20 @@ class BatchSession:
         if decoder.time_forwards:
             stats.meter = ForwardMeter(self.clock)
         started = self.clock()
+        drafter = fork_drafter(decoder.drafter)
+        if hasattr(drafter, "prefixes"):
+            drafter.prefixes = self.draft_prefixes
         row = self.batch.add(
             prompt_ids,
             request.max_new_tokens,
-            drafter=fork_drafter(decoder.drafter),
+            drafter=drafter,
             params=params,
             generator=generator,
             eos_token_ids=eos,
             stats=stats,
+            # a free row holding a prefix of this prompt (a system prompt, the same prompt
+            # again) keeps it: only the rest is prefilled, to the same bits (LeanStore)
+            prefilled=self.store.open_row(prompt_ids[:-1]),
         )
         text = decoder.text_stream(request) if decoder.tokenizer is not None else None
         generation = Generation(prompt_ids, request, stats, text, row, started)

@@ -159,11 +159,15 @@ class LeanCache:
         fused_tokens: int = FUSED_TOKENS,
         *,
         kv: torch.Tensor | None = None,
-        release: Callable[[], None] | None = None,
+        ids: torch.Tensor | None = None,
+        reused: int = 0,
+        release: Callable[[LeanCache], None] | None = None,
         residual: torch.dtype | None = None,
     ) -> None:
-        """`kv` (a LeanStore's row, [layers, 2, Hkv, max_len, d] float32): a fixed store to
-        write into, never grown (StoreFull past it); `release` gives it back (`close`).
+        """`kv` (a LeanStore's row, [layers, 2, Hkv, max_len, d] float32) and `ids` (its
+        [max_len] int64): a fixed store to write into, never grown (StoreFull past it), whose
+        first `reused` positions already hold a prefix computed on the fused path;
+        `release(cache)` gives the row back (`close`).
         `residual`: the hidden states' dtype between layers (default the model's; float32 for
         a quantized target, `target_residual`): the linears still take the model's dtype."""
         reason = unsupported_reason(model)
@@ -179,7 +183,10 @@ class LeanCache:
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = attn.head_dim
         self.scale = attn.scaling
-        self.length = 0
+        self.length = reused
+        # the first `fused_len` positions were computed on the fused path, whose keys and
+        # values do not depend on how the tokens were split into forwards (`reusable_prefix`)
+        self.fused_len = reused
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
         self.residual = residual or self.dtype
@@ -189,7 +196,9 @@ class LeanCache:
             kv = torch.empty(
                 len(self.layers), 2, self.kv_heads, CAPACITY, self.head_dim, device=self.device
             )
+            ids = torch.zeros(CAPACITY, dtype=torch.long, device=self.device)
         self.kv = kv
+        self.ids = ids  # [capacity] int64: the token id each cached position holds
         self._fused = _fused_ops(model, self.dtype, self.device, self.head_dim)
         # per layer (q, k, v, o, gate, up, down), then the output layer: the kernel calls
         # themselves where the draft's linears run on specdecode's kernels
@@ -206,7 +215,7 @@ class LeanCache:
         """An independent cache over the same positions (a prompt prefilled once, reused); a
         store row's copy is a cache of its own, outside the store."""
         twin = copy.copy(self)
-        twin.kv = self.kv.clone()
+        twin.kv, twin.ids = self.kv.clone(), self.ids.clone()
         twin.fixed, twin._release = False, None
         return twin
 
@@ -214,13 +223,27 @@ class LeanCache:
         """Give a store row back to its store (a no-op for a cache of its own)."""
         release, self._release = self._release, None
         if release is not None:
-            release()
+            release(self)
+
+    def reusable_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading positions a sequence starting with `tokens` may keep from this
+        cache, bit for bit what its own prefill would compute: the common prefix of `tokens`
+        and the cached ids, within the positions computed on the fused path, and only where
+        the prefill of `tokens` would take that path too (at most PREFILL_CHUNK of them)."""
+        if self._fused is None or len(tokens) > PREFILL_CHUNK:
+            return 0
+        cached = self.ids[: min(self.fused_len, len(tokens))].tolist()
+        return next(
+            (i for i, (a, b) in enumerate(zip(cached, tokens, strict=False)) if a != b),
+            len(cached),
+        )
 
     def rollback(self, length: int) -> None:
         """Forget every cached position at or after `length`."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot roll back a cache of {self.length} positions to {length}")
         self.length = length
+        self.fused_len = min(self.fused_len, length)
 
     @torch.inference_mode()  # a cache grown inside a forward is an inference tensor
     def compact(self, keep: list[int] | torch.Tensor) -> None:
@@ -228,8 +251,12 @@ class LeanCache:
         keep, run = compaction(keep, self.length)
         tail = keep[run:]
         if tail.numel():  # the gather copies before the write, so overlapping slots are safe
-            self.kv[:, :, :, run : keep.numel()] = self.kv[:, :, :, tail.to(self.device)]
+            tail = tail.to(self.device)
+            self.kv[:, :, :, run : keep.numel()] = self.kv[:, :, :, tail]
+            self.ids[run : keep.numel()] = self.ids[tail]
+        fused_all = self.fused_len >= self.length
         self.length = keep.numel()
+        self.fused_len = self.length if fused_all else min(self.fused_len, run)
 
     def _reserve(self, needed: int) -> None:
         capacity = self.kv.shape[3]
@@ -246,6 +273,9 @@ class LeanCache:
             )
             grown[:, :, :, : self.length] = self.kv[:, :, :, : self.length]
             self.kv = grown
+            ids = torch.zeros(grown.shape[3], dtype=torch.long, device=self.device)
+            ids[: self.length] = self.ids[: self.length]
+            self.ids = ids
 
     @torch.inference_mode()
     def forward(
@@ -320,8 +350,13 @@ class LeanCache:
             cache._mask(n, past, mask)  # [n, L] float32 or None (causal)
             for cache, n, past, mask in zip(caches, sizes, pasts, masks, strict=True)
         ]
-        # the fused operations are row by row: the longest sequence's rows decide, not the sum
-        fused = self._fused if max(sizes) <= self.fused_tokens else None
+        ends = [past + n for past, n in zip(pasts, sizes, strict=True)]
+        # the fused operations are row by row: the longest sequence's rows decide, not the sum.
+        # A prefill chunk takes them too while its keys fit in one chunk (as fast there:
+        # docs/benchmarks.md), so a prompt's keys and values are the same bits however it was
+        # split, and a store row can hand a prefix on to the next prompt (LeanStore)
+        fused_rows = max(sizes) <= self.fused_tokens or max(ends) <= PREFILL_CHUNK
+        fused = self._fused if fused_rows else None
         attend = self._attend_fused if fused is not None else self._attend
         bounds = list(itertools.accumulate(sizes, initial=0))
         delta = None  # the last block's output, added to x by the next norm
@@ -342,8 +377,11 @@ class LeanCache:
                 )  # [N, H * d]
             x, h = self._add_norm(x, o_proj(out), layer.post_attention_layernorm, fused)  # [N, D]
             delta = down_proj(self._silu_mul(gate_proj(h), up_proj(h), fused))
-        for cache, past, n in zip(caches, pasts, sizes, strict=True):
-            cache.length = past + n
+        for cache, past, end, tokens in zip(caches, pasts, ends, inputs, strict=True):
+            cache.ids[past:end] = tokens
+            cache.length = end
+            leading = fused is not None and cache.fused_len >= past
+            cache.fused_len = end if leading else min(cache.fused_len, past)
         if last_only:  # each sequence's last row
             last = torch.tensor(bounds[1:], device=self.device) - 1
             x, delta = x[last].contiguous(), delta[last].contiguous()
@@ -433,7 +471,16 @@ class LeanCache:
 class LeanStore(RowPool):
     """The static key/value store of a target on the lean forward: one float32 tensor
     [rows, layers, 2, Hkv, max_len, d] made once; `open_row()` hands out a row as a LeanCache
-    that writes into it and never grows (store.py has the same for Hugging Face's forward)."""
+    that writes into it and never grows (store.py has the same for Hugging Face's forward).
+
+    A freed row keeps its keys and values until it is handed out again, with the token id of
+    each position (`ids`, [rows, max_len]): `open_row(tokens)` hands out the free row that
+    shares the longest prefix with `tokens` (a system prompt, a chat's earlier turns, the same
+    prompt again) and keeps those positions, so the prefill computes only the rest. A prefix
+    is kept only where it is bit for bit what the prefill would compute
+    (`LeanCache.reusable_prefix`): the answer is the same as from a fresh row. Among rows
+    sharing nothing it takes the one freed longest ago, so recent prefixes live longest.
+    """
 
     def __init__(self, model: Any, rows: int, max_len: int, fused_tokens: int = VERIFY_TOKENS):
         super().__init__(rows, max_len)
@@ -445,20 +492,69 @@ class LeanStore(RowPool):
         layers, kv_heads, head_dim = kv_shape(model)
         device = next(model.parameters()).device
         self.kv = torch.empty(rows, layers, 2, kv_heads, max_len, head_dim, device=device)
+        self.ids = torch.zeros(rows, max_len, dtype=torch.long, device=device)
+        self._left: list[LeanCache | None] = [None] * rows  # a freed row's last cache
 
     @property
     def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        return self.kv.numel() * self.kv.element_size() + self.ids.numel() * 8
 
-    def open_row(self) -> LeanCache:
-        row = self.take()
+    def open_row(self, tokens: Sequence[int] = ()) -> LeanCache:
+        """A row for a sequence that starts with `tokens` (StoreFull when every row is
+        taken), holding the longest prefix of them a free row can keep (`len()` of the
+        cache: 0 when none)."""
+        if not self.free_rows:
+            self.take()  # raises StoreFull
+        kept = {row: self._kept(row, tokens) for row in self.free_order()}
+        row = max(kept, key=kept.get)  # the first of the longest: freed longest ago on ties
+        self.take(row)
+        self._left[row] = None
         return LeanCache(
             self.model,
             self.fused_tokens,
             kv=self.kv[row],
-            release=lambda: self.give_back(row),
+            ids=self.ids[row],
+            reused=kept[row],
+            release=lambda cache: self._free_row(row, cache),
             residual=self.residual,
         )
+
+    def _kept(self, row: int, tokens: Sequence[int]) -> int:
+        left = self._left[row]
+        return left.reusable_prefix(tokens) if left is not None and tokens else 0
+
+    def _free_row(self, row: int, cache: LeanCache) -> None:
+        self._left[row] = cache
+        self.give_back(row)
+
+
+class PrefixPool:
+    """The draft caches that ended sequences leave behind (`DraftModelState.end` in drafters/model.py), at most
+    `size`, for the next sequences to start from: `take(tokens)` hands out the one holding the
+    longest prefix of `tokens` that is bit for bit what a prefill would compute
+    (`LeanCache.reusable_prefix`), rolled back to it; None when none holds any. A batch
+    session's rows share one (batch_session.py), as its target rows share the store."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._caches: list[LeanCache] = []  # oldest first
+
+    def __len__(self) -> int:
+        return len(self._caches)
+
+    def take(self, tokens: Sequence[int]) -> LeanCache | None:
+        kept = [cache.reusable_prefix(tokens) for cache in self._caches]
+        if not kept or max(kept) == 0:
+            return None
+        best = max(range(len(kept)), key=kept.__getitem__)
+        cache = self._caches.pop(best)
+        cache.rollback(kept[best])
+        return cache
+
+    def put(self, cache: KVCache | LeanCache) -> None:
+        if isinstance(cache, LeanCache) and self.size > 0:
+            self._caches.append(cache)
+            del self._caches[: -self.size]
 
 
 def layer_projections(layer: Any) -> tuple[torch.nn.Module, ...]:

@@ -39,22 +39,24 @@ def prefill(
 ) -> DecodeState:
     """Fill the target's cache with all prompt tokens but the last (the first step's input).
 
-    `prefilled`: a cache that already covers prompt_ids[:-1] (a prompt prefilled once and
-    reused); it is used as is, and the decode then owns it. Else `new_cache(target)` makes the
-    cache (KVCache: the model's own forward; the engine passes lean.target_cache).
+    `prefilled`: a cache that already covers a prefix of prompt_ids[:-1] (a prompt prefilled
+    once and reused, or a store row that kept a prefix: `LeanStore.open_row`); only the rest is
+    computed, and the decode then owns the cache. Else `new_cache(target)` makes the cache
+    (KVCache: the model's own forward; the engine passes lean.target_cache).
+    `stats.cached_tokens` counts the prompt positions that were not computed.
     """
-    if prefilled is not None:
-        if len(prefilled) != len(prompt_ids) - 1:
-            raise ValueError(
-                f"a prefilled cache must cover the prompt but its last token "
-                f"({len(prompt_ids) - 1} positions), not {len(prefilled)}"
-            )
-        return DecodeState(tokens=list(prompt_ids), target_cache=prefilled)
-    cache = new_cache(target)
-    if len(prompt_ids) > 1:
+    if prefilled is not None and len(prefilled) > len(prompt_ids) - 1:
+        raise ValueError(
+            f"a prefilled cache must cover at most the prompt but its last token "
+            f"({len(prompt_ids) - 1} positions), not {len(prefilled)}"
+        )
+    cache = prefilled if prefilled is not None else new_cache(target)
+    start = len(cache)
+    stats.cached_tokens = start
+    if len(prompt_ids) - 1 > start:
         device = next(target.parameters()).device
-        with stats.meter.forward("prefill", len(prompt_ids) - 1):
-            cache.forward(torch.tensor(prompt_ids[:-1], device=device), last_only=True)
+        with stats.meter.forward("prefill", len(prompt_ids) - 1 - start):
+            cache.forward(torch.tensor(prompt_ids[start:-1], device=device), last_only=True)
     return DecodeState(tokens=list(prompt_ids), target_cache=cache)
 
 

@@ -50,16 +50,26 @@ class RowPool:
         if not isinstance(max_len, int) or max_len < 2:
             raise ValueError(f"a store's max_len must be an integer >= 2 (got {max_len!r})")
         self.rows, self.max_len = rows, max_len
-        self._free = list(range(rows - 1, -1, -1))  # popped from the end: row 0 first
+        self._free = list(range(rows))  # in the order they were freed: row 0 first
 
     @property
     def free_rows(self) -> int:
         return len(self._free)
 
-    def take(self) -> int:
+    def free_order(self) -> list[int]:
+        """The free rows, the one freed longest ago first."""
+        return list(self._free)
+
+    def take(self, row: int | None = None) -> int:
+        """Take `row` (a free one), or by default the one freed longest ago."""
         if not self._free:
             raise StoreFull(f"all {self.rows} rows of the key/value store are in use")
-        return self._free.pop()
+        if row is None:
+            return self._free.pop(0)
+        if row not in self._free:
+            raise ValueError(f"row {row} is not free")
+        self._free.remove(row)
+        return row
 
     def give_back(self, row: int) -> None:
         if row in self._free or not 0 <= row < self.rows:
@@ -89,8 +99,9 @@ class StaticStore(RowPool):
         """Bytes the store holds (keys and values of every layer)."""
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
-    def open_row(self) -> StoreRow:
-        """An empty row (StoreFull when every row is taken); `StoreRow.close()` frees it."""
+    def open_row(self, tokens: Sequence[int] = ()) -> StoreRow:
+        """An empty row (StoreFull when every row is taken); `StoreRow.close()` frees it.
+        `tokens` (the sequence's start) is not used: only the lean store keeps prefixes."""
         row = self.take()
         self.lengths[row] = 0
         return StoreRow(self, row)

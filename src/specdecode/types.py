@@ -85,6 +85,7 @@ class Stats:
     emitted: int = 0  # tokens committed by steps (accepted + recovered/bonus, after stops)
     new_tokens: int = 0  # tokens returned to the caller
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt positions the target's cache already held (not prefilled)
     drafted_at: list[int] = field(default_factory=list)  # [k] drafts at position i
     accepted_at: list[int] = field(default_factory=list)  # [k] acceptances at position i
     nodes_verified: int = 0  # token-tree nodes the target verified: the steps' nodes (trees only)

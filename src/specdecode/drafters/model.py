@@ -8,20 +8,24 @@ from typing import Any
 import torch
 
 from specdecode.cache import KVCache, forward_rows
-from specdecode.lean import LeanCache, draft_cache
+from specdecode.lean import LeanCache, PrefixPool, draft_cache
 from specdecode.sampling import SamplingParams, greedy_tokens, logits_to_probs, sample
 from specdecode.types import Draft, ForwardMeter
 
 
 class DraftModelState:
     """What every drafter built on a draft model shares: the model, its own cache over the
-    committed tokens (prefilled over prompt_ids[:-1] by `begin`), and the id mapping."""
+    committed tokens (prefilled over prompt_ids[:-1] by `begin`), and the id mapping.
+
+    `prefixes`: a PrefixPool to start from and give the cache back to (`end`); None (the
+    default) makes a new cache per sequence."""
 
     def __init__(self, model: Any, vocab_size: int | None = None) -> None:
         self.model = model
         # tokens at or above vocab_size are never drafted (the target's and draft's common vocab)
         self.vocab_size = vocab_size
         self.cache: KVCache | LeanCache | None = None
+        self.prefixes: PrefixPool | None = None
         # ids the draft cannot embed (a larger target's padding rows, never real tokens, but a
         # random or sampled target may emit them) are fed as id 0; verification keeps output exact
         self.embed_size = model.get_input_embeddings().num_embeddings
@@ -34,12 +38,21 @@ class DraftModelState:
         meter: ForwardMeter,
     ) -> None:
         self.params, self.generator, self.meter = params, generator, meter
-        self.cache = draft_cache(self.model)  # the lean forward where it knows the model
+        kept = self.prefixes.take(prompt_ids[:-1]) if self.prefixes is not None else None
+        # the lean forward where it knows the model
+        self.cache = kept if kept is not None else draft_cache(self.model)
         parameter = next(self.model.parameters())
         self.device, self.dtype = parameter.device, parameter.dtype
-        if len(prompt_ids) > 1:
-            with meter.forward("draft_prefill", len(prompt_ids) - 1):
-                self.cache.forward(self._ids(prompt_ids[:-1]), last_only=True)
+        start = len(self.cache)
+        if len(prompt_ids) - 1 > start:
+            with meter.forward("draft_prefill", len(prompt_ids) - 1 - start):
+                self.cache.forward(self._ids(prompt_ids[start:-1]), last_only=True)
+
+    def end(self) -> None:
+        """The sequence is over: its cache goes to `prefixes`, if any, for the next ones."""
+        if self.prefixes is not None and self.cache is not None:
+            self.prefixes.put(self.cache)
+        self.cache = None
 
     def _ids(self, ids: list[int]) -> torch.Tensor:
         tensor = torch.tensor(ids, dtype=torch.long, device=self.device)

@@ -28,6 +28,8 @@ def usage(stats: Stats) -> dict[str, Any]:
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.new_tokens,
         "total_tokens": stats.prompt_tokens + stats.new_tokens,
+        # prompt positions kept from an earlier request's row, not prefilled (batch_session.py)
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
         "completion_tokens_details": {
             "accepted_prediction_tokens": stats.accepted,
             # every drafted token the target checked and did not keep: for a token tree each node

@@ -129,6 +129,14 @@ class ServerMetrics:
             "from a generation request's arrival to the start of its generation",
             LATENCY_BUCKETS,
         )
+        self.prefix_queries = self._counter(
+            "vllm:prefix_cache_queries",
+            "prompt tokens of the generations run, each a query for a kept prefix",
+        ).labels(model_name=model)
+        self.prefix_hits = self._counter(
+            "vllm:prefix_cache_hits",
+            "prompt positions kept from an earlier request's row (not prefilled)",
+        ).labels(model_name=model)
         self.request_prompt_tokens = self._histogram(
             "vllm:request_prompt_tokens", "prompt tokens per generation", TOKEN_BUCKETS
         )
@@ -185,6 +193,8 @@ class ServerMetrics:
         if stats is None:
             return
         self.prompt_tokens.inc(stats.prompt_tokens)
+        self.prefix_queries.inc(stats.prompt_tokens)
+        self.prefix_hits.inc(stats.cached_tokens)
         self.generation_tokens.inc(stats.new_tokens)
         self.request_prompt_tokens.observe(stats.prompt_tokens)
         self.request_generation_tokens.observe(stats.new_tokens)
