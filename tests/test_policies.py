@@ -197,6 +197,24 @@ def test_cost_policy_explores_a_neighbour():
     assert [greedy.next_k(100) for _ in range(4)] == [4, 3, 4, 3]
 
 
+def test_cost_policy_explores_only_a_k_that_could_pay_fully_accepted():
+    # measured: one row 10 ms, a draft forward 5 ms (c = 0.5); k = 1 rejected every time
+    def policy_with(two_rows_s: float) -> CostK:
+        policy = CostK(1, explore_every=2)
+        policy.observe(0, 0, None, 0.010)
+        for _ in range(4):
+            policy.observe(1, 0, 0.005, two_rows_s)
+        return policy
+
+    # 2 rows cost 2 one-row forwards (arithmetic-bound): k = 1 emits at most 2 tokens for
+    # 0.5 + 2 = 2.5 forwards, below k = 0's 1 for 1 whatever the acceptance: never tried
+    bound = policy_with(0.020)
+    assert [bound.next_k(100) for _ in range(6)] == [0] * 6
+    # 2 rows at 1.1: fully accepted, k = 1 would give 2 for 1.6: worth a step now and then
+    cheap = policy_with(0.011)
+    assert [cheap.next_k(100) for _ in range(6)] == [0, 1, 0, 1, 0, 1]
+
+
 def test_make_k_policy_and_bad_names():
     assert isinstance(make_k_policy("fixed", 3), FixedK)
     heuristic = make_k_policy("heuristic", 3)

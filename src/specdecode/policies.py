@@ -134,7 +134,9 @@ class CostK:
 
     Every `explore_every`-th step drafts a neighbour of the best k instead (alternately one
     more and one fewer) so the estimates of other ks do not go stale; when the best k is 0
-    it explores k = 1, because a k = 0 step teaches nothing about acceptance. 0 disables it.
+    it explores k = 1, because a k = 0 step teaches nothing about acceptance. A neighbour whose
+    costs at this batch size are measured and which would not beat the best k even with every
+    drafted token accepted is not explored (its step could only lose time). 0 disables it.
     """
 
     name = "cost"
@@ -234,9 +236,22 @@ class CostK:
                 options = [1]
             elif not up and len(options) == 2:
                 options.reverse()
+            options = [n for n in options if self._worth_trying(n, rows, rates[best])]
             best = options[0] if options else best
         self._last = best
         return best
+
+    def _worth_trying(self, k: int, rows: int, best_rate: float) -> bool:
+        """Whether a step at k can teach something that changes a choice: its costs at this
+        batch size were never measured, or it would beat the best rate even if every drafted
+        token were accepted. A neighbour that cannot pay at full acceptance (a large batch on
+        arithmetic-bound forwards) is not explored: the step would only cost."""
+        if 1 not in self._target or rows * (k + 1) not in self._target:
+            return True
+        if k and rows not in self._draft:
+            return True
+        c, v = self.costs(rows)
+        return rows * (k + 1) / (k * c + v[k]) > best_rate
 
     def observe(
         self, drafted: int, accepted: int, draft_s: float | None, target_s: float | None
