@@ -353,8 +353,9 @@ class LeanCache:
         ends = [past + n for past, n in zip(pasts, sizes, strict=True)]
         # the fused operations are row by row: the longest sequence's rows decide, not the sum.
         # A prefill chunk takes them too while its keys fit in one chunk (as fast there:
-        # docs/benchmarks.md), so a prompt's keys and values are the same bits however it was
-        # split, and a store row can hand a prefix on to the next prompt (LeanStore)
+        # docs/lab-notes/2026-12-03-prefix-reuse.md), so a prompt's keys and values are the
+        # same bits however it was split, and a store row can hand a prefix on to the next
+        # prompt (LeanStore)
         fused_rows = max(sizes) <= self.fused_tokens or max(ends) <= PREFILL_CHUNK
         fused = self._fused if fused_rows else None
         attend = self._attend_fused if fused is not None else self._attend
@@ -529,11 +530,12 @@ class LeanStore(RowPool):
 
 
 class PrefixPool:
-    """The draft caches that ended sequences leave behind (`DraftModelState.end` in drafters/model.py), at most
-    `size`, for the next sequences to start from: `take(tokens)` hands out the one holding the
-    longest prefix of `tokens` that is bit for bit what a prefill would compute
-    (`LeanCache.reusable_prefix`), rolled back to it; None when none holds any. A batch
-    session's rows share one (batch_session.py), as its target rows share the store."""
+    """The draft caches that ended sequences leave behind (`DraftModelState.end`, in
+    drafters/model.py), at most `size`, for the next sequences to start from: `take(tokens)`
+    hands out the one holding the longest prefix of `tokens` that is bit for bit what a
+    prefill would compute (`LeanCache.reusable_prefix`), rolled back to it; None when none
+    holds any. A batch session's rows share one (batch_session.py), as its target rows share
+    the store."""
 
     def __init__(self, size: int) -> None:
         self.size = size
