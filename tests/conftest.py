@@ -153,3 +153,17 @@ def load_benchmark(name: str):
     sys.modules[name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+WIDE = {"hidden_size": 64, "intermediate_size": 128}  # K a multiple of 32: 4-bit linears too
+
+
+def on_kernel(model, bits: int | None = None):
+    """`model` in bfloat16 on specdecode's kernels (bits: 8 or 4 for quantized linears)."""
+    from specdecode.kernels import quantize_linears, swap_linears
+
+    model = model.to(torch.bfloat16)
+    swap_linears(model)
+    if bits is not None:
+        quantize_linears(model, bits=bits)
+    return model

@@ -8,24 +8,13 @@ import torch
 
 from specdecode import SpeculativeDecoder
 from specdecode.cache import KVCache
-from specdecode.kernels import quantize_linears, swap_linears
+from specdecode.kernels import swap_linears
 from specdecode.lean import TARGET_ENV, VERIFY_TOKENS, LeanCache, LeanStore, target_cache
 from specdecode.tree import additive_mask
 
-from conftest import VOCAB, needs_kernel, noisy_copy, tiny_llama, tiny_qwen2
+from conftest import VOCAB, WIDE, needs_kernel, noisy_copy, on_kernel, tiny_llama, tiny_qwen2
 
 pytestmark = needs_kernel()
-
-WIDE = {"hidden_size": 64, "intermediate_size": 128}  # K a multiple of 32: 4-bit linears too
-
-
-def _on_kernel(model, bits: int | None = None):
-    """`model` in bfloat16 on specdecode's kernels (bits: 8 or 4 for quantized linears)."""
-    model = model.to(torch.bfloat16)
-    swap_linears(model)
-    if bits is not None:
-        quantize_linears(model, bits=bits)
-    return model
 
 
 def _target(arch: str, bits: int | None, seed: int = 0):
@@ -33,7 +22,7 @@ def _target(arch: str, bits: int | None, seed: int = 0):
         model = tiny_qwen2(seed=seed, layers=3)
     else:
         model = tiny_llama(seed=seed, layers=3, **WIDE)
-    return _on_kernel(model, bits)
+    return on_kernel(model, bits)
 
 
 def _ids(n: int, seed: int) -> torch.Tensor:
@@ -123,7 +112,7 @@ def test_each_tree_node_is_a_one_token_forward_along_its_path(bits):
 @pytest.mark.parametrize("bits", [None, 4])
 def test_speculation_over_a_lean_target_equals_the_target_alone(bits):
     target = _target("llama", bits, seed=5)
-    draft = _on_kernel(noisy_copy(tiny_llama(seed=5, layers=3, **WIDE), 0.05, seed=6), 4)
+    draft = on_kernel(noisy_copy(tiny_llama(seed=5, layers=3, **WIDE), 0.05, seed=6), 4)
     assert isinstance(target_cache(target), LeanCache)
     prompts = [[1, 2, 3], [7] * 20, [11]]
     ar = SpeculativeDecoder(target)

@@ -9,21 +9,10 @@ import pytest
 import torch
 
 from specdecode import SpeculativeDecoder
-from specdecode.kernels import quantize_linears, swap_linears
 from specdecode.lean import PREFILL_CHUNK, VERIFY_TOKENS, LeanCache, LeanStore, PrefixPool
 from specdecode.models.loading import wrap_model
 
-from conftest import char_tokenizer, needs_kernel, noisy_copy, tiny_llama
-
-WIDE = {"hidden_size": 64, "intermediate_size": 128}  # K a multiple of 32: 4-bit linears too
-
-
-def _on_kernel(model, bits: int | None = None):
-    model = model.to(torch.bfloat16)
-    swap_linears(model)
-    if bits is not None:
-        quantize_linears(model, bits=bits)
-    return model
+from conftest import WIDE, char_tokenizer, needs_kernel, noisy_copy, on_kernel, tiny_llama
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -38,7 +27,7 @@ def _prefill(cache: LeanCache, tokens: list[int]) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def target():
-    return _on_kernel(tiny_llama(seed=0, layers=2, **WIDE))
+    return on_kernel(tiny_llama(seed=0, layers=2, **WIDE))
 
 
 @needs_kernel()
@@ -120,8 +109,8 @@ def test_a_prefix_pool_hands_out_the_longest_and_keeps_at_most_size(target):
 def engines():
     tokenizer = char_tokenizer()
     base = tiny_llama(seed=5, layers=3, vocab=len(tokenizer), **WIDE)
-    draft = _on_kernel(noisy_copy(base, 0.05, seed=6), 4)
-    target = wrap_model(_on_kernel(base), tokenizer, name="tiny")
+    draft = on_kernel(noisy_copy(base, 0.05, seed=6), 4)
+    target = wrap_model(on_kernel(base), tokenizer, name="tiny")
     return target, draft
 
 
@@ -155,7 +144,7 @@ def test_a_drafter_starts_from_the_pool_and_drafts_as_from_a_fresh_cache(target)
     from specdecode.sampling import SamplingParams
     from specdecode.types import ForwardMeter
 
-    base = ModelDrafter(_on_kernel(noisy_copy(tiny_llama(seed=0, layers=2, **WIDE), 0.05), 4))
+    base = ModelDrafter(on_kernel(noisy_copy(tiny_llama(seed=0, layers=2, **WIDE), 0.05), 4))
     pool = PrefixPool(4)
     first, second = _ids(30, 10), _ids(30, 10)[:20] + _ids(6, 11)
     drafters = []

@@ -12,14 +12,22 @@ from specdecode.decode import decode
 from specdecode.drafters.model import ModelDrafter
 from specdecode.drafters.tree_model import TreeModelDrafter
 from specdecode.drafters.tree_shape import parse_tree_spec
-from specdecode.kernels import quantize_linears, swap_linears
 from specdecode.lean import LeanCache, LeanStore, target_cache
 from specdecode.policies import FixedK
 from specdecode.store import StaticStore, StoreFull
 from specdecode.tree import TokenTree, verification_inputs
 from specdecode.types import Stats
 
-from conftest import ARCHS, VOCAB, _llama_like, needs_kernel, noisy_copy, tiny_llama
+from conftest import (
+    ARCHS,
+    VOCAB,
+    WIDE,
+    _llama_like,
+    needs_kernel,
+    noisy_copy,
+    on_kernel,
+    tiny_llama,
+)
 
 ATOL = 1e-5  # float32: a batched forward rounds a little differently from one row's
 
@@ -282,20 +290,10 @@ def test_attention_that_ignores_a_custom_mask_is_refused():
 
 # -- the lean forward's store ---------------------------------------------------------------------
 
-WIDE = {"hidden_size": 64, "intermediate_size": 128}  # K a multiple of 32: 4-bit linears too
-
-
-def _on_kernel(model, bits: int | None = None):
-    model = model.to(torch.bfloat16)
-    swap_linears(model)
-    if bits is not None:
-        quantize_linears(model, bits=bits)
-    return model
-
 
 @needs_kernel()
 def test_lean_forward_many_is_each_caches_own_forward_bit_for_bit():
-    model = _on_kernel(tiny_llama(seed=0, layers=3, **WIDE))
+    model = on_kernel(tiny_llama(seed=0, layers=3, **WIDE))
     store = LeanStore(model, rows=3, max_len=64)
     with torch.inference_mode():
         rows = []
@@ -315,7 +313,7 @@ def test_lean_forward_many_is_each_caches_own_forward_bit_for_bit():
 
 @needs_kernel()
 def test_lean_store_full_past_max_len_and_its_rows_are_reused():
-    model = _on_kernel(tiny_llama(seed=0, layers=2, **WIDE))
+    model = on_kernel(tiny_llama(seed=0, layers=2, **WIDE))
     store = LeanStore(model, rows=2, max_len=8)
     row = store.open_row()
     with torch.inference_mode():
@@ -340,8 +338,8 @@ def test_lean_store_full_past_max_len_and_its_rows_are_reused():
 @needs_kernel()
 @pytest.mark.parametrize("tree", [None, "dynamic:6,4,2"])
 def test_ragged_bfloat16_rows_on_a_lean_store_are_each_row_alone_bit_for_bit(tree):
-    target = _on_kernel(tiny_llama(seed=5, layers=3, **WIDE))
-    draft = _on_kernel(noisy_copy(tiny_llama(seed=5, layers=3, **WIDE), 0.05, seed=6), 4)
+    target = on_kernel(tiny_llama(seed=5, layers=3, **WIDE))
+    draft = on_kernel(noisy_copy(tiny_llama(seed=5, layers=3, **WIDE), 0.05, seed=6), 4)
     assert isinstance(target_cache(target), LeanCache)
     base = ModelDrafter(draft) if tree is None else TreeModelDrafter(draft, parse_tree_spec(tree))
     # (prompt, max_new_tokens, the step it joins before)
