@@ -254,6 +254,20 @@ SD_VNNI512 inline __m512 coded16(const uint8_t* codes, const uint16_t* steps, bo
   return _mm512_mul_ps(_mm512_cvtepi32_ps(wide), half16(steps));
 }
 
+// Each of MR tokens' 8 activations at xq + t K + at, broadcast, times the interleaved rows 0-7
+// (w0) and 8-15 (w1): acc[t] += one `vpdpbusd` each (the int4 and 6-bit tiles' inner step).
+template <int MR>
+SD_VNNI512 inline void dot8_tokens(__m512i (&acc)[MR][2], __m512i w0, __m512i w1,
+                                   const int8_t* xq, int64_t K, int64_t at) {
+  SD_UNROLL for (int t = 0; t < MR; ++t) {
+    int64_t eight;
+    std::memcpy(&eight, xq + t * K + at, 8);
+    const __m512i xv = _mm512_set1_epi64(eight);
+    acc[t][0] = _mm512_dpbusd_epi32(acc[t][0], w0, xv);
+    acc[t][1] = _mm512_dpbusd_epi32(acc[t][1], w1, xv);
+  }
+}
+
 template <int MR>
 SD_VNNI512 void int4_tile512(const uint8_t* p, const uint8_t* codes, const uint16_t* steps,
                              int shift, int64_t K, const int8_t* xq, const float* dx,
@@ -277,13 +291,7 @@ SD_VNNI512 void int4_tile512(const uint8_t* p, const uint8_t* codes, const uint1
       const __m512i raw = _mm512_permutexvar_epi32(interleave, _mm512_loadu_si512(pg + 64 * q));
       const __m512i w0 = _mm512_and_si512(raw, low);                         // rows 0-7
       const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);  // rows 8-15
-      SD_UNROLL for (int t = 0; t < MR; ++t) {
-        int64_t eight;
-        std::memcpy(&eight, xq + t * K + g * 32 + 8 * q, 8);
-        const __m512i xv = _mm512_set1_epi64(eight);
-        acc[t][0] = _mm512_dpbusd_epi32(acc[t][0], w0, xv);
-        acc[t][1] = _mm512_dpbusd_epi32(acc[t][1], w1, xv);
-      }
+      dot8_tokens<MR>(acc, w0, w1, xq, K, g * 32 + 8 * q);
     }
     const uint8_t* cg = codes + g * 32;            // sc [16] uint8, then ml [16] int8
     const uint16_t* sg = steps + (g >> shift) * 32;  // d [16], then dl [16] float16
@@ -364,13 +372,7 @@ SD_VNNI512 void q6_tile512(const uint8_t* lo, const uint8_t* hi, const int8_t* s
                                            _mm512_and_si512(_mm512_rolv_epi32(hh, turn0), top));
         const __m512i w1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low),
                                            _mm512_and_si512(_mm512_rolv_epi32(hh, turn1), top));
-        SD_UNROLL for (int t = 0; t < MR; ++t) {
-          int64_t eight;
-          std::memcpy(&eight, xq + t * K + g * 32 + 8 * q, 8);
-          const __m512i xv = _mm512_set1_epi64(eight);
-          acc[t][0] = _mm512_dpbusd_epi32(acc[t][0], w0, xv);
-          acc[t][1] = _mm512_dpbusd_epi32(acc[t][1], w1, xv);
-        }
+        dot8_tokens<MR>(acc, w0, w1, xq, K, g * 32 + 8 * q);
       }
       const __m512i s =
           _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + 16 * u)));
