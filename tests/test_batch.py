@@ -24,10 +24,10 @@ from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.tree_model import TreeModelDrafter
 from specdecode.drafters.tree_shape import parse_tree_spec
 from specdecode.policies import CostK, FixedK
-from specdecode.sampling import SamplingParams, logits_to_probs, make_generator
+from specdecode.sampling import SamplingParams, make_generator
 from specdecode.store import StaticStore
 from specdecode.types import Stats
-from test_sampling_lossless import VOCAB, chi_square, chi_square_limit
+from test_sampling_lossless import VOCAB, chi_square, chi_square_limit, exact_step_joint
 
 from conftest import noisy_copy, tiny_llama, tiny_qwen2
 
@@ -112,7 +112,8 @@ def batched(target, jobs: list[Job], drafter, *, policy=None, new_cache=KVCache)
                     eos_token_ids=job.eos,
                     stats=stats,
                 )
-                outcomes[i], index[row] = Outcome([], stats, row), i
+                # the prefill's first token is the row's first committed block
+                outcomes[i], index[row] = Outcome(list(row.committed), stats, row), i
         if not batch.running() and all(job.join <= step for job in jobs):
             break
         for row in batch.step():
@@ -224,8 +225,9 @@ def test_plain_batched_decoding_without_a_drafter(llama):
     _, new_cache = _store(target)
     got = assert_rows_decode_alone(target, RAGGED, None, new_cache=new_cache)
     for outcome, job in zip(got, RAGGED, strict=True):
-        assert outcome.stats.steps == job.max_new  # one token per step
-        assert outcome.stats.drafted == 0 and outcome.stats.k_hist == {0: job.max_new}
+        # the prefill's first token, then one token per step
+        assert outcome.stats.steps == job.max_new - 1
+        assert outcome.stats.drafted == 0 and outcome.stats.k_hist == {0: job.max_new - 1}
 
 
 def test_rows_without_a_drafter_mix_with_drafting_rows(llama):
@@ -235,7 +237,7 @@ def test_rows_without_a_drafter_mix_with_drafting_rows(llama):
     batch = Batch(target, policy=FixedK(3), new_cache=new_cache)
     plain = batch.add(RAGGED[0].prompt, 10)
     spec = batch.add(RAGGED[1].prompt, 10, drafter=ModelDrafter(draft))
-    out: dict[Row, list[int]] = {plain: [], spec: []}
+    out: dict[Row, list[int]] = {row: list(row.committed) for row in (plain, spec)}
     while batch.running():
         for row in batch.step():
             out[row].extend(row.committed)
@@ -314,23 +316,14 @@ def test_sampled_rows_mixed_with_greedy_rows_decode_as_alone_with_their_seeds(ll
     assert other.tokens != got[0].tokens
 
 
-def _exact_joint(target, prompt: list[int], params: SamplingParams) -> torch.Tensor:
-    """The target's exact distribution of its first two sampled tokens after `prompt`: [V * V]."""
-    with torch.no_grad():
-        first = logits_to_probs(target(torch.tensor([prompt])).logits[0, -1], params)  # [V]
-        seqs = torch.tensor([[*prompt, t] for t in range(VOCAB)])
-        second = logits_to_probs(target(seqs).logits[:, -1], params)  # [V, V]
-    return (first[:, None] * second).flatten()
-
-
 def test_sampled_rows_of_a_mixed_batch_follow_the_targets_distribution():
-    """The first two tokens of many sampled rows (one seed each, half of them joining a running
-    batch, next to greedy rows of other lengths) against the target's exact joint distribution.
-    A one-token prompt: no prefill, so many rows are cheap."""
+    """The first step's two tokens of many sampled rows (one seed each, half of them joining a
+    running batch, next to greedy rows of other lengths) against the target's exact joint
+    distribution. A one-token prompt: a one-token prefill, so many rows are cheap."""
     params, prompt = SamplingParams(temperature=1.0), [2]
     target = tiny_llama(seed=3, vocab=VOCAB)
     draft = tiny_llama(seed=4, vocab=VOCAB)  # an unrelated draft: many rejections
-    exact = _exact_joint(target, prompt, params)
+    exact = exact_step_joint(target, params, prompt)
     rows_per_batch, batches = 300, 8
     counts = torch.zeros(VOCAB * VOCAB)
     drafted = 0
@@ -344,20 +337,21 @@ def test_sampled_rows_of_a_mixed_batch_follow_the_targets_distribution():
                 batch.step()
                 batch.add([1, 3], 6, drafter=ModelDrafter(draft))  # greedy
             gen = make_generator(torch.device("cpu"), b * rows_per_batch + r)
-            row = batch.add(prompt, 3, drafter=ModelDrafter(draft), params=params, generator=gen)
+            row = batch.add(prompt, 4, drafter=ModelDrafter(draft), params=params, generator=gen)
             sampled.append(row)
         while batch.running():
             batch.step()
         for row in sampled:
-            first, second = row.state.tokens[len(prompt) : len(prompt) + 2]
-            counts[first * VOCAB + second] += 1
+            # the first step's two tokens, after the prefill's
+            second, third = row.state.tokens[len(prompt) + 1 : len(prompt) + 3]
+            counts[second * VOCAB + third] += 1
             drafted += row.stats.drafted
     n = rows_per_batch * batches
     assert drafted >= 2 * n  # two drafts in every sampled row's first step
     limit = chi_square_limit(int((exact > 0).sum()))
     assert chi_square(counts, exact) < limit
     # power: the draft's own distribution is far from the target's
-    assert chi_square(_exact_joint(draft, prompt, params) * n, exact) > 5 * limit
+    assert chi_square(exact_step_joint(draft, params, prompt) * n, exact) > 5 * limit
 
 
 # -- token trees per row ------------------------------------------------------------------------
@@ -370,7 +364,7 @@ def test_tree_rows_decode_as_alone(llama, spec):
     drafter = TreeModelDrafter(draft, parse_tree_spec(spec))
     jobs = [
         *RAGGED,
-        Job([2, 3, 4], 2, join=1),  # room for a tree of depth 1 only
+        Job([2, 3, 4], 3, join=1),  # after the prefill's token, room for a tree of depth 1 only
     ]
     got = assert_rows_decode_alone(target, jobs, drafter, new_cache=new_cache)
     assert all(o.stats.nodes_verified > 0 for o in got)
@@ -383,7 +377,7 @@ def test_tree_rows_mixed_with_rows_without_room_to_draft(llama):
     drafter = TreeModelDrafter(draft, parse_tree_spec("static:3,2"))
     jobs = [
         Job([1, 2, 3, 4, 5], 16),
-        Job([7, 8], 1),  # one token: a plain step, nothing drafted
+        Job([7, 8], 1),  # one token: the prefill's, no step, nothing drafted
         Job([9, 10, 11], 1, join=1),
         Job([3], 12, params=SamplingParams(1.0), seed=5),  # a sampled tree
         Job([6, 6, 6, 6], 2, join=2),
@@ -391,7 +385,8 @@ def test_tree_rows_mixed_with_rows_without_room_to_draft(llama):
     got = assert_rows_decode_alone(target, jobs, drafter, new_cache=new_cache)
     for short in (got[1], got[2]):
         assert len(short.tokens) == 1 and short.stats.drafted == 0
-        assert short.stats.nodes_verified == 0 and short.stats.k_hist == {0: 1}
+        assert short.stats.nodes_verified == 0 and short.stats.steps == 0
+        assert short.stats.k_hist == {}
 
 
 # -- Stats per row and what the policy is told --------------------------------------------------
@@ -491,5 +486,6 @@ def test_a_batch_with_costk_stays_exact_when_it_stops_drafting(llama):
     for job, outcome in zip(RAGGED, got, strict=True):
         assert outcome.tokens == alone(target, job, None).tokens
     assert got[1].stats.k_hist == {1: 2, 0: 3}  # 2 rows for two steps (k = 1), then 4 rows
-    assert got[3].stats.k_hist == {0: 12}  # it never ran next to fewer than 2 other rows
+    # it never ran next to fewer than 2 other rows (its 12 tokens: the prefill's, 11 steps)
+    assert got[3].stats.k_hist == {0: 11}
     assert got[0].stats.k_hist[1] > 2  # it drafts again once it is alone

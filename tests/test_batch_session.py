@@ -85,3 +85,50 @@ def test_a_session_adds_steps_and_cancels(models):
         assert generation.token_ids == alone.token_ids
         assert generation.finish_reason in ("length", "stop")
     assert session.store_bytes > 0 and session.free_rows == 2
+
+
+def test_the_first_token_comes_from_the_prefill(models):
+    target, draft = models
+    engine = SpeculativeDecoder(target, draft, k=3)
+    alone = engine.generate(PROMPTS[1], 10)
+    session = engine.batch_session(max_rows=2, max_len=64)
+    request = GenerationRequest(10, SamplingParams())
+    generation = session.add(PROMPTS[1], request, begin_draft=False)
+    # before any step: the first token, its text, its time; the draft not yet prefilled
+    assert generation.new_ids == alone.token_ids[:1] == generation.token_ids
+    assert generation.new_text and alone.text.startswith(generation.new_text)
+    assert generation.stats.steps == 0 and generation.stats.ttft_s > 0
+    assert not generation.row.drafting and "draft_prefill" not in session.batch.meter.calls
+    session.begin_draft(generation)
+    assert generation.row.drafting and session.batch.meter.calls["draft_prefill"] == 1
+    while session.generations:
+        session.step()
+    assert generation.token_ids == alone.token_ids
+    assert generation.stats.steps == alone.stats.steps and generation.stats.steps > 0
+    # one token asked for: the prefill gives it, no step, the row is free at once
+    one = session.add(PROMPTS[0], GenerationRequest(1, SamplingParams()))
+    assert one.finished and one.finish_reason == "length" and one.stats.steps == 0
+    assert one.token_ids == engine.generate(PROMPTS[0], 1).token_ids
+    assert session.free_rows == 2 and not session.generations
+
+
+def test_a_failing_draft_prefill_ends_its_generation_only(models):
+    target, draft = models
+    engine = SpeculativeDecoder(target, draft, k=3)
+    session = engine.batch_session(max_rows=2, max_len=64)
+    request = GenerationRequest(10, SamplingParams())
+    good = session.add(PROMPTS[0], request, begin_draft=False)
+    bad = session.add(PROMPTS[1], request, begin_draft=False)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("draft prefill failed")
+
+    bad.row.drafter.begin = broken  # this row's drafter only (each row has its own fork)
+    session.begin_draft(good)
+    with pytest.raises(RuntimeError, match="draft prefill failed"):
+        session.begin_draft(bad)
+    assert bad.finished and bad.finish_reason == "error" and bad.row.drafter is None
+    assert session.free_rows == 1  # its store row is back
+    while session.generations:
+        session.step()
+    assert good.token_ids == engine.generate(PROMPTS[0], 10).token_ids

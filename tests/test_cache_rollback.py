@@ -36,9 +36,10 @@ def test_caches_match_a_fresh_prefill_after_every_step(arch, temperature):
     generator = make_generator(torch.device("cpu"), 0)
     stats = Stats()
     prompt = [3, 1, 4, 1, 5]
-    state = prefill(target, prompt, stats)
+    state, first = prefill(target, prompt, params, generator, stats)
+    assert state.tokens == [*prompt, *first.committed] and len(state.target_cache) == len(prompt)
     drafter = ModelDrafter(draft_model, vocab_size=96)
-    drafter.begin(prompt, params, generator, stats.meter)
+    drafter.begin(state.tokens, params, generator, stats.meter)
     accepted_counts = set()
     for step in range(12):
         k = 1 + step % 6
@@ -70,9 +71,9 @@ def test_full_acceptance_catches_the_drafter_up_without_recomputing(llama_pair):
     params = SamplingParams()
     stats = Stats()
     prompt = [2, 7, 1, 8]
-    state = prefill(target, prompt, stats)
+    state, _ = prefill(target, prompt, params, None, stats)
     drafter = ModelDrafter(target, vocab_size=96)  # identical draft: everything is accepted
-    drafter.begin(prompt, params, None, stats.meter)
+    drafter.begin(state.tokens, params, None, stats.meter)
     for _ in range(5):
         before = dict(stats.meter.tokens)
         speculative_step(state, drafter, 4, params, None, stats)
@@ -129,8 +130,8 @@ def test_the_draft_prefill_builds_no_autograd_graph(forward, monkeypatch):
     draft_model = noisy_copy(target, 0.05)
     assert any(p.requires_grad for p in draft_model.parameters())
     drafter = ModelDrafter(draft_model, vocab_size=96)
-    for _ in decode(target, [3, 1, 4, 1, 5, 9, 2, 6], 1, drafter=drafter, k=2):
-        break  # right after the prefill and the first step
+    blocks = decode(target, [3, 1, 4, 1, 5, 9, 2, 6], 4, drafter=drafter, k=2)
+    next(blocks), next(blocks)  # the prefill's first token, then the first step
     if forward == "hf":
         layer = drafter.cache.hf.layers[0]
         assert layer.keys.is_inference() and not layer.keys.requires_grad

@@ -176,8 +176,8 @@ def test_the_measurement_gives_a_well_formed_record(tiny_pair):
     assert chain.new_tokens == 24 and 1 <= chain.steps <= 24
     assert len(chain.per_position_acceptance) == chain.k
     assert [t.shape for t in c.trees] == list(trees)
-    for tree in c.trees:  # replayed on the chain run's answers: the same tokens
-        assert tree.emitted == chain.new_tokens
+    for tree in c.trees:  # replayed on the chain run's answers: the same tokens but each
+        assert tree.emitted == chain.new_tokens - len(PROMPTS)  # answer's first (the prefill's)
         assert sum(tree.verify_rows.values()) == tree.steps
     assert 1 <= c.best_chain().k <= chain.k and c.best_tree().tree in trees
     assert Calibration.from_dict(json.loads(json.dumps(c.to_dict()))) == c

@@ -48,8 +48,9 @@ def test_identical_draft_accepts_everything(arch, k):
     assert result.token_ids == expected
     assert result.stats.acceptance_rate == 1.0
     assert all(rate == 1.0 for rate in result.stats.per_position_acceptance)
-    # every step but the last (clamped to max_new_tokens) emits k + 1 tokens
-    assert result.stats.steps == -(-30 // (k + 1))
+    # after the prefill's first token, every step but the last (clamped to max_new_tokens)
+    # emits k + 1 tokens
+    assert result.stats.steps == -(-29 // (k + 1))
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -70,4 +71,5 @@ def test_stream_yields_the_same_tokens_step_by_step(llama_pair):
     chunks = list(engine.stream([1, 2, 3], max_new_tokens=33))
     assert [t for c in chunks for t in c] == engine.generate([1, 2, 3], 33).token_ids
     assert all(1 <= len(c) <= 5 for c in chunks)
-    assert len(chunks) == engine.last_stats.steps
+    assert len(chunks) == 1 + engine.last_stats.steps  # the prefill's first token, then steps
+    assert len(chunks[0]) == 1

@@ -80,13 +80,17 @@ def test_ngram_sampling_keeps_the_target_distribution():
 
     vocab = 6
     target = ARCHS["llama"](seed=3, vocab=vocab)
-    prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # the lookup always proposes a draft here
-    with torch.no_grad():
-        exact = target(torch.tensor([prompt])).logits[0, -1].softmax(-1)  # temperature 1
+    # every id occurs with a successor: after any first token the lookup proposes a draft
+    prompt = [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 0, 1]
+    with torch.no_grad():  # temperature 1: the joint of the 1st token and the 2nd (drafted)
+        first = target(torch.tensor([prompt])).logits[0, -1].softmax(-1)  # [V]
+        after = torch.tensor([[*prompt, a] for a in range(vocab)])
+        second = target(after).logits[:, -1].softmax(-1)  # [V, V]
+    exact = (first[:, None] * second).flatten()
     engine = SpeculativeDecoder(wrap_model(target), NgramDrafter(1, 3), k=3)
-    counts = torch.zeros(vocab)
+    counts = torch.zeros(vocab * vocab)
     for seed in range(3000):
-        result = engine.generate(prompt, max_new_tokens=1 + 1, temperature=1.0, seed=seed)
-        counts[result.token_ids[0]] += 1
-        assert result.stats.drafted == 1  # k clamped to max_new_tokens - 1
-    assert chi_square(counts, exact) < chi_square_limit(vocab)
+        result = engine.generate(prompt, max_new_tokens=3, temperature=1.0, seed=seed)
+        counts[result.token_ids[0] * vocab + result.token_ids[1]] += 1
+        assert result.stats.drafted == 1  # k clamped to what is left after the prefill's token
+    assert chi_square(counts, exact) < chi_square_limit(vocab * vocab)

@@ -20,7 +20,7 @@ from specdecode.policies import (
 )
 from specdecode.sampling import SamplingParams
 from specdecode.types import ForwardMeter
-from test_sampling_lossless import PROMPT, VOCAB, _exact_joint, chi_square, chi_square_limit
+from test_sampling_lossless import PROMPT, VOCAB, chi_square, chi_square_limit, exact_step_joint
 
 from conftest import noisy_copy, tiny_llama
 
@@ -71,12 +71,13 @@ def test_greedy_output_is_the_targets_for_every_policy(policy, confidence):
 
 
 def test_sampling_stays_lossless_with_a_policy_and_confidence():
-    """The joint law of the first two tokens is the target's (as in test_sampling_lossless) when
+    """The joint law of the first step's two tokens is the target's (as in
+    test_sampling_lossless) when
     k follows the heuristic schedule and confidence cuts drafts short."""
     params = SamplingParams(temperature=1.0)
     target = tiny_llama(seed=3, vocab=VOCAB, layers=1)
     draft = tiny_llama(seed=4, vocab=VOCAB, layers=1)  # an unrelated draft
-    exact = _exact_joint(target, params).flatten()  # [V*V]
+    exact = exact_step_joint(target, params)  # [V*V]
     engine = SpeculativeDecoder(
         target, draft, k=2, k_policy="heuristic", confidence=0.35, time_forwards=False
     )
@@ -85,9 +86,9 @@ def test_sampling_stays_lossless_with_a_policy_and_confidence():
     ks: dict[int, int] = {}
     drafted = asked = 0
     for seed in range(n):
-        result = engine.generate(PROMPT, max_new_tokens=3, temperature=1.0, seed=seed)
-        first, second = result.token_ids[:2]
-        counts[first * VOCAB + second] += 1
+        result = engine.generate(PROMPT, max_new_tokens=4, temperature=1.0, seed=seed)
+        second, third = result.token_ids[1:3]  # after the prefill's first token
+        counts[second * VOCAB + third] += 1
         for k, steps in result.stats.k_hist.items():
             ks[k] = ks.get(k, 0) + steps
             asked += k * steps
@@ -97,7 +98,7 @@ def test_sampling_stays_lossless_with_a_policy_and_confidence():
     limit = chi_square_limit(int((exact > 0).sum()))
     assert chi_square(counts, exact) < limit
     # power: the draft's own distribution is far from the target's at this n
-    draft_joint = _exact_joint(draft, params).flatten()
+    draft_joint = exact_step_joint(draft, params)
     assert chi_square(draft_joint * n, exact) > 5 * limit
 
 
@@ -279,13 +280,14 @@ def test_confidence_through_the_engine():
 
 def test_stats_name_the_policy_and_count_ks():
     target = tiny_llama(seed=0)
-    stats = SpeculativeDecoder(target, target, k=2, k_policy="heuristic").generate([1], 20).stats
+    stats = SpeculativeDecoder(target, target, k=2, k_policy="heuristic").generate([1], 21).stats
     out = stats.to_dict()
     assert out["k_policy"] == "heuristic" and out["k_max"] == 4
-    # identical draft: 2, then +2 up to the cap (k_max = 4), then 1 to stop at exactly 20 tokens
+    # identical draft: the prefill's token (no step), then k = 2, then +2 up to the cap
+    # (k_max = 4), then 1 to stop at exactly 21 tokens
     assert out["k_hist"] == {1: 1, 2: 1, 4: 3}
     ar = SpeculativeDecoder(target).generate([1], 5).stats.to_dict()
-    assert ar["k_policy"] == "" and ar["k_hist"] == {0: 5}
+    assert ar["k_policy"] == "" and ar["k_hist"] == {0: 4}  # the 1st token is the prefill's
 
 
 def test_the_cost_prior_asks_the_drafter_not_its_type():

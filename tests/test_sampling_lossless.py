@@ -128,13 +128,18 @@ VOCAB = 6
 PROMPT = [1, 2, 3]
 
 
-def _exact_joint(target, params: SamplingParams) -> torch.Tensor:
-    """The target's exact distribution of its first two sampled tokens: [V, V]."""
+def exact_step_joint(model, params: SamplingParams, prompt: list[int] = PROMPT) -> torch.Tensor:
+    """The model's exact distribution of its 2nd and 3rd sampled tokens after `prompt`
+    ([V * V], index second * V + third): what the first step after the prefill decides (the
+    prefill samples the 1st token alone; it is summed out here)."""
+    vocab = model.config.vocab_size
     with torch.no_grad():
-        first = logits_to_probs(target(torch.tensor([PROMPT])).logits[0, -1], params)  # [V]
-        seqs = torch.tensor([[*PROMPT, t] for t in range(VOCAB)])
-        second = logits_to_probs(target(seqs).logits[:, -1], params)  # [V, V]
-    return first[:, None] * second
+        first = logits_to_probs(model(torch.tensor([prompt])).logits[0, -1], params)  # [V]
+        ones = torch.tensor([[*prompt, a] for a in range(vocab)])
+        second = logits_to_probs(model(ones).logits[:, -1], params)  # [V(a), V(b)]
+        pairs = torch.tensor([[*prompt, a, b] for a in range(vocab) for b in range(vocab)])
+        third = logits_to_probs(model(pairs).logits[:, -1], params).view(vocab, vocab, vocab)
+    return (first[:, None, None] * second[:, :, None] * third).sum(0).flatten()
 
 
 @pytest.mark.parametrize(
@@ -149,7 +154,7 @@ def _exact_joint(target, params: SamplingParams) -> torch.Tensor:
 def test_speculative_sampling_matches_target_distribution(params):
     target = tiny_llama(seed=3, vocab=VOCAB)
     draft = noisy_copy(tiny_llama(seed=4, vocab=VOCAB), 0.0)  # an unrelated draft
-    exact = _exact_joint(target, params).flatten()
+    exact = exact_step_joint(target, params)
     engine = SpeculativeDecoder(target, draft, k=4)
     n = 3000
     counts = torch.zeros(VOCAB * VOCAB)
@@ -157,20 +162,20 @@ def test_speculative_sampling_matches_target_distribution(params):
     for seed in range(n):
         result = engine.generate(
             PROMPT,
-            max_new_tokens=3,
+            max_new_tokens=4,
             temperature=params.temperature,
             top_k=params.top_k,
             top_p=params.top_p,
             seed=seed,
         )
-        first, second = result.token_ids[:2]
-        counts[first * VOCAB + second] += 1
+        second, third = result.token_ids[1:3]  # the first step's (the 1st is the prefill's)
+        counts[second * VOCAB + third] += 1
         drafted += result.stats.drafted
-    assert drafted >= 2 * n  # two drafts in the first step (k clamped by max_new_tokens = 3)
+    assert drafted >= 2 * n  # two drafts in the first step (k clamped by max_new_tokens = 4)
     limit = chi_square_limit(int((exact > 0).sum()))
     assert chi_square(counts, exact) < limit
     # power: n draws from the draft's own distribution would fail by far
-    draft_joint = _exact_joint(draft, params).flatten()
+    draft_joint = exact_step_joint(draft, params)
     on_support = exact > 0
     assert draft_joint[~on_support].sum() > 0.05 or (
         chi_square(draft_joint[on_support] * n, exact[on_support] / exact.sum()) > 5 * limit

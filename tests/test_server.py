@@ -363,6 +363,45 @@ def test_load_with_a_bounded_queue(models, reference):
     assert values["vllm:num_requests_waiting"] == 0
 
 
+def test_a_failing_draft_prefill_fails_its_request_only(models, reference):
+    """The draft's prefill runs after the first token went out: should it fail, that request
+    ends with a 500 (its stream with OpenAI's error event), the rows beside it go on."""
+    engine = make_engine(models)
+    base_class = type(engine.drafter)
+
+    class LongPromptsFail(base_class):
+        def begin(self, prompt_ids, *args, **kwargs):
+            if len(prompt_ids) > 30:
+                raise RuntimeError("the draft's prefill failed")
+            return super().begin(prompt_ids, *args, **kwargs)
+
+    engine.drafter.__class__ = LongPromptsFail  # every row's fork of it too
+    long_prompt = "the cat sat on the mat, the dog sat too."  # 40 tokens; no EOS first
+    args = {"model": MODEL, "max_tokens": 12, "temperature": 0}
+    expected = reference.generate("the cat", max_new_tokens=12, temperature=0.0).text
+    with serving(engine) as base, httpx.Client(timeout=60) as http:
+
+        def post(prompt: str) -> httpx.Response:
+            return http.post(base + C, json={**args, "prompt": prompt})
+
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(post, [long_prompt, "the cat", long_prompt, "the cat"]))
+        for failed in answers[::2]:
+            assert failed.status_code == 500
+            assert failed.json()["error"]["type"] == "server_error"
+        assert all(ok.json()["choices"][0]["text"] == expected for ok in answers[1::2])
+        with http.stream(
+            "POST", base + C, json={**args, "prompt": long_prompt, "stream": True}
+        ) as r:
+            assert r.status_code == 200  # the first token was out before the draft's prefill
+            events = sse_events(r)
+        assert events[-1]["error"]["type"] == "server_error"
+        values = metric_values(http.get(base + "/metrics").text)
+    errors = 'specdecode_generations_total{endpoint="/v1/completions",outcome="error"}'
+    assert values[errors] == 3
+    assert values["vllm:num_requests_running"] == 0
+
+
 # -- disconnects and timeouts -----------------------------------------------------------------
 
 

@@ -310,12 +310,13 @@ def test_leaf_floor_keeps_the_greedy_tree_below_it_unchanged():
 
 def test_identical_draft_takes_the_full_depth_every_step():
     target = tiny_llama(seed=1)
-    expected = SpeculativeDecoder(target).generate([3, 4, 5], max_new_tokens=30).token_ids
+    expected = SpeculativeDecoder(target).generate([3, 4, 5], max_new_tokens=31).token_ids
     result = SpeculativeDecoder(target, target, tree="static:3,2,2,1,1").generate(
-        [3, 4, 5], max_new_tokens=30
+        [3, 4, 5], max_new_tokens=31
     )
     assert result.token_ids == expected
-    assert result.stats.steps == 5  # 6 tokens per step: depth 5 + the bonus token
+    # the prefill's first token, then 6 tokens per step: depth 5 + the bonus token
+    assert result.stats.steps == 5 and result.stats.emitted == 30
     assert result.stats.nodes_verified == 5 * (3 + 6 + 12 + 12 + 12)
     assert result.stats.target_forwards == 5
     assert result.stats.draft_forwards == 5 * 5  # one batched forward per depth
@@ -356,9 +357,9 @@ def test_caches_match_a_fresh_prefill_after_every_tree_step(spec, temperature):
     generator = torch.Generator().manual_seed(0)
     stats = Stats()
     prompt = [3, 1, 4, 1, 5]
-    state = prefill(target, prompt, stats)
+    state, _ = prefill(target, prompt, params, generator, stats)
     drafter = TreeModelDrafter(draft_model, parse_tree_spec(spec), vocab_size=96)
-    drafter.begin(prompt, params, generator, stats.meter)
+    drafter.begin(state.tokens, params, generator, stats.meter)
     accepted = set()
     for _ in range(8):
         step = tree_step(state, drafter, params, generator, stats)
@@ -389,8 +390,8 @@ def test_a_tree_step_reports_its_depth_and_its_nodes():
 
     drafter.propose_tree = noted
     params, stats, prompt = SamplingParams(), Stats(), [3, 1, 4, 1, 5]
-    state = prefill(target, prompt, stats)
-    drafter.begin(prompt, params, None, stats.meter)
+    state, _ = prefill(target, prompt, params, None, stats)
+    drafter.begin(state.tokens, params, None, stats.meter)
     steps = [tree_step(state, drafter, params, None, stats) for _ in range(3)]
     for step, tree in zip(steps, proposed, strict=True):
         assert step.depth == tree.max_depth == 3  # positions offered along one path

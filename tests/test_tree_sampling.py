@@ -16,7 +16,7 @@ from specdecode.sampling import SamplingParams
 from specdecode.tree import TokenTree
 from specdecode.types import ForwardMeter
 from specdecode.verify_tree import multi_candidate_step, verify_tree_sampling
-from test_sampling_lossless import _exact_joint, chi_square, chi_square_limit
+from test_sampling_lossless import chi_square, chi_square_limit, exact_step_joint
 
 from conftest import noisy_copy, tiny_llama
 
@@ -189,26 +189,26 @@ def test_a_leaf_floor_under_sampling_says_it_applies_to_greedy_trees_only():
 def test_tree_sampling_matches_target_distribution(spec, params, n):
     target = tiny_llama(seed=3, vocab=6)
     draft = noisy_copy(tiny_llama(seed=4, vocab=6), 0.0)  # an unrelated draft
-    exact = _exact_joint(target, params).flatten()  # [36]
+    exact = exact_step_joint(target, params)  # [36]: the first step's two tokens
     engine = SpeculativeDecoder(target, draft, tree=spec, time_forwards=False)
     counts = torch.zeros(36)
     depth = 0
     for seed in range(n):
         result = engine.generate(
             [1, 2, 3],
-            max_new_tokens=3,
+            max_new_tokens=4,
             temperature=params.temperature,
             top_k=params.top_k,
             seed=seed,
         )
-        first, second = result.token_ids[:2]
-        counts[first * 6 + second] += 1
+        second, third = result.token_ids[1:3]  # after the prefill's first token
+        counts[second * 6 + third] += 1
         depth += result.stats.accepted
     assert depth > n // 4  # the trees really supply tokens, not only recovered ones
     limit = chi_square_limit(int((exact > 0).sum()))
     assert chi_square(counts, exact) < limit
     # power: n draws from the draft's own joint would fail by far
-    draft_joint = _exact_joint(draft, params).flatten()
+    draft_joint = exact_step_joint(draft, params)
     on_support = exact > 0
     assert draft_joint[~on_support].sum() > 0.05 or (
         chi_square(draft_joint[on_support] * n, exact[on_support] / exact.sum()) > 5 * limit

@@ -42,8 +42,9 @@ from specdecode.types import Draft, ForwardMeter, Stats, StepResult
 
 @dataclass(eq=False)
 class Row:
-    """One sequence of a batch. `committed` holds what the last step added (after stops) for
-    the caller to read; `done` is set once it hit `max_new_tokens` or an EOS."""
+    """One sequence of a batch. `committed` holds what the last step (or, after `add`, the
+    prefill) added, after stops, for the caller to read; `done` is set once it hit
+    `max_new_tokens` or an EOS. `drafting`: its drafter has begun (prefilled its draft)."""
 
     state: DecodeState
     drafter: Drafter | TreeDrafter | None
@@ -55,6 +56,7 @@ class Row:
     produced: int = 0
     done: bool = False
     committed: list[int] = field(default_factory=list)
+    drafting: bool = False
 
     @property
     def allowed(self) -> int:
@@ -66,6 +68,13 @@ def fork_drafter(drafter: Drafter | TreeDrafter | None) -> Drafter | TreeDrafter
     """A drafter for one more row: the same model and settings, its own per-sequence state
     (`begin` gives it a fresh cache)."""
     return copy.copy(drafter) if drafter is not None else None
+
+
+def close_cache(cache: Cache) -> None:
+    """Give a cache's memory back: a store row returns to its store (others have no close)."""
+    close = getattr(cache, "close", None)
+    if close is not None:
+        close()
 
 
 def propose_chains(
@@ -118,13 +127,17 @@ class Batch:
         eos_token_ids: Collection[int] = (),
         stats: Stats | None = None,
         prefilled: Cache | None = None,
+        begin_draft: bool = True,
     ) -> Row:
-        """Prefill a new row (target and drafter) and add it; it takes part from the next step.
+        """Prefill a new row and add it: its first token is in `row.committed` already (from
+        the prefill's logits, step.prefill); it takes part from the next step.
 
         `drafter` is the row's own (`fork_drafter` of a shared one); every row of a batch drafts
-        with the same kind of drafter, or none. `prefilled`: the row's target cache, holding a
-        prefix of the prompt already (step.prefill); else `new_cache` makes one. Should the
-        prefill fail, the cache is closed (a store row goes back to its store).
+        with the same kind of drafter, or none. `begin_draft=False` leaves the drafter's prefill
+        for `begin_draft(row)` (a server sends the first token first), else the next `step`.
+        `prefilled`: the row's target cache, holding a prefix of the prompt already
+        (step.prefill); else `new_cache` makes one. Should the prefill fail, the cache is
+        closed (a store row goes back to its store).
         """
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an integer >= 0 (got {max_new_tokens!r})")
@@ -135,32 +148,44 @@ class Batch:
         stats.prompt_tokens = len(prompt_ids)
         cache = prefilled if prefilled is not None else self.new_cache(self.target)
         try:
-            state = prefill(self.target, prompt_ids, stats, cache)
-            if drafter is not None:
-                with torch.inference_mode():  # the draft's prefill: no autograd graph
-                    drafter.begin(prompt_ids, params, generator, self.meter)
+            state, first = prefill(self.target, prompt_ids, params, generator, stats, cache)
+            row = Row(state, drafter, params, generator, max_new_tokens, eos_token_ids, stats)
+            if max_new_tokens == 0:
+                stats.stop_reason, row.done = "length", True
+            else:
+                self._commit(row, first, None)
+            if begin_draft and not row.done:
+                self.begin_draft(row)
         except BaseException:  # a store row is given back, not lost with the failed row
-            close = getattr(cache, "close", None)
-            if close is not None:
-                close()
+            close_cache(cache)
             raise
-        if drafter is not None and not self._policy_started:
-            self.policy.begin()
-            self._policy_started = True
-        row = Row(state, drafter, params, generator, max_new_tokens, eos_token_ids, stats)
-        if max_new_tokens == 0:
-            stats.stop_reason, row.done = "length", True
         self.rows.append(row)
         return row
 
+    def begin_draft(self, row: Row) -> None:
+        """The row's drafter begins its sequence (a model draft prefills its cache over the
+        committed tokens); once per row, before its first step. Should it fail, the row keeps
+        no drafter (a half-filled draft cache is never handed on) and the error is raised: the
+        caller removes the row."""
+        if row.drafter is None or row.drafting:
+            return
+        try:
+            with torch.inference_mode():  # the draft's prefill: no autograd graph
+                row.drafter.begin(row.state.tokens, row.params, row.generator, self.meter)
+        except BaseException:
+            row.drafter = None
+            raise
+        row.drafting = True
+        if not self._policy_started:
+            self.policy.begin()
+            self._policy_started = True
+
     def remove(self, row: Row) -> None:
         """Take a row out (finished, cancelled or failed); its store row, if any, is freed,
-        and its drafter ends its sequence (`end`, where it has one)."""
+        and its drafter, if it began, ends its sequence (`end`, where it has one)."""
         self.rows.remove(row)
-        close = getattr(row.state.target_cache, "close", None)
-        if close is not None:
-            close()
-        end = getattr(row.drafter, "end", None)
+        close_cache(row.state.target_cache)
+        end = getattr(row.drafter, "end", None) if row.drafting else None
         if end is not None:
             end()
 
@@ -173,6 +198,8 @@ class Batch:
         rows = self.running()
         if not rows:
             return []
+        for row in rows:
+            self.begin_draft(row)
         spent = forward_seconds(self.meter)
         k = self._next_k(rows)
         verifications = self._verifications(rows, k)
@@ -243,17 +270,19 @@ class Batch:
                 self.policy.observe(result.depth, result.accepted, *times)
 
     @staticmethod
-    def _commit(row: Row, result: StepResult, k: int) -> None:
+    def _commit(row: Row, result: StepResult, k: int | None) -> None:
         """Exact stops (docs/architecture.md, Invariants 3): the first EOS ends the row's
-        output (the EOS is its last token); never more than max_new_tokens."""
+        output (the EOS is its last token); never more than max_new_tokens. `k`: what the step
+        asked for; None for the prefill's first token, which is no step."""
         stats = row.stats
-        stats.k_hist[k] = stats.k_hist.get(k, 0) + 1
         committed, n_accepted = result.committed, result.accepted
         eos_at = next((i for i, t in enumerate(committed) if t in row.eos_token_ids), None)
         if eos_at is not None:
             committed = committed[: eos_at + 1]
             n_accepted = min(n_accepted, eos_at + 1)  # an accepted EOS counts
-        stats.record_step(result.depth, n_accepted, len(committed))
+        if k is not None:
+            stats.k_hist[k] = stats.k_hist.get(k, 0) + 1
+            stats.record_step(result.depth, n_accepted, len(committed))
         row.produced += len(committed)
         stats.new_tokens = row.produced
         row.committed = committed

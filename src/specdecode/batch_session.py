@@ -74,8 +74,11 @@ def feed_text(text: TextStream, committed: list[int], stats: Stats) -> list[int]
     cut back to them (stop_reason "stop")."""
     kept = text.feed(committed)
     if text.stopped:  # a stop string ended the output inside this block
-        stats.emitted -= len(committed) - len(kept)
-        stats.new_tokens -= len(committed) - len(kept)
+        cut = len(committed) - len(kept)
+        # a step's tokens are in `emitted`; the prefill's first token (the block before any
+        # step, emitted still 0) is not
+        stats.emitted -= min(cut, stats.emitted)
+        stats.new_tokens -= cut
         stats.stop_reason = "stop"
     return kept
 
@@ -130,10 +133,12 @@ class BatchSession:
     def __len__(self) -> int:
         return len(self.generations)
 
-    def add(self, prompt: Any, request: GenerationRequest) -> Generation:
+    def add(self, prompt: Any, request: GenerationRequest, begin_draft: bool = True) -> Generation:
         """Validate `request` for `prompt` (ValueError on bad input, before anything runs),
-        then prefill it into a free row (StoreFull when none is free); it takes part from the
-        next `step()`."""
+        then prefill it into a free row (StoreFull when none is free): its first token is in
+        `new_ids` / `new_text` already (it may be finished then: one token asked for, an EOS);
+        it takes part from the next `step()`. `begin_draft=False` leaves the draft's prefill
+        for `begin_draft(generation)` (send the first token first), else the next step."""
         decoder = self.decoder
         prompt_ids = decoder.encode_prompt(prompt, chat=request.chat)
         decoder._check_length(len(prompt_ids), request.max_new_tokens)
@@ -167,11 +172,24 @@ class BatchSession:
             # a free row holding a prefix of this prompt (a system prompt, the same prompt
             # again) keeps it: only the rest is prefilled, to the same bits (LeanStore)
             prefilled=self.store.open_row(prompt_ids[:-1]),
+            begin_draft=begin_draft,
         )
         text = decoder.text_stream(request) if decoder.tokenizer is not None else None
         generation = Generation(prompt_ids, request, stats, text, row, started)
         self.generations.append(generation)
+        self._take(generation, self.clock())
         return generation
+
+    def begin_draft(self, generation: Generation) -> None:
+        """Prefill the generation's draft now (`Batch.begin_draft`); should that fail, the
+        generation ends ("error") and the error is raised, the other rows untouched."""
+        if generation.finished:
+            return
+        try:
+            self.batch.begin_draft(generation.row)
+        except BaseException:
+            self._finish(generation, "error")
+            raise
 
     def step(self) -> list[Generation]:
         """One batched step of every running generation; returns them with this step's

@@ -37,7 +37,8 @@ def decode(
     prefilled: Cache | None = None,
     new_cache: NewCache = KVCache,
 ) -> Iterator[list[int]]:
-    """Generate up to `max_new_tokens` tokens after `prompt_ids`, yielding each step's tokens.
+    """Generate up to `max_new_tokens` tokens after `prompt_ids`, yielding the prefill's first
+    token, then each step's tokens.
 
     With `drafter=None` this is the autoregressive baseline (one target forward per token).
     Each step drafts `k_policy.next_k(...)` tokens (default: `FixedK(k)`); the policy then
@@ -60,6 +61,8 @@ def decode(
         stats=stats,
         prefilled=prefilled,
     )
+    if row.committed:  # the first token, from the prefill
+        yield row.committed
     while not row.done:
         batch.step()
         yield row.committed

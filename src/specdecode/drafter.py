@@ -25,7 +25,8 @@ class BaseDrafter(Protocol):
         generator: object,
         meter: ForwardMeter,
     ) -> None:
-        """Start a new sequence (reset state; may prefill over prompt_ids[:-1])."""
+        """Start a new sequence whose committed tokens are `prompt_ids` (the prompt and the
+        prefill's first token; reset state; may prefill over prompt_ids[:-1])."""
 
 
 @runtime_checkable

@@ -33,18 +33,26 @@ class DecodeState:
 def prefill(
     target: Any,
     prompt_ids: list[int],
+    params: SamplingParams,
+    generator: torch.Generator | None,
     stats: Stats,
     prefilled: Cache | None = None,
     new_cache: NewCache = KVCache,
-) -> DecodeState:
-    """Fill the target's cache with all prompt tokens but the last (the first step's input).
+) -> tuple[DecodeState, StepResult]:
+    """Fill the target's cache with the prompt and commit the first token from the logits after
+    its last token: settled like a step that drafted nothing (greedy: the argmax; sampled: from
+    the target's distribution with `generator`), so the first token needs no step of its own.
 
-    `prefilled`: a cache that already covers a prefix of prompt_ids[:-1] (a prompt prefilled
-    once and reused, or a store row that kept a prefix: `LeanStore.open_row`); only the rest is
-    computed, and the decode then owns the cache. Else `new_cache(target)` makes the cache
-    (KVCache: the model's own forward; the engine passes lean.target_cache).
-    `stats.cached_tokens` counts the prompt positions that were not computed.
+    Returns the state (the prompt and the first token committed, the cache over the prompt) and
+    what the prefill committed (not a step: `Stats.steps` does not count it). `prefilled`: a
+    cache that already covers a prefix of prompt_ids[:-1] (a prompt prefilled once and reused,
+    or a store row that kept a prefix: `LeanStore.open_row`); only the rest is computed, and the
+    decode then owns the cache. Else `new_cache(target)` makes the cache (KVCache: the model's
+    own forward; the engine passes lean.target_cache). `stats.cached_tokens` counts the prompt
+    positions that were not computed.
     """
+    if not prompt_ids:
+        raise ValueError("the prompt must hold at least one token")
     if prefilled is not None and len(prefilled) > len(prompt_ids) - 1:
         raise ValueError(
             f"a prefilled cache must cover at most the prompt but its last token "
@@ -53,11 +61,13 @@ def prefill(
     cache = prefilled if prefilled is not None else new_cache(target)
     start = len(cache)
     stats.cached_tokens = start
-    if len(prompt_ids) - 1 > start:
-        device = next(target.parameters()).device
-        with stats.meter.forward("prefill", len(prompt_ids) - 1 - start):
-            cache.forward(torch.tensor(prompt_ids[start:-1], device=device), last_only=True)
-    return DecodeState(tokens=list(prompt_ids), target_cache=cache)
+    device = next(target.parameters()).device
+    with stats.meter.forward("prefill", len(prompt_ids) - start):
+        logits = cache.forward(torch.tensor(prompt_ids[start:], device=device), last_only=True)
+    # the cache covers the whole prompt: the state of a step that verified its last token
+    state = DecodeState(tokens=list(prompt_ids), target_cache=cache)
+    first = chain_verification(state, None, None, params, generator).settle(logits)  # [1, V]
+    return state, first
 
 
 @dataclass

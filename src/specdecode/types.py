@@ -79,11 +79,11 @@ class Stats:
     k_max: int = 0  # the most tokens any step may draft (0 = autoregressive); a policy's k_max
     k_policy: str = ""  # the policy choosing each step's k ("fixed", "heuristic", "cost")
     k_hist: dict[int, int] = field(default_factory=dict)  # steps per k asked for
-    steps: int = 0  # target forwards after prefill (verification steps)
+    steps: int = 0  # target forwards after prefill (verification steps; not the first token's)
     drafted: int = 0  # positions offered for acceptance: the steps' depths summed
     accepted: int = 0
     emitted: int = 0  # tokens committed by steps (accepted + recovered/bonus, after stops)
-    new_tokens: int = 0  # tokens returned to the caller
+    new_tokens: int = 0  # tokens returned to the caller: the prefill's first token + emitted
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt positions the target's cache already held (not prefilled)
     drafted_at: list[int] = field(default_factory=list)  # [k] drafts at position i
@@ -92,7 +92,7 @@ class Stats:
     stop_reason: str = ""  # "length", "eos" or "stop"
     # measured by the caller around the core (engine), never inside it
     wall_time_s: float = 0.0  # from the call to the last token
-    ttft_s: float = 0.0  # time to first token (prefill + first step)
+    ttft_s: float = 0.0  # time to first token (the target's prefill, which gives it)
     meter: ForwardMeter = field(default_factory=ForwardMeter, repr=False)
 
     def record_step(self, n_drafted: int, n_accepted: int, n_emitted: int) -> None:

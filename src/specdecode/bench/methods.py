@@ -98,7 +98,7 @@ class RunOutput:
     token_ids: list[int]
     wall_time_s: float
     ttft_s: float  # until the first generated tokens were available
-    first_chunk: int  # tokens available at ttft (a speculative first step may give several)
+    first_chunk: int  # tokens available at ttft (1 where the prefill gives the first token)
     stats: Stats | None = None  # our methods only: the core's counters
     prefill_s: float | None = None  # our methods only: time in the prompt prefill forwards
 

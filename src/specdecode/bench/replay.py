@@ -41,11 +41,12 @@ class RowMeter(ForwardMeter):
 
 def replay(engine, ids: list[int], answer: list[int], k: int) -> list[tuple[int, list[int], int]]:
     """Every step of `engine`'s drafter (a SpeculativeDecoder's) on `answer`, the target's greedy
-    continuation of `ids`: (emitted, the rows of each draft forward, verified rows)."""
+    continuation of `ids`: (emitted, the rows of each draft forward, verified rows). The
+    answer's first token is the prefill's (no step), as in the engine."""
     drafter = engine.drafter
     meter = RowMeter()
-    drafter.begin(ids, SamplingParams(temperature=0.0), None, meter)
-    context, pos, steps = list(ids), 0, []
+    context, pos, steps = [*ids, *answer[:1]], 1, []
+    drafter.begin(context, SamplingParams(temperature=0.0), None, meter)
     while pos < len(answer):
         forwards = len(meter.draft_rows)
         left = len(answer) - pos - 1  # the most drafted tokens this step can still use

@@ -255,38 +255,61 @@ class GenerationWorker:
                     job = self._waiting.popleft()
                     job.started = time.monotonic()
                     joining.append(job)
-            for job in joining:
-                self._join(job)
+            joined = [job for job in joining if self._join(job)]
+            for job in joined:  # the drafts' prefills, once every joining row has its first token
+                self._begin_draft(job)
             if self.session.generations:
                 self._step()
 
-    def _join(self, job: Job) -> None:
-        """Validate `job` and prefill it into the batch; a bad request ends here, alone."""
+    def _join(self, job: Job) -> bool:
+        """Validate `job`, prefill it into the batch and send its first token; a bad request
+        ends here, alone. True when it joined and is still running."""
         if job.cancelled.is_set() or job.expired():
             cancelled = job.cancelled.is_set()
             self._end_unstarted(job, (job.interrupt or "cancelled") if cancelled else "timeout")
-            return
+            return False
         try:
             prompt_ids, max_new = self._plan(job.params)
             request = job.params.request(self.engine, max_new)
-            generation = self.session.add(prompt_ids, request)
+            generation = self.session.add(prompt_ids, request, begin_draft=False)
         except APIError as err:
             job.deliver(Failed(err))
-            return
+            return False
         except StoreFull as err:  # not expected (rows are counted), but never evict a row
             job.deliver(Failed(APIError(429, str(err), type="rate_limit_exceeded")))
-            return
+            return False
         except ValueError as err:
             job.deliver(Failed(APIError(400, str(err))))
-            return
+            return False
         except Exception:  # never let one request kill the worker
             log.exception("prefill failed")
-            self._count(job, "error", None)
-            job.deliver(Failed(APIError(500, "generation failed", type="server_error")))
-            return
+            self._fail(job, None)
+            return False
+        running = Running(generation)
         with self._cond:
-            self._running[job] = Running(generation)
+            self._running[job] = running
         job.deliver(Started(len(prompt_ids)))
+        self._news(job, running)
+        return not generation.finished
+
+    def _begin_draft(self, job: Job) -> None:
+        """The joined row's draft prefill; should it fail, that row alone ends with an error."""
+        running = self._running.get(job)
+        if running is None or running.generation.finished:
+            return
+        try:
+            self.session.begin_draft(running.generation)
+        except Exception:
+            log.exception("draft prefill failed")
+            self._fail(job, running)
+
+    def _fail(self, job: Job, running: Running | None) -> None:
+        """End `job` with a 500 (the server's fault); its row, if any, leaves."""
+        if running is not None and not running.generation.finished:
+            self.session.cancel(running.generation, "error")
+        self._count(job, "error", None)
+        self._leave(job)
+        job.deliver(Failed(APIError(500, "generation failed", type="server_error")))
 
     def _step(self) -> None:
         """One batched step; then every row's news, and the rows that leave."""
@@ -297,25 +320,27 @@ class GenerationWorker:
         except Exception:  # the batch's forward failed: every row in it ends with an error
             log.exception("generation failed")
             for job, running in list(self._running.items()):
-                self.session.cancel(running.generation, "error")
-                self._count(job, "error", None)
-                self._leave(job)
-                job.deliver(Failed(APIError(500, "generation failed", type="server_error")))
+                self._fail(job, running)
             return
         for job, running in list(self._running.items()):
-            generation = running.generation
-            if generation.new_ids and running.ttft is None:
-                running.ttft = time.monotonic() - job.arrival
-            if generation.new_text:
-                job.deliver(Delta(generation.new_text))
-                generation.new_text = ""
-            if not generation.finished:
-                if job.cancelled.is_set():
-                    self.session.cancel(generation, job.interrupt or "cancelled")
-                elif job.expired():
-                    self.session.cancel(generation, "timeout")
-            if generation.finished:
-                self._end(job, running)
+            self._news(job, running)
+
+    def _news(self, job: Job, running: Running) -> None:
+        """What the row's prefill or last step produced goes to its client; then a cancelled
+        or expired row leaves, and a finished one ends."""
+        generation = running.generation
+        if generation.new_ids and running.ttft is None:
+            running.ttft = time.monotonic() - job.arrival
+        if generation.new_text:
+            job.deliver(Delta(generation.new_text))
+            generation.new_text = ""
+        if not generation.finished:
+            if job.cancelled.is_set():
+                self.session.cancel(generation, job.interrupt or "cancelled")
+            elif job.expired():
+                self.session.cancel(generation, "timeout")
+        if generation.finished:
+            self._end(job, running)
 
     def _end(self, job: Job, running: Running) -> None:
         generation = running.generation
