@@ -584,6 +584,14 @@ def test_metrics_add_up(models):
         assert values[f"vllm:{hist}_count"] == 5
         assert values[f'vllm:{hist}_bucket{{le="+Inf"}}'] == 5
     assert values["vllm:request_queue_time_seconds_count"] == 5
+    # queue + prefill = time to first token; that + decode = the whole request
+    for phase in ("prefill", "decode"):
+        assert values[f"vllm:request_{phase}_time_seconds_count"] == 5
+    queue, prefill, decode = (
+        values[f"vllm:request_{phase}_time_seconds_sum"] for phase in ("queue", "prefill", "decode")
+    )
+    assert queue + prefill == pytest.approx(values["vllm:time_to_first_token_seconds_sum"])
+    assert queue + prefill + decode == pytest.approx(values["vllm:e2e_request_latency_seconds_sum"])
     assert values["vllm:request_prompt_tokens_sum"] == total["prompt_tokens"]
     assert values["vllm:request_generation_tokens_sum"] == total["completion_tokens"]
     assert values["vllm:request_generation_tokens_count"] == 5

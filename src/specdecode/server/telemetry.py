@@ -129,6 +129,17 @@ class ServerMetrics:
             "from a generation request's arrival to the start of its generation",
             LATENCY_BUCKETS,
         )
+        self.prefill_time = self._histogram(
+            "vllm:request_prefill_time_seconds",
+            "from the start of a generation (it left the queue) to its first token: its prefill, "
+            "after those of requests that joined the batch just before it",
+            LATENCY_BUCKETS,
+        )
+        self.decode_time = self._histogram(
+            "vllm:request_decode_time_seconds",
+            "from a generation's first token to its last",
+            LATENCY_BUCKETS,
+        )
         self.prefix_queries = self._counter(
             "vllm:prefix_cache_queries",
             "prompt tokens of the generations run, each a query for a kept prefix",
@@ -208,10 +219,14 @@ class ServerMetrics:
         ):
             self.draft_per_pos.labels(model_name=model, position=str(pos)).inc(drafted)
             self.accepted_per_pos.labels(model_name=model, position=str(pos)).inc(accepted)
+        prefill_s = ttft_s - queue_s if ttft_s is not None and queue_s is not None else None
+        decode_s = duration_s - ttft_s if duration_s is not None and ttft_s is not None else None
         for histogram, value in (
             (self.e2e, duration_s),
             (self.ttft, ttft_s),
             (self.queue_time, queue_s),
+            (self.prefill_time, prefill_s),
+            (self.decode_time, decode_s),
         ):
             if value is not None:
                 histogram.observe(value)
