@@ -99,7 +99,7 @@ def test_the_first_token_comes_from_the_prefill(models):
     assert generation.new_text and alone.text.startswith(generation.new_text)
     assert generation.stats.steps == 0 and generation.stats.ttft_s > 0
     assert not generation.row.drafting and "draft_prefill" not in session.batch.meter.calls
-    session.begin_draft(generation)
+    session.step()  # the first drafting step prefills the draft
     assert generation.row.drafting and session.batch.meter.calls["draft_prefill"] == 1
     while session.generations:
         session.step()
@@ -124,11 +124,14 @@ def test_a_failing_draft_prefill_ends_its_generation_only(models):
         raise RuntimeError("draft prefill failed")
 
     bad.row.drafter.begin = broken  # this row's drafter only (each row has its own fork)
-    session.begin_draft(good)
-    with pytest.raises(RuntimeError, match="draft prefill failed"):
-        session.begin_draft(bad)
+    assert session.step() == [good, bad]  # the step that would have drafted first
     assert bad.finished and bad.finish_reason == "error" and bad.row.drafter is None
+    assert isinstance(bad.error, RuntimeError) and bad.stats.stop_reason == "error"
     assert session.free_rows == 1  # its store row is back
     while session.generations:
         session.step()
     assert good.token_ids == engine.generate(PROMPTS[0], 10).token_ids
+    # generate_batch raises a row's error
+    engine.drafter.__class__ = type("Broken", (type(engine.drafter),), {"begin": broken})
+    with pytest.raises(RuntimeError, match="draft prefill failed"):
+        engine.generate_batch(PROMPTS[:2], 10)

@@ -44,7 +44,9 @@ from specdecode.types import Draft, ForwardMeter, Stats, StepResult
 class Row:
     """One sequence of a batch. `committed` holds what the last step (or, after `add`, the
     prefill) added, after stops, for the caller to read; `done` is set once it hit
-    `max_new_tokens` or an EOS. `drafting`: its drafter has begun (prefilled its draft)."""
+    `max_new_tokens` or an EOS. `drafting`: its drafter has begun (prefilled its draft).
+    `error`: why its drafter could not begin, when a step began it and that failed (the row is
+    then done, the others go on)."""
 
     state: DecodeState
     drafter: Drafter | TreeDrafter | None
@@ -57,6 +59,7 @@ class Row:
     done: bool = False
     committed: list[int] = field(default_factory=list)
     drafting: bool = False
+    error: BaseException | None = None
 
     @property
     def allowed(self) -> int:
@@ -134,7 +137,8 @@ class Batch:
 
         `drafter` is the row's own (`fork_drafter` of a shared one); every row of a batch drafts
         with the same kind of drafter, or none. `begin_draft=False` leaves the drafter's prefill
-        for `begin_draft(row)` (a server sends the first token first), else the next `step`.
+        to the first step that drafts (`step`): a server sends the first token first, and a row
+        that never drafts (k = 0 at its batch size) never pays for it.
         `prefilled`: the row's target cache, holding a prefix of the prompt already
         (step.prefill); else `new_cache` makes one. Should the prefill fail, the cache is
         closed (a store row goes back to its store).
@@ -164,9 +168,8 @@ class Batch:
 
     def begin_draft(self, row: Row) -> None:
         """The row's drafter begins its sequence (a model draft prefills its cache over the
-        committed tokens); once per row, before its first step. Should it fail, the row keeps
-        no drafter (a half-filled draft cache is never handed on) and the error is raised: the
-        caller removes the row."""
+        committed tokens); once per row, before it first drafts. Should it fail, the row keeps
+        no drafter (a half-filled draft cache is never handed on) and the error is raised."""
         if row.drafter is None or row.drafting:
             return
         try:
@@ -194,20 +197,40 @@ class Batch:
 
     @torch.inference_mode()
     def step(self) -> list[Row]:
-        """One step of every running row; returns them, each with its `committed` tokens."""
-        rows = self.running()
-        if not rows:
+        """One step of every running row; returns them, each with its `committed` tokens (a
+        row whose drafter failed to begin is done, with its `error`, and took no part)."""
+        stepped = self.running()
+        if not stepped:
             return []
-        for row in rows:
-            self.begin_draft(row)
         spent = forward_seconds(self.meter)
-        k = self._next_k(rows)
+        k = self._next_k(stepped)
+        rows = self._begin_drafts(stepped, k)
+        if not rows:
+            return stepped
         verifications = self._verifications(rows, k)
         results = verify_rows([r.state.target_cache for r in rows], verifications, self.meter)
         self._observe(rows, results, spent)
         for row, result in zip(rows, results, strict=True):
             self._commit(row, result, min(k, max(row.allowed, 0)) if row.drafter else 0)
-        return rows
+        return stepped
+
+    def _begin_drafts(self, rows: list[Row], k: int) -> list[Row]:
+        """Begin the drafters of rows about to draft for the first time (a chain's when k > 0,
+        a tree's always); returns the rows that go on. A row whose drafter fails to begin is
+        done, with its `error`: a fault of one row, not the batch's. (The policy's draft time
+        counts draft forwards only: a prefill is paid once per row, not per step.)"""
+        going = []
+        for row in rows:
+            drafts = k > 0 or isinstance(row.drafter, TreeDrafter)
+            try:
+                if drafts and row.allowed > 0:
+                    self.begin_draft(row)
+            except Exception as err:
+                row.error, row.committed, row.done = err, [], True
+                row.stats.stop_reason = "error"
+                continue
+            going.append(row)
+        return going
 
     # -- one step, in parts -----------------------------------------------------------------
 

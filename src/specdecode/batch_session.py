@@ -61,6 +61,7 @@ class Generation:
     new_text: str = ""
     finished: bool = False
     finish_reason: str = ""
+    error: BaseException | None = None  # why it ended with finish_reason "error"
 
     def result(self) -> GenerationResult:
         """The generation as `SpeculativeDecoder.generate` returns it."""
@@ -137,8 +138,9 @@ class BatchSession:
         """Validate `request` for `prompt` (ValueError on bad input, before anything runs),
         then prefill it into a free row (StoreFull when none is free): its first token is in
         `new_ids` / `new_text` already (it may be finished then: one token asked for, an EOS);
-        it takes part from the next `step()`. `begin_draft=False` leaves the draft's prefill
-        for `begin_draft(generation)` (send the first token first), else the next step."""
+        it takes part from the next `step()`. `begin_draft=False` leaves the draft's prefill to
+        the first step that drafts (`Batch.step`): the first token can go out first, and a row
+        that never drafts never pays for it."""
         decoder = self.decoder
         prompt_ids = decoder.encode_prompt(prompt, chat=request.chat)
         decoder._check_length(len(prompt_ids), request.max_new_tokens)
@@ -180,17 +182,6 @@ class BatchSession:
         self._take(generation, self.clock())
         return generation
 
-    def begin_draft(self, generation: Generation) -> None:
-        """Prefill the generation's draft now (`Batch.begin_draft`); should that fail, the
-        generation ends ("error") and the error is raised, the other rows untouched."""
-        if generation.finished:
-            return
-        try:
-            self.batch.begin_draft(generation.row)
-        except BaseException:
-            self._finish(generation, "error")
-            raise
-
     def step(self) -> list[Generation]:
         """One batched step of every running generation; returns them with this step's
         `new_ids` / `new_text`. Finished ones leave the batch (their row is freed)."""
@@ -200,7 +191,11 @@ class BatchSession:
         for generation in list(self.generations):
             if id(generation.row) not in stepped:
                 continue
-            self._take(generation, now)
+            if generation.row.error is not None:  # its draft's prefill failed: it alone ends
+                generation.error = generation.row.error
+                self._finish(generation, "error")
+            else:
+                self._take(generation, now)
             out.append(generation)
         return out
 
@@ -219,7 +214,9 @@ class BatchSession:
                 generation = self.add(pending.pop(0), request)
                 order[id(generation)] = len(order)
                 done.append(generation)
-            self.step()
+            for generation in self.step():
+                if generation.error is not None:
+                    raise generation.error
         return sorted(done, key=lambda g: order[id(g)])
 
     # -- inside a step ------------------------------------------------------------------------

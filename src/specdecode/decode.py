@@ -65,4 +65,6 @@ def decode(
         yield row.committed
     while not row.done:
         batch.step()
+        if row.error is not None:
+            raise row.error
         yield row.committed

@@ -255,53 +255,40 @@ class GenerationWorker:
                     job = self._waiting.popleft()
                     job.started = time.monotonic()
                     joining.append(job)
-            joined = [job for job in joining if self._join(job)]
-            for job in joined:  # the drafts' prefills, once every joining row has its first token
-                self._begin_draft(job)
+            for job in joining:
+                self._join(job)
             if self.session.generations:
                 self._step()
 
-    def _join(self, job: Job) -> bool:
+    def _join(self, job: Job) -> None:
         """Validate `job`, prefill it into the batch and send its first token; a bad request
-        ends here, alone. True when it joined and is still running."""
+        ends here, alone. The draft's prefill waits for the row's first drafting step."""
         if job.cancelled.is_set() or job.expired():
             cancelled = job.cancelled.is_set()
             self._end_unstarted(job, (job.interrupt or "cancelled") if cancelled else "timeout")
-            return False
+            return
         try:
             prompt_ids, max_new = self._plan(job.params)
             request = job.params.request(self.engine, max_new)
             generation = self.session.add(prompt_ids, request, begin_draft=False)
         except APIError as err:
             job.deliver(Failed(err))
-            return False
+            return
         except StoreFull as err:  # not expected (rows are counted), but never evict a row
             job.deliver(Failed(APIError(429, str(err), type="rate_limit_exceeded")))
-            return False
+            return
         except ValueError as err:
             job.deliver(Failed(APIError(400, str(err))))
-            return False
+            return
         except Exception:  # never let one request kill the worker
             log.exception("prefill failed")
             self._fail(job, None)
-            return False
+            return
         running = Running(generation)
         with self._cond:
             self._running[job] = running
         job.deliver(Started(len(prompt_ids)))
         self._news(job, running)
-        return not generation.finished
-
-    def _begin_draft(self, job: Job) -> None:
-        """The joined row's draft prefill; should it fail, that row alone ends with an error."""
-        running = self._running.get(job)
-        if running is None or running.generation.finished:
-            return
-        try:
-            self.session.begin_draft(running.generation)
-        except Exception:
-            log.exception("draft prefill failed")
-            self._fail(job, running)
 
     def _fail(self, job: Job, running: Running | None) -> None:
         """End `job` with a 500 (the server's fault); its row, if any, leaves."""
@@ -329,6 +316,10 @@ class GenerationWorker:
         """What the row's prefill or last step produced goes to its client; then a cancelled
         or expired row leaves, and a finished one ends."""
         generation = running.generation
+        if generation.error is not None:  # its row failed alone (its draft's prefill)
+            log.error("a row failed", exc_info=generation.error)
+            self._fail(job, running)
+            return
         if generation.new_ids and running.ttft is None:
             running.ttft = time.monotonic() - job.arrival
         if generation.new_text:
