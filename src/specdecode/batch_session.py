@@ -61,7 +61,11 @@ class Generation:
     new_text: str = ""
     finished: bool = False
     finish_reason: str = ""
-    error: BaseException | None = None  # why it ended with finish_reason "error"
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why it ended with finish_reason "error" (its row's draft prefill failed)."""
+        return self.row.error
 
     def result(self) -> GenerationResult:
         """The generation as `SpeculativeDecoder.generate` returns it."""
@@ -191,8 +195,7 @@ class BatchSession:
         for generation in list(self.generations):
             if id(generation.row) not in stepped:
                 continue
-            if generation.row.error is not None:  # its draft's prefill failed: it alone ends
-                generation.error = generation.row.error
+            if generation.error is not None:  # its draft's prefill failed: it alone ends
                 self._finish(generation, "error")
             else:
                 self._take(generation, now)
