@@ -281,3 +281,70 @@ def test_silu_mul_rounds_as_pytorch():
         ext.silu_mul(gate.float(), gate.float())
     with pytest.raises(RuntimeError, match="shape"):
         ext.silu_mul(gate, gate[:, :2].contiguous())
+
+
+def _attention_reference(q, keys, values, cos, sin, past, mask, scale):
+    """rope_attention's output computed in float64 from the cache it wrote: [n, H * d]."""
+    n, d = q.shape[0], keys.shape[-1]
+    kv_heads, heads = keys.shape[0], q.shape[1] // d
+    half = d // 2
+    x = q.double().view(n, heads, d)
+    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+    x = (x * cos.double()[:, None] + rotated * sin.double()[:, None]) * scale
+    length = past + n
+    k, v = keys[:, :length].double(), values[:, :length].double()
+    out = torch.empty(n, heads, d, dtype=torch.float64)
+    for t in range(n):
+        for h in range(heads):
+            scores = k[h // (heads // kv_heads)] @ x[t, h]  # [L]
+            if mask is None:
+                scores[past + t + 1 :] = -torch.inf
+            else:
+                scores = scores + mask[t].double()
+            out[t, h] = scores.softmax(-1) @ v[h // (heads // kv_heads)]
+    return out.view(n, heads * d)
+
+
+@needs_kernel()
+@pytest.mark.parametrize(
+    "heads,kv_heads,d", [(12, 2, 128), (14, 2, 64), (12, 1, 40), (4, 4, 16), (18, 2, 8)]
+)
+def test_rope_attention_is_exact_per_row_whatever_the_call(heads, kv_heads, d):
+    """Each (token, head)'s output is the float64 attention within bfloat16 rounding, and the
+    same bits whether its token comes alone or with others, and with any number of heads per
+    key/value head (the kernel reads a key once for up to 8 queries)."""
+    from specdecode.kernels.build import extension
+
+    ext = extension()
+    gen = torch.Generator().manual_seed(heads * d)
+    past, n, capacity = 37, 5, 64
+    q = torch.randn(n, heads * d, generator=gen).bfloat16()
+    k = torch.randn(n, kv_heads * d, generator=gen).bfloat16()
+    v = torch.randn(n, kv_heads * d, generator=gen).bfloat16()
+    angles = torch.rand(n, d // 2, generator=gen) * 6
+    cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
+    start = torch.randn(2, kv_heads, capacity, d, generator=gen)
+    for mask in (None, torch.randn(n, past + n, generator=gen)):
+        if mask is not None:  # a tree's: some keys hidden, none past the row's own token
+            mask[:, 5::3] = -torch.inf
+            mask.masked_fill_(torch.ones(n, past + n, dtype=torch.bool).triu(past + 1), -torch.inf)
+        cache = start.clone()
+        together = ext.rope_attention(q, k, v, cos, sin, cache[0], cache[1], past, mask, 0.3)
+        expected = _attention_reference(q, cache[0], cache[1], cos, sin, past, mask, 0.3)
+        assert (together.double() - expected).abs().max() <= 2**-8 * expected.abs().max()
+        alone = start.clone()
+        for t in range(n):  # the same tokens one at a time, over the cache the call before wrote
+            row = ext.rope_attention(
+                q[t : t + 1],
+                k[t : t + 1],
+                v[t : t + 1],
+                cos[t : t + 1],
+                sin[t : t + 1],
+                alone[0],
+                alone[1],
+                past + t,
+                None if mask is None else mask[t : t + 1, : past + t + 1].contiguous(),
+                0.3,
+            )
+            assert torch.equal(row.view(torch.int16), together[t : t + 1].view(torch.int16))
+        assert torch.equal(alone, cache)

@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -22,6 +23,10 @@
 #include <vector>
 
 #include "kernel_common.h"
+
+#ifndef SD_UNROLL
+#define SD_UNROLL _Pragma("GCC unroll 16")
+#endif
 
 namespace {
 
@@ -57,15 +62,6 @@ inline float exp_nonpositive(float x) {
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, exp_nonpositive(_mm256_set1_ps(x)));
   return lanes[0];
-}
-
-inline float dot(const float* a, const float* b, int64_t d) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float total = lane_sum(acc);
-  for (; i < d; ++i) total += a[i] * b[i];
-  return total;
 }
 
 // out[i] = x[i] cos[i] + rotate_half(x)[i] sin[i], rotate_half(x) = (-x[d/2:], x[:d/2])
@@ -211,6 +207,101 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm_f32(torch::Tensor x,
 // cache (rotated keys): positions past..past + n - 1 are written here; mask [n, past + n]
 // float32 additive or None (then causal). Query head h reads key/value head h / (H / Hkv).
 // Returns softmax(scale q k^T + mask) v as [n, H * d] bfloat16.
+namespace {
+
+// Attention of up to 8 queries (roped and scaled, [count][d]) that share one key/value head
+// (keys, values [L][d]): query c sees keys 0 .. visible[c] - 1 with mask row masks[c] (or none)
+// and writes out[c] [d] bfloat16; scores [8][L] is room. Each query's numbers are computed as it
+// alone would compute them (its dot products one 8-lane FMA chain over d then lane_sum, plus the
+// mask; its softmax sum in key order; its weighted values one FMA per key in key order), so a
+// row's output does not depend on the other heads or tokens of the call: the queries of a chunk
+// only share the reading of each key.
+template <int C>
+void dots(const float* queries, const float* keys, int64_t d, int64_t upto, float* scores,
+          int64_t L) {
+  const int64_t whole = d - d % 8;
+  for (int64_t j = 0; j < upto; ++j) {
+    const float* key = keys + j * d;
+    __m256 acc[C];
+    for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < whole; i += 8) {
+      const __m256 k = _mm256_loadu_ps(key + i);
+      for (int c = 0; c < C; ++c)
+        acc[c] = _mm256_fmadd_ps(_mm256_loadu_ps(queries + c * d + i), k, acc[c]);
+    }
+    for (int c = 0; c < C; ++c) {
+      float total = lane_sum(acc[c]);
+      for (int64_t i = whole; i < d; ++i) total += queries[c * d + i] * key[i];
+      scores[c * L + j] = total;
+    }
+  }
+}
+
+// out[0 .. 8 R) = bfloat16(inv * sum over keys j of row[j] values[j d + i]), one FMA per key in
+// key order (keys of weight 0 skipped), the R sums of 8 in registers
+template <int R>
+inline void weighted_values(const float* row, int64_t visible, const float* values, int64_t d,
+                            float inv, uint16_t* out) {
+  __m256 acc[R];
+  SD_UNROLL for (int c = 0; c < R; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < visible; ++j) {
+    const float p = row[j];
+    if (p == 0.0f) continue;
+    const __m256 pv = _mm256_set1_ps(p);
+    const float* v = values + j * d;
+    SD_UNROLL for (int c = 0; c < R; ++c) acc[c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * c), acc[c]);
+  }
+  SD_UNROLL for (int c = 0; c < R; ++c) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));
+    for (int e = 0; e < 8; ++e) out[8 * c + e] = float_to_bf16(lanes[e]);
+  }
+}
+
+// One query's softmax over its scores row [visible] (mask added) and its weighted sum of values.
+void softmax_values(float* row, int64_t visible, const float* mask, const float* values,
+                    int64_t d, uint16_t* out) {
+  float top = -INFINITY;
+  for (int64_t j = 0; j < visible; ++j) {
+    row[j] = row[j] + (mask ? mask[j] : 0.0f);
+    top = std::max(top, row[j]);
+  }
+  int64_t j = 0;
+  for (; j + 8 <= visible; j += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(&row[j]), _mm256_set1_ps(top)));
+    _mm256_storeu_ps(&row[j], e);
+  }
+  for (; j < visible; ++j) row[j] = exp_nonpositive(row[j] - top);
+  float total = 0.0f;
+  for (j = 0; j < visible; ++j) total += row[j];
+  const float inv = 1.0f / total;
+  // 64 (else 32) of d at a time, their sums in 8 (4) registers: independent FMA chains enough
+  // to keep the units busy, each element's sum still one FMA per key in key order
+  int64_t i0 = 0;
+  for (; i0 + 64 <= d; i0 += 64) weighted_values<8>(row, visible, values + i0, d, inv, out + i0);
+  for (; i0 + 32 <= d; i0 += 32) weighted_values<4>(row, visible, values + i0, d, inv, out + i0);
+  const int64_t whole = i0;
+  for (int64_t i = whole; i < d; ++i) {  // d not a multiple of 32: the rest one by one
+    float acc = 0.0f;
+    for (j = 0; j < visible; ++j)
+      if (row[j] != 0.0f) acc = std::fma(row[j], values[j * d + i], acc);
+    out[i] = float_to_bf16(acc * inv);
+  }
+}
+
+void attend_chunk(const float* queries, int64_t count, const int64_t* visible,
+                  const float* const* masks, const float* keys, const float* values, int64_t d,
+                  float* scores, int64_t L, uint16_t* const* outs) {
+  const int64_t upto = *std::max_element(visible, visible + count);
+  specdecode_kernels::with_tile_rows<8>(count, [&](auto c) {
+    dots<decltype(c)::value>(queries, keys, d, upto, scores, L);
+  });
+  for (int64_t c = 0; c < count; ++c)
+    softmax_values(scores + c * L, visible[c], masks[c], values, d, outs[c]);
+}
+
+}  // namespace
+
 torch::Tensor rope_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos,
                              torch::Tensor sin, torch::Tensor keys, torch::Tensor values,
                              int64_t past, c10::optional<torch::Tensor> mask, double scale) {
@@ -254,38 +345,29 @@ torch::Tensor rope_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
   }
   torch::Tensor out = torch::empty({n, heads * d}, q.options());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  // one work item per (query head, token); parallel only when there is enough work
-  const int64_t grain = n * L * d < 16384 ? heads * n : 1;
-  at::parallel_for(0, heads * n, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(d), scores(L), acc(d);
+  // the n x group queries of a key/value head (token-major) in near-equal chunks of at most 8,
+  // one work item each: a chunk reads each key once for all its queries
+  const int64_t queries_per_head = n * group, chunks = (queries_per_head + 7) / 8;
+  const int64_t grain = n * L * d * group < 65536 ? kv_heads * chunks : 1;
+  at::parallel_for(0, kv_heads * chunks, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> queries(8 * d), scores(8 * L);
+    int64_t visible[8];
+    const float* masks[8];
+    uint16_t* outs[8];
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t h = item / n, t = item % n, kvh = h / group;
-      rope(qp + (t * heads + h) * d, cp + t * d, sp + t * d, float(scale), d, query.data());
-      const float* kh = K + kvh * capacity * d;
-      const float* vh = V + kvh * capacity * d;
-      const int64_t visible = m ? L : past + t + 1;  // causal without a mask
-      float top = -INFINITY;
-      for (int64_t j = 0; j < visible; ++j) {
-        scores[j] = dot(query.data(), kh + j * d, d) + (m ? m[t * L + j] : 0.0f);
-        top = std::max(top, scores[j]);
+      const int64_t kvh = item / chunks, chunk = item % chunks;
+      const int64_t first = chunk * queries_per_head / chunks;
+      const int64_t count = (chunk + 1) * queries_per_head / chunks - first;
+      for (int64_t c = 0; c < count; ++c) {
+        const int64_t t = (first + c) / group, h = kvh * group + (first + c) % group;
+        rope(qp + (t * heads + h) * d, cp + t * d, sp + t * d, float(scale), d,
+             queries.data() + c * d);
+        visible[c] = m ? L : past + t + 1;  // causal without a mask
+        masks[c] = m ? m + t * L : nullptr;
+        outs[c] = op + (t * heads + h) * d;
       }
-      float total = 0.0f;
-      int64_t j = 0;
-      for (; j + 8 <= visible; j += 8) {
-        const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(&scores[j]), _mm256_set1_ps(top)));
-        _mm256_storeu_ps(&scores[j], e);
-      }
-      for (; j < visible; ++j) scores[j] = exp_nonpositive(scores[j] - top);
-      for (j = 0; j < visible; ++j) total += scores[j];
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (j = 0; j < visible; ++j) {
-        const float p = scores[j];
-        if (p == 0.0f) continue;
-        const float* vr = vh + j * d;
-        for (int64_t i = 0; i < d; ++i) acc[i] += p * vr[i];
-      }
-      const float inv = 1.0f / total;
-      for (int64_t i = 0; i < d; ++i) op[(t * heads + h) * d + i] = float_to_bf16(acc[i] * inv);
+      attend_chunk(queries.data(), count, visible, masks, K + kvh * capacity * d,
+                   V + kvh * capacity * d, d, scores.data(), L, outs);
     }
   });
   return out;
