@@ -119,7 +119,7 @@ def test_int4_kernel_matches_the_dequantized_linear(k, n, bias):
             torch.testing.assert_close(out.float(), reference, rtol=2**-8, atol=1e-4)
 
 
-@pytest.mark.parametrize("m", [2, 3, 4, 7])
+@pytest.mark.parametrize("m", [2, 3, 4, 7, 12, 13])
 def test_int4_kernel_is_batch_invariant_bit_for_bit(m):
     x, w, b = linear_case(m, 160, 72, seed=m, bias=True)
     codes = quantize_int4(w)
@@ -133,7 +133,7 @@ def test_int4_tile_on_avx512_vnni_is_bit_identical_to_avx2():
     # q = 15) check that neither saturates
     if not use_int4_vnni(True):
         pytest.skip("this CPU has no AVX-512 VNNI")
-    x, w, b = linear_case(17, 896, 72, seed=5, bias=True)
+    x, w, b = linear_case(25, 896, 72, seed=5, bias=True)
     x[:, :32] = 100.0  # one group of equal, large activations: every xq = 127
     x[0, 32:64] = -3e4
     q, sc, ml, d, dl = quantize_int4(w)
@@ -141,7 +141,7 @@ def test_int4_tile_on_avx512_vnni_is_bit_identical_to_avx2():
     sc[:, 0], ml[:, 0], ml[:, 1] = 255, -128, 127  # extreme codes: exact products all the same
     try:
         for codes in ((q, sc, ml, d, dl), _per_group_steps((q, sc, ml, d, dl))):
-            for m in range(1, 18):  # tiles of 1-8 tokens, and blocks of them
+            for m in range(1, 26):  # tiles of 1-12 tokens, and two or three blocks of them
                 vnni = int4_linear(x[:m], codes, b)
                 use_int4_vnni(False)
                 avx2 = int4_linear(x[:m], codes, b)

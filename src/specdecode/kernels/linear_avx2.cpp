@@ -498,7 +498,7 @@ torch::Tensor linear_int8_packed(torch::Tensor x, torch::Tensor panels, int64_t 
 // 4 k twice, and one broadcast of 4 activation bytes serves both. Codes are [P][K / 32][32]
 // (per group: 16 rows' sc, then their ml), steps [P][blocks][32] float16 (16 rows' d, then dl):
 // 4.625 bits per weight read in all with blocks of 8 groups, where float16 scales and mins per
-// group made it 5 (a one-token forward is bound by those bytes). Tiles of 1-4 tokens x 16 rows (1-8
+// group made it 5 (a one-token forward is bound by those bytes). Tiles of 1-4 tokens x 16 rows (1-12
 // on AVX-512 VNNI; more tokens: near-equal blocks). Each output's float32 sum runs over the
 // groups in the same order whatever the tile, and a token's quantization depends on that token
 // alone: batch invariant.
@@ -615,7 +615,7 @@ torch::Tensor linear_int4_packed(torch::Tensor x, torch::Tensor panels, int64_t 
   const float* bp = bias_f.empty() ? nullptr : bias_f.data();
   const int64_t pstride = (K / 2) * kPanel, cstride = G * 2 * kPanel, sstride = B * 2 * kPanel;
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    float res[8 * kPanel];
+    float res[12 * kPanel];
     const int64_t most = g_int4_vnni ? specdecode_kernels::int4_vnni_tile_rows() : 4;
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* panel = pp + p * pstride;

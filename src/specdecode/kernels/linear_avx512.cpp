@@ -233,16 +233,9 @@ namespace {
 #define SD_VNNI512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 
 // The int4 panel tile (layout: "int4 panels" in linear_avx2.cpp) on 512-bit VNNI: MR tokens x 16
-// rows. Per group of 32 k, four 64-byte loads, each two of the layout's 32-byte steps (k 8q ..
-// 8q + 7 of rows 0-7 in the low nibbles, rows 8-15 in the high ones). One permute per load,
-// shared by every token, interleaves the two steps (lane 2i: row i's first 4 k, lane 2i + 1: its
-// next 4), so one 8-byte broadcast of a token's activations feeds both halves and each token
-// pays one broadcast and two `vpdpbusd` per 64 bytes, half what 256-bit vectors would take.
-// At the group's end two permutes and an add put row i's sum in lane i (rows 8-15 in lanes
-// 8-15), and the group's scale and min are applied as on the other builds, in the same order
-// and rounding per output: the results are bit-identical to the AVX2 tile's (tested). The
-// totals stay in registers (3 MR of the 32 with the accumulators), so a tile takes up to 8
-// tokens and a 12-row verification unpacks each weight twice, not three times.
+// rows, every `vpdpbusd` lane one row (int4_tile512 below). Its group sums are the exact
+// integers the AVX2 tile's are, and the group's scale and min are applied as there, in the same
+// order and rounding per output: the results are bit-identical to the AVX2 tile's (tested).
 SD_VNNI512 inline __m512 half16(const uint16_t* h) {  // 16 float16 -> float32
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
 }
@@ -255,7 +248,7 @@ SD_VNNI512 inline __m512 coded16(const uint8_t* codes, const uint16_t* steps, bo
 }
 
 // Each of MR tokens' 8 activations at xq + t K + at, broadcast, times the interleaved rows 0-7
-// (w0) and 8-15 (w1): acc[t] += one `vpdpbusd` each (the int4 and 6-bit tiles' inner step).
+// (w0) and 8-15 (w1): acc[t] += one `vpdpbusd` each (the 6-bit tile's inner step).
 template <int MR>
 SD_VNNI512 inline void dot8_tokens(__m512i (&acc)[MR][2], __m512i w0, __m512i w1,
                                    const int8_t* xq, int64_t K, int64_t at) {
@@ -268,39 +261,51 @@ SD_VNNI512 inline void dot8_tokens(__m512i (&acc)[MR][2], __m512i w0, __m512i w1
   }
 }
 
+// Per 64-byte load (two of the layout's 32-byte steps), the two unpacked halves
+// (rows 0-7 and 8-15, each k 8q .. 8q + 3 in its low 256 bits and 8q + 4 .. 8q + 7 in its high)
+// are regrouped by two 128-bit-lane shuffles, shared by every token, into rows 0-15 at k 8q ..
+// 8q + 3 and rows 0-15 at k 8q + 4 .. 8q + 7. Each token then pays two 4-byte broadcasts (loads)
+// and two `vpdpbusd`, and its group sum is already in lane i at the group's end: no permutes or
+// add per token and group, one accumulator per token instead of two, so up to 12 tokens fit the
+// 32 registers and a 12-row verification unpacks each weight once. (An earlier tile kept lanes
+// 2i and 2i + 1 for row i, one 8-byte broadcast per load, and paid two permutes and an add per
+// token and group to bring the sums together: slower at every shape and row count measured,
+// docs/benchmarks.md "The kernels".)
 template <int MR>
 SD_VNNI512 void int4_tile512(const uint8_t* p, const uint8_t* codes, const uint16_t* steps,
                              int shift, int64_t K, const int8_t* xq, const float* dx,
                              const float* xsum, float* res) {
   const int64_t G = K / 32;
   const __m512i low = _mm512_set1_epi8(0xF);
-  const __m512i interleave =
-      _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
-  const __m512i even =
-      _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
   __m512 total[MR];
   SD_UNROLL for (int t = 0; t < MR; ++t) total[t] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    __m512i acc[MR][2];
-    SD_UNROLL for (int t = 0; t < MR; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_si512();
+    __m512i acc[MR];
+    SD_UNROLL for (int t = 0; t < MR; ++t) acc[t] = _mm512_setzero_si512();
     const uint8_t* pg = p + g * 256;  // 16 rows x 32 k at 4 bits
     SD_UNROLL for (int line = 0; line < 4; ++line)
       _mm_prefetch(reinterpret_cast<const char*>(pg + 4096 + 64 * line), _MM_HINT_T0);
     SD_UNROLL for (int q = 0; q < 4; ++q) {
-      const __m512i raw = _mm512_permutexvar_epi32(interleave, _mm512_loadu_si512(pg + 64 * q));
+      const __m512i raw = _mm512_loadu_si512(pg + 64 * q);
       const __m512i w0 = _mm512_and_si512(raw, low);                         // rows 0-7
       const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);  // rows 8-15
-      dot8_tokens<MR>(acc, w0, w1, xq, K, g * 32 + 8 * q);
+      const __m512i first = _mm512_shuffle_i64x2(w0, w1, 0x44);   // rows 0-15, k 8q .. 8q + 3
+      const __m512i second = _mm512_shuffle_i64x2(w0, w1, 0xEE);  // rows 0-15, k 8q + 4 .. 8q + 7
+      SD_UNROLL for (int t = 0; t < MR; ++t) {
+        const int8_t* x = xq + t * K + g * 32 + 8 * q;
+        int32_t a, b;
+        std::memcpy(&a, x, 4);
+        std::memcpy(&b, x + 4, 4);
+        acc[t] = _mm512_dpbusd_epi32(acc[t], first, _mm512_set1_epi32(a));
+        acc[t] = _mm512_dpbusd_epi32(acc[t], second, _mm512_set1_epi32(b));
+      }
     }
     const uint8_t* cg = codes + g * 32;            // sc [16] uint8, then ml [16] int8
     const uint16_t* sg = steps + (g >> shift) * 32;  // d [16], then dl [16] float16
     const __m512 s = coded16(cg, sg, false), m = coded16(cg + 16, sg + 16, true);
     SD_UNROLL for (int t = 0; t < MR; ++t) {
-      const __m512i sum = _mm512_add_epi32(_mm512_permutex2var_epi32(acc[t][0], even, acc[t][1]),
-                                           _mm512_permutex2var_epi32(acc[t][0], odd, acc[t][1]));
       const __m512 sdx = _mm512_mul_ps(s, _mm512_set1_ps(dx[t * G + g]));
-      total[t] = _mm512_fmadd_ps(sdx, _mm512_cvtepi32_ps(sum), total[t]);
+      total[t] = _mm512_fmadd_ps(sdx, _mm512_cvtepi32_ps(acc[t]), total[t]);
       total[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[t * G + g]), total[t]);
     }
   }
@@ -309,13 +314,13 @@ SD_VNNI512 void int4_tile512(const uint8_t* p, const uint8_t* codes, const uint1
 
 }  // namespace
 
-int64_t int4_vnni_tile_rows() { return 8; }
+int64_t int4_vnni_tile_rows() { return 12; }
 
 // int4_tile512<mr> (1 <= mr <= int4_vnni_tile_rows()): the arguments of int4_tile
 SD_VNNI512 void int4_vnni_tile(int64_t mr, const uint8_t* p, const uint8_t* codes,
                                const uint16_t* steps, int shift, int64_t K, const int8_t* xq,
                                const float* dx, const float* xsum, float* res) {
-  with_tile_rows<8>(mr, [&](auto n) {
+  with_tile_rows<12>(mr, [&](auto n) {
     int4_tile512<decltype(n)::value>(p, codes, steps, shift, K, xq, dx, xsum, res);
   });
 }
@@ -324,7 +329,7 @@ namespace {
 
 // The 6-bit panel tile (q6_tile.h has the layout and the AVX2 build) on 512-bit VNNI: MR tokens
 // x 16 rows. Per group of 32 k, four 64-byte loads of the low 4 bits, interleaved by one permute
-// as in int4_tile512 (lane 2i: row i's first 4 k of the load, lane 2i + 1: its next 4), and one
+// (lane 2i: row i's first 4 k of the load, lane 2i + 1: its next 4), and one
 // 32-byte load of the top 2 bits, whose lane i serves lanes 2i and 2i + 1: a permute doubles it
 // and a rotation per lane brings each lane's 2 bits to bits 4-5 of every byte. Each token then
 // pays one 8-byte broadcast and two `vpdpbusd` per load, into a half's sums (rows 0-7, 8-15,
