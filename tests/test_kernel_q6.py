@@ -93,7 +93,7 @@ def test_q6_kernel_does_not_saturate_at_the_extremes():
     torch.testing.assert_close(out.float(), _reference(x, dequantized(q, sc, d), None).float())
 
 
-@pytest.mark.parametrize("m", [2, 3, 4, 7, 13])
+@pytest.mark.parametrize("m", [2, 3, 4, 7, 12, 13])
 def test_q6_kernel_is_batch_invariant_bit_for_bit(m):
     x, _, b = linear_case(m, 512, 72, seed=m, bias=True)
     q, sc, d = random_codes(72, 512, seed=m)
@@ -109,14 +109,14 @@ def test_q6_tile_on_avx512_vnni_is_bit_identical_to_avx2():
     if not use_int4_vnni(True):
         pytest.skip("this CPU has no AVX-512 VNNI")
     n, k = 40, 768
-    x, _, b = linear_case(17, k, n, seed=7, bias=True)
+    x, _, b = linear_case(25, k, n, seed=7, bias=True)
     q, sc, d = random_codes(n, k, seed=7)
     x[:, :32] = 100.0  # one group of equal, large activations: every xq = 127
     x[0, 32:64] = -3e4
     q[:20, :32], q[20:, :32] = 63, 0
     sc[:, 0], sc[:, 1] = -128, 127
     try:
-        for m in range(1, 18):  # tiles of 1-6 tokens, and blocks of them
+        for m in range(1, 26):  # tiles of 1-12 tokens, and two or three blocks of them
             vnni = q6_linear(x[:m], q, sc, d, b)
             use_int4_vnni(False)
             avx2 = q6_linear(x[:m], q, sc, d, b)

@@ -690,7 +690,7 @@ torch::Tensor linear_q6_packed(torch::Tensor x, torch::Tensor lo, torch::Tensor 
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const float* bp = bias_f.empty() ? nullptr : bias_f.data();
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    float res[6 * kPanel];
+    float res[12 * kPanel];
     const int64_t most = g_int4_vnni ? specdecode_kernels::q6_vnni_tile_rows() : 4;
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* pl = lp + p * kPanel * K / 2;

@@ -247,20 +247,6 @@ SD_VNNI512 inline __m512 coded16(const uint8_t* codes, const uint16_t* steps, bo
   return _mm512_mul_ps(_mm512_cvtepi32_ps(wide), half16(steps));
 }
 
-// Each of MR tokens' 8 activations at xq + t K + at, broadcast, times the interleaved rows 0-7
-// (w0) and 8-15 (w1): acc[t] += one `vpdpbusd` each (the 6-bit tile's inner step).
-template <int MR>
-SD_VNNI512 inline void dot8_tokens(__m512i (&acc)[MR][2], __m512i w0, __m512i w1,
-                                   const int8_t* xq, int64_t K, int64_t at) {
-  SD_UNROLL for (int t = 0; t < MR; ++t) {
-    int64_t eight;
-    std::memcpy(&eight, xq + t * K + at, 8);
-    const __m512i xv = _mm512_set1_epi64(eight);
-    acc[t][0] = _mm512_dpbusd_epi32(acc[t][0], w0, xv);
-    acc[t][1] = _mm512_dpbusd_epi32(acc[t][1], w1, xv);
-  }
-}
-
 // Per 64-byte load (two of the layout's 32-byte steps), the two unpacked halves
 // (rows 0-7 and 8-15, each k 8q .. 8q + 3 in its low 256 bits and 8q + 4 .. 8q + 7 in its high)
 // are regrouped by two 128-bit-lane shuffles, shared by every token, into rows 0-15 at k 8q ..
@@ -328,15 +314,17 @@ SD_VNNI512 void int4_vnni_tile(int64_t mr, const uint8_t* p, const uint8_t* code
 namespace {
 
 // The 6-bit panel tile (q6_tile.h has the layout and the AVX2 build) on 512-bit VNNI: MR tokens
-// x 16 rows. Per group of 32 k, four 64-byte loads of the low 4 bits, interleaved by one permute
-// (lane 2i: row i's first 4 k of the load, lane 2i + 1: its next 4), and one
-// 32-byte load of the top 2 bits, whose lane i serves lanes 2i and 2i + 1: a permute doubles it
-// and a rotation per lane brings each lane's 2 bits to bits 4-5 of every byte. Each token then
-// pays one 8-byte broadcast and two `vpdpbusd` per load, into a half's sums (rows 0-7, 8-15,
-// interleaved as above); after each half of 16 k a permute and an add give row i's sum in lane
-// i, times that half's sc. The group's sum minus 32 (sc_a xs_a + sc_b xs_b) is the AVX2 tile's
-// exact int32, and (d dx) times it is added to the totals in the same order and rounding: the
-// results are bit-identical to q6_tile's (tested).
+// x 16 rows, every `vpdpbusd` lane one row, as int4_tile512. Per group of 32 k, four 64-byte
+// loads of the low 4 bits, each regrouped as there (two 128-bit-lane shuffles) into rows 0-15
+// at k 8q .. 8q + 3 and rows 0-15 at 8q + 4 .. 8q + 7, and one 32-byte load of the top 2 bits
+// (lane r: rows r and r + 8, byte j: bits 0-1 row r at k 8q + j, 2-3 row r + 8, 4-5 row r at
+// 8q + 4 + j, 6-7 row r + 8), copied to both halves of a register; a rotation per lane brings
+// each row's 2 bits to bits 4-5 of every byte. All shared by the tokens; each token then pays
+// two 4-byte broadcasts (loads) and two `vpdpbusd` per load, and after each half of 16 k its
+// row sums, already in their lanes, times that half's sc. The group's sum minus
+// 32 (sc_a xs_a + sc_b xs_b) is the AVX2 tile's exact int32, and (d dx) times it is added to
+// the totals in the same order and rounding: the results are bit-identical to q6_tile's
+// (tested). Two registers per token (its half's sums and its group's), so tiles of up to 12.
 template <int MR>
 SD_VNNI512 void q6_tile512(const uint8_t* lo, const uint8_t* hi, const int8_t* sc,
                            const uint16_t* d, int64_t K, const int8_t* xq, const int32_t* xs,
@@ -344,16 +332,11 @@ SD_VNNI512 void q6_tile512(const uint8_t* lo, const uint8_t* hi, const int8_t* s
   const int64_t G = K / 32;
   const __m512i low = _mm512_set1_epi8(0xF);
   const __m512i top = _mm512_set1_epi8(0x30);
-  const __m512i interleave =
-      _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
-  const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  // rows 0-7 take bits 0-1 (first 4 k) and 4-5 (next 4 k) of each byte; rows 8-15 bits 2-3, 6-7
-  const __m512i turn0 = _mm512_setr_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
-  const __m512i turn1 =
-      _mm512_setr_epi32(2, 30, 2, 30, 2, 30, 2, 30, 2, 30, 2, 30, 2, 30, 2, 30);
-  const __m512i even =
-      _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  // to bits 4-5: rows 0-7 (lanes 0-7) from bits 0-1 (first 4 k) or 4-5 (next 4 k); rows 8-15
+  // (lanes 8-15) from bits 2-3 or 6-7
+  const __m512i turn_first = _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2);
+  const __m512i turn_second =
+      _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 30, 30, 30, 30, 30, 30, 30, 30);
   for (int i = 0; i < MR * 16; ++i) res[i] = 0.f;
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* lg = lo + g * 256;  // 16 rows x 32 k at 4 bits
@@ -366,27 +349,34 @@ SD_VNNI512 void q6_tile512(const uint8_t* lo, const uint8_t* hi, const int8_t* s
     __m512i sum[MR];
     SD_UNROLL for (int t = 0; t < MR; ++t) sum[t] = _mm512_setzero_si512();
     SD_UNROLL for (int u = 0; u < 2; ++u) {
-      __m512i acc[MR][2];
-      SD_UNROLL for (int t = 0; t < MR; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_si512();
+      __m512i acc[MR];
+      SD_UNROLL for (int t = 0; t < MR; ++t) acc[t] = _mm512_setzero_si512();
       SD_UNROLL for (int c = 0; c < 2; ++c) {
         const int q = 2 * u + c;  // k 8q .. 8q + 7 of the group
-        const __m512i raw = _mm512_permutexvar_epi32(interleave, _mm512_loadu_si512(lg + 64 * q));
-        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hg + 32 * q));
-        const __m512i hh = _mm512_permutexvar_epi32(twice, _mm512_castsi256_si512(h));
-        const __m512i w0 = _mm512_or_si512(_mm512_and_si512(raw, low),
-                                           _mm512_and_si512(_mm512_rolv_epi32(hh, turn0), top));
-        const __m512i w1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low),
-                                           _mm512_and_si512(_mm512_rolv_epi32(hh, turn1), top));
-        dot8_tokens<MR>(acc, w0, w1, xq, K, g * 32 + 8 * q);
+        const __m512i raw = _mm512_loadu_si512(lg + 64 * q);
+        const __m512i w0 = _mm512_and_si512(raw, low);                         // rows 0-7
+        const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);  // rows 8-15
+        const __m512i hh = _mm512_broadcast_i64x4(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hg + 32 * q)));
+        const __m512i first =
+            _mm512_or_si512(_mm512_shuffle_i64x2(w0, w1, 0x44),
+                            _mm512_and_si512(_mm512_rolv_epi32(hh, turn_first), top));
+        const __m512i second =
+            _mm512_or_si512(_mm512_shuffle_i64x2(w0, w1, 0xEE),
+                            _mm512_and_si512(_mm512_rolv_epi32(hh, turn_second), top));
+        SD_UNROLL for (int t = 0; t < MR; ++t) {
+          const int8_t* x = xq + t * K + g * 32 + 8 * q;
+          int32_t a, b;
+          std::memcpy(&a, x, 4);
+          std::memcpy(&b, x + 4, 4);
+          acc[t] = _mm512_dpbusd_epi32(acc[t], first, _mm512_set1_epi32(a));
+          acc[t] = _mm512_dpbusd_epi32(acc[t], second, _mm512_set1_epi32(b));
+        }
       }
       const __m512i s =
           _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + 16 * u)));
-      SD_UNROLL for (int t = 0; t < MR; ++t) {
-        const __m512i rows =
-            _mm512_add_epi32(_mm512_permutex2var_epi32(acc[t][0], even, acc[t][1]),
-                             _mm512_permutex2var_epi32(acc[t][0], odd, acc[t][1]));
-        sum[t] = _mm512_add_epi32(sum[t], _mm512_mullo_epi32(rows, s));
-      }
+      SD_UNROLL for (int t = 0; t < MR; ++t)
+        sum[t] = _mm512_add_epi32(sum[t], _mm512_mullo_epi32(acc[t], s));
     }
     // per row (sc_a, sc_b) as int16 pairs: with a token's packed (xs_a, xs_b) one vpmaddwd
     const __m128i sa = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sg));
@@ -407,13 +397,13 @@ SD_VNNI512 void q6_tile512(const uint8_t* lo, const uint8_t* hi, const int8_t* s
 
 }  // namespace
 
-int64_t q6_vnni_tile_rows() { return 6; }
+int64_t q6_vnni_tile_rows() { return 12; }
 
 // q6_tile512<mr> (1 <= mr <= q6_vnni_tile_rows()): the arguments of q6_tile
 SD_VNNI512 void q6_vnni_tile(int64_t mr, const uint8_t* lo, const uint8_t* hi, const int8_t* sc,
                              const uint16_t* d, int64_t K, const int8_t* xq, const int32_t* xs,
                              const float* dx, float* res) {
-  with_tile_rows<6>(
+  with_tile_rows<12>(
       mr, [&](auto n) { q6_tile512<decltype(n)::value>(lo, hi, sc, d, K, xq, xs, dx, res); });
 }
 
