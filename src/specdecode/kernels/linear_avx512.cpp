@@ -247,6 +247,21 @@ SD_VNNI512 inline __m512 coded16(const uint8_t* codes, const uint16_t* steps, bo
   return _mm512_mul_ps(_mm512_cvtepi32_ps(wide), half16(steps));
 }
 
+// Each of MR tokens' activations k at .. at + 3 and at + 4 .. at + 7 (xq + t K), broadcast,
+// times rows 0-15 at those k (first, second): acc[t] += two `vpdpbusd`, row i's sum in lane i
+// (the int4 and 6-bit tiles' inner step).
+template <int MR>
+SD_VNNI512 inline void dot8_rows(__m512i (&acc)[MR], __m512i first, __m512i second,
+                                 const int8_t* xq, int64_t K, int64_t at) {
+  SD_UNROLL for (int t = 0; t < MR; ++t) {
+    int32_t a, b;
+    std::memcpy(&a, xq + t * K + at, 4);
+    std::memcpy(&b, xq + t * K + at + 4, 4);
+    acc[t] = _mm512_dpbusd_epi32(acc[t], first, _mm512_set1_epi32(a));
+    acc[t] = _mm512_dpbusd_epi32(acc[t], second, _mm512_set1_epi32(b));
+  }
+}
+
 // Per 64-byte load (two of the layout's 32-byte steps), the two unpacked halves
 // (rows 0-7 and 8-15, each k 8q .. 8q + 3 in its low 256 bits and 8q + 4 .. 8q + 7 in its high)
 // are regrouped by two 128-bit-lane shuffles, shared by every token, into rows 0-15 at k 8q ..
@@ -277,14 +292,7 @@ SD_VNNI512 void int4_tile512(const uint8_t* p, const uint8_t* codes, const uint1
       const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);  // rows 8-15
       const __m512i first = _mm512_shuffle_i64x2(w0, w1, 0x44);   // rows 0-15, k 8q .. 8q + 3
       const __m512i second = _mm512_shuffle_i64x2(w0, w1, 0xEE);  // rows 0-15, k 8q + 4 .. 8q + 7
-      SD_UNROLL for (int t = 0; t < MR; ++t) {
-        const int8_t* x = xq + t * K + g * 32 + 8 * q;
-        int32_t a, b;
-        std::memcpy(&a, x, 4);
-        std::memcpy(&b, x + 4, 4);
-        acc[t] = _mm512_dpbusd_epi32(acc[t], first, _mm512_set1_epi32(a));
-        acc[t] = _mm512_dpbusd_epi32(acc[t], second, _mm512_set1_epi32(b));
-      }
+      dot8_rows<MR>(acc, first, second, xq, K, g * 32 + 8 * q);
     }
     const uint8_t* cg = codes + g * 32;            // sc [16] uint8, then ml [16] int8
     const uint16_t* sg = steps + (g >> shift) * 32;  // d [16], then dl [16] float16
@@ -364,14 +372,7 @@ SD_VNNI512 void q6_tile512(const uint8_t* lo, const uint8_t* hi, const int8_t* s
         const __m512i second =
             _mm512_or_si512(_mm512_shuffle_i64x2(w0, w1, 0xEE),
                             _mm512_and_si512(_mm512_rolv_epi32(hh, turn_second), top));
-        SD_UNROLL for (int t = 0; t < MR; ++t) {
-          const int8_t* x = xq + t * K + g * 32 + 8 * q;
-          int32_t a, b;
-          std::memcpy(&a, x, 4);
-          std::memcpy(&b, x + 4, 4);
-          acc[t] = _mm512_dpbusd_epi32(acc[t], first, _mm512_set1_epi32(a));
-          acc[t] = _mm512_dpbusd_epi32(acc[t], second, _mm512_set1_epi32(b));
-        }
+        dot8_rows<MR>(acc, first, second, xq, K, g * 32 + 8 * q);
       }
       const __m512i s =
           _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + 16 * u)));
