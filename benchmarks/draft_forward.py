@@ -44,6 +44,7 @@ def through_modules(cache: LeanCache) -> LeanCache:
     cache._lm_head = cache.model.lm_head
     if cache._fused is not None:
         cache._fused = _PyTorchSiluMul(cache._fused)
+    cache._native = None  # the layer loop in Python, which calls the above
     return cache
 
 

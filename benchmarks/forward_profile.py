@@ -8,8 +8,9 @@ prompt of `--prompt` random tokens, then `--repeats` one-token forwards, each ro
 kernel call of the forward (the seven projections per layer, the output layer, and the fused
 operations: add + RMSNorm, rotary embedding + attention, SiLU * up) is wrapped with a timer;
 prints the mean ms per forward of each kind and what is left outside them (Python, embedding,
-rotary tables, the cache's bookkeeping). The timers add a little to every call: the total is a
-little above an unwrapped forward's.
+rotary tables, the cache's bookkeeping). The layer loop runs in Python here (its calls are
+timed one by one); the timers add a little to every call. Interleaved with it, the same
+forward as decoding runs it (the loop in C++, `kernels/lean_layers.cpp`), untimed.
 """
 
 from __future__ import annotations
@@ -69,21 +70,28 @@ def main() -> None:
     ]
     cache._lm_head = timed(cache._lm_head, "lm_head", spent)
     cache._fused = _TimedOps(cache._fused, spent)
+    cache._native = None  # the layer loop in Python, which calls the timed ones
+    native = LeanCache(model, residual=residual)  # the layer loop in C++, untimed, for comparison
     with torch.inference_mode():
-        cache.forward(torch.randint(0, 1000, (args.prompt,)), last_only=True)
+        prompt = torch.randint(0, 1000, (args.prompt,))
+        cache.forward(prompt, last_only=True)
+        native.forward(prompt, last_only=True)
         past = len(cache)
 
-        def one() -> float:
+        def one(on: LeanCache) -> float:
             start = time.perf_counter()
-            cache.forward(torch.tensor([5]), last_only=True)
-            cache.rollback(past)
+            on.forward(torch.tensor([5]), last_only=True)
+            on.rollback(past)
             return time.perf_counter() - start
 
         for _ in range(10):  # warm-up
-            one()
+            one(cache), one(native)
         spent.clear()
-        total = sum(one() for _ in range(args.repeats)) / args.repeats * 1e3
+        times = [(one(cache), one(native)) for _ in range(args.repeats)]  # interleaved
+        total = sum(timed for timed, _ in times) / args.repeats * 1e3
+        untimed = sum(fast for _, fast in times) / args.repeats * 1e3
     print(f"{args.model} ({args.role}): {total:.2f} ms a one-token forward, {args.prompt} cached")
+    print(f"  (the same forward with the layer loop in C++ and no timers: {untimed:.2f} ms)")
     inside = 0.0
     for name, seconds in sorted(spent.items(), key=lambda item: -item[1]):
         ms = seconds / args.repeats * 1e3

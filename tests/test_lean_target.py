@@ -121,3 +121,35 @@ def test_speculation_over_a_lean_target_equals_the_target_alone(bits):
         for options in ({"k": 1}, {"k": 4}, {"k": 9}, {"tree": "dynamic:6,4,2"}):
             got = SpeculativeDecoder(target, draft, **options).generate(prompt, max_new_tokens=40)
             assert got.token_ids == expected, (prompt, options)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("bits", [None, 8, 4])
+def test_the_native_layer_loop_is_the_python_loop_bit_for_bit(arch, bits, monkeypatch):
+    import specdecode.lean as lean
+
+    model = _target(arch, bits, seed=3)
+    # a tree of 4 nodes after 12 cached positions (parents -1, 0, 0, 1): masked keys and
+    # position ids of its own
+    allowed = torch.ones(4, 12 + 4, dtype=torch.bool)
+    allowed[:, 12:] = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]) > 0
+    depth = torch.tensor([0, 1, 1, 2]) + 12
+    runs = []
+    for native in (True, False):
+        monkeypatch.setattr(lean, "NATIVE_LOOP", native)
+        with torch.inference_mode():
+            cache = target_cache(model)
+            assert cache._native is not None and len(cache._native) == 3  # every linear a kernel
+            out = [cache.forward(_ids(12, 5)), cache.forward(_ids(1, 6)), cache.forward(_ids(5, 7))]
+            cache.rollback(12)
+            out.append(
+                cache.forward(
+                    _ids(4, 8),
+                    position_ids=depth,
+                    attention_mask=additive_mask(allowed, torch.float32)[None, None],
+                )
+            )
+        runs.append((out, cache.kv[:, :, :, : len(cache)].clone()))
+    (native_out, native_kv), (python_out, python_kv) = runs
+    assert all(torch.equal(a, b) for a, b in zip(native_out, python_out, strict=True))
+    assert torch.equal(native_kv, python_kv)  # the keys and values written, too

@@ -12,8 +12,11 @@ keys/values written in place into a preallocated float32 cache (both forwards ti
 docs/lab-notes/2026-11-30-lean-draft-forward.md). The linears are the kernel calls themselves
 (`direct_linear`): called through their modules, the Python around the 169 kernel calls of the
 0.5B int4 draft was a large share of its one-token forward
-(docs/lab-notes/2026-12-01-direct-draft-linears.md). A target's forward is the same shape of
-work, paid once per step, and on 4-bit weights the same overhead is a larger share of it.
+(docs/lab-notes/2026-12-01-direct-draft-linears.md). Where every projection is such a call,
+the whole layer loop runs in one C++ call (`kernels/lean_layers.cpp`: the same calls in the same
+order, so the same bits, without the interpreter between them; `NATIVE_LOOP`). A target's
+forward is the same shape of work, paid once per step, and on 4-bit weights the same overhead
+is a larger share of it.
 Where the model's linears are not on the CPU kernels (other dtypes, no AVX2, `--kernel off`) and
 above `fused_tokens` tokens (prefill) the same maths runs in PyTorch operations.
 
@@ -62,6 +65,9 @@ FUSED_TOKENS = 16  # the fused C++ operations serve up to this many tokens (draf
 # a target's fused path covers every verification (a chain's k + 1, a tree's nodes + 1 rows):
 # longer forwards are prefill only
 VERIFY_TOKENS = 128
+# the fused path's layer loop runs in C++ (kernels/lean_layers.cpp) where it can; False keeps it
+# in Python (the same calls: for comparisons, and for tools that wrap the calls one by one)
+NATIVE_LOOP = True
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -204,6 +210,8 @@ class LeanCache:
         # themselves where the draft's linears run on specdecode's kernels
         self._linears = [_layer_linears(layer) for layer in self.layers]
         self._lm_head = direct_linear(model.lm_head)
+        # the whole layer loop in one C++ call where every projection is a kernel call
+        self._native = _native_layers(self) if self._fused is not None else None
         half = self.head_dim // 2
         # rotate_half(x) = roll(x, d/2) * [-1]*d/2 + [1]*d/2: the sign goes into sin
         self._sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device)
@@ -358,8 +366,39 @@ class LeanCache:
         # prompt (LeanStore)
         fused_rows = max(sizes) <= self.fused_tokens or max(ends) <= PREFILL_CHUNK
         fused = self._fused if fused_rows else None
-        attend = self._attend_fused if fused is not None else self._attend
         bounds = list(itertools.accumulate(sizes, initial=0))
+        x, delta = self._layers(x, caches, pasts, cos, sin, row_masks, bounds, fused)  # [N, D] x 2
+        for cache, past, end, tokens in zip(caches, pasts, ends, inputs, strict=True):
+            cache.ids[past:end] = tokens
+            cache.length = end
+            leading = fused is not None and cache.fused_len >= past
+            cache.fused_len = end if leading else min(cache.fused_len, past)
+        if last_only:  # each sequence's last row
+            last = torch.tensor(bounds[1:], device=self.device) - 1
+            x, delta = x[last].contiguous(), delta[last].contiguous()
+            bounds = list(range(len(caches) + 1))
+        _, h = self._add_norm(x, delta, base.norm, fused)
+        logits = self._lm_head(h)  # [N or B, V]
+        if len(caches) == 1:
+            return [logits]
+        return [logits[a:b] for a, b in itertools.pairwise(bounds)]
+
+    def _layers(
+        self,
+        x: torch.Tensor,  # [N, D]: the embedded rows of every sequence, one after the other
+        caches: list[LeanCache],
+        pasts: list[int],
+        cos: torch.Tensor,  # [N, d] float32
+        sin: torch.Tensor,  # [N, d] float32
+        row_masks: list[torch.Tensor | None],
+        bounds: list[int],  # sequence b's rows are bounds[b]:bounds[b + 1]
+        fused: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x through every decoder layer, writing each layer's keys and values -> (x, delta):
+        the residual stream after the last layer and that layer's MLP output, not yet added."""
+        if fused is not None and self._native is not None and len(caches) == 1 and NATIVE_LOOP:
+            return self._native.forward(x, None, self.kv, pasts[0], cos, sin, row_masks[0])
+        attend = self._attend_fused if fused is not None else self._attend
         delta = None  # the last block's output, added to x by the next norm
         for index, layer in enumerate(self.layers):
             q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj = self._linears[index]
@@ -378,20 +417,7 @@ class LeanCache:
                 )  # [N, H * d]
             x, h = self._add_norm(x, o_proj(out), layer.post_attention_layernorm, fused)  # [N, D]
             delta = down_proj(self._silu_mul(gate_proj(h), up_proj(h), fused))
-        for cache, past, end, tokens in zip(caches, pasts, ends, inputs, strict=True):
-            cache.ids[past:end] = tokens
-            cache.length = end
-            leading = fused is not None and cache.fused_len >= past
-            cache.fused_len = end if leading else min(cache.fused_len, past)
-        if last_only:  # each sequence's last row
-            last = torch.tensor(bounds[1:], device=self.device) - 1
-            x, delta = x[last].contiguous(), delta[last].contiguous()
-            bounds = list(range(len(caches) + 1))
-        _, h = self._add_norm(x, delta, base.norm, fused)
-        logits = self._lm_head(h)  # [N or B, V]
-        if len(caches) == 1:
-            return [logits]
-        return [logits[a:b] for a, b in itertools.pairwise(bounds)]
+        return x, delta
 
     @staticmethod
     def _silu_mul(gate: torch.Tensor, up: torch.Tensor, fused: Any) -> torch.Tensor:
@@ -417,7 +443,7 @@ class LeanCache:
         Hugging Face's norm does when x is in the model's dtype; over a float32 residual stream
         (x float32, delta the linears' output) the sum stays float32 and the norm is rounded
         once, at the end."""
-        eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
+        eps = _norm_eps(norm)
         wide = x.dtype != self.dtype
         if fused is not None:
             delta = delta if delta is None else delta.contiguous()
@@ -577,6 +603,31 @@ def layer_projections(layer: Any) -> tuple[torch.nn.Module, ...]:
 def _layer_linears(layer: Any) -> tuple[Callable[[torch.Tensor], torch.Tensor], ...]:
     """A decoder layer's projections (`layer_projections`) as `direct_linear` calls."""
     return tuple(direct_linear(module) for module in layer_projections(layer))
+
+
+def _norm_eps(norm: torch.nn.Module) -> float:
+    """An RMSNorm's epsilon, under either name Hugging Face's norms give it."""
+    return getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
+
+
+def _native_layers(cache: LeanCache) -> Any:
+    """The extension's `LeanLayers` over `cache`'s decoder layers, or None where a projection is
+    not a kernel call (`direct_linear` gave the module itself): the same kernel calls in the
+    same order as the loop in `_forward_rows`, without the interpreter between them."""
+    ext = cache._fused
+    if not all(isinstance(op, ext.LinearOp) for ops in cache._linears for op in ops):
+        return None
+    layers = [
+        ext.LeanLayer(
+            *ops,
+            layer.input_layernorm.weight,
+            layer.post_attention_layernorm.weight,
+            _norm_eps(layer.input_layernorm),
+            _norm_eps(layer.post_attention_layernorm),
+        )
+        for ops, layer in zip(cache._linears, cache.layers, strict=True)
+    ]
+    return ext.LeanLayers(layers, cache.scale, cache.residual != cache.dtype)
 
 
 def _fused_ops(model: Any, dtype: torch.dtype, device: torch.device, head_dim: int) -> Any:

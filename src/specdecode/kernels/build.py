@@ -26,7 +26,7 @@ from specdecode.sampling import use_argmax_rows
 
 _SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("linear_avx2.cpp", "linear_avx512.cpp", "draft_ops.cpp")
+    for name in ("linear_avx2.cpp", "linear_avx512.cpp", "draft_ops.cpp", "lean_layers.cpp")
 ]
 _HEADERS = [
     Path(__file__).with_name(name) for name in ("kernel_common.h", "int4_tile.h", "q6_tile.h")

@@ -731,8 +731,11 @@ torch::Tensor rope_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
                              int64_t past, c10::optional<torch::Tensor> mask, double scale);
 torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up);
 torch::Tensor argmax_rows(torch::Tensor x);
+// lean_layers.cpp: LinearOp, LeanLayer, LeanLayers
+void bind_lean_layers(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  bind_lean_layers(m);
   m.def("linear", &linear, "bfloat16 linear for few tokens (AVX2 + FMA), batch invariant");
   m.def("linear_packed", &linear_packed,
         "bfloat16 linear on weights packed in 16-row panels (AVX2 + FMA), batch invariant");

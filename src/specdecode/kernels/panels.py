@@ -74,13 +74,13 @@ def kernel_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def panels_call(module: torch.nn.Linear, ext: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`module`'s bfloat16 kernel call for x [M, K] contiguous bfloat16 (cpu_linear.direct_linear)."""
+    """`module`'s bfloat16 kernel call for x [M, K] contiguous bfloat16 (the extension's
+    `LinearOp`; cpu_linear.direct_linear)."""
     bias, n = module.bias, module.weight.shape[0]
     panels = module_panels(module)
     if panels is None:
-        weight = module.weight
-        return lambda x: ext.linear(x, weight, bias)
-    return lambda x: ext.linear_packed(x, panels, n, bias)
+        return ext.LinearOp("rows", [module.weight], n, 0, bias)
+    return ext.LinearOp("panels", [panels], n, 0, bias)
 
 
 def shared_storages(model: torch.nn.Module) -> set[int]:

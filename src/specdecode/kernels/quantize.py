@@ -431,17 +431,17 @@ def drop_quantized(module: torch.nn.Module) -> None:
 def quantized_call(
     module: torch.nn.Linear, ext: Any
 ) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """A quantized layer's kernel call for x [M, K] contiguous bfloat16, or None when `module`
-    is not quantized (cpu_linear.direct_linear)."""
+    """A quantized layer's kernel call for x [M, K] contiguous bfloat16 (the extension's
+    `LinearOp`, which the native layer loop calls too), or None when `module` is not quantized
+    (cpu_linear.direct_linear)."""
     bias, n = module.bias, module.weight.shape[0]
     if _Q4[0] in module._buffers:
         panels, codes, steps = (module._buffers[name] for name in _Q4)
         shift = int4_shift(codes.shape[1], steps.shape[1])
-        return lambda x: ext.linear_int4_packed(x, panels, n, codes, steps, shift, bias)
+        return ext.LinearOp("int4", [panels, codes, steps], n, shift, bias)
     if _QWEIGHT in module._buffers:
         panels, scale = module._buffers[_QWEIGHT], module._buffers[_SCALE]
-        return lambda x: ext.linear_int8_packed(x, panels, n, scale, bias)
+        return ext.LinearOp("int8", [panels, scale], n, 0, bias)
     if _Q6[0] in module._buffers:
-        lo, high, sc, d = (module._buffers[name] for name in _Q6)
-        return lambda x: ext.linear_q6_packed(x, lo, high, sc, d, n, bias)
+        return ext.LinearOp("q6", [module._buffers[name] for name in _Q6], n, 0, bias)
     return None

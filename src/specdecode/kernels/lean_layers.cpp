@@ -1,0 +1,164 @@
+// The lean forward's decoder layers in one call: the loop lean.py runs over a model's layers
+// (residual add + RMSNorm, the q / k / v projections, rotary embedding + the cache write +
+// attention, the output projection, add + RMSNorm, gate and up, SiLU * up, down), with the same
+// kernel calls in the same order, so every output is the same bits as the loop in Python.
+//
+// Why: a one-token forward is some 12 kernel calls per layer, and each call from Python
+// costs the interpreter, pybind11's argument conversion and a Python object for every tensor:
+// for the 0.5B draft that was a large share of its forward, and the target pays it too
+// (docs/lab-notes/2026-12-03-native-layer-loop.md).
+//
+// `LinearOp` is one linear layer on specdecode's kernels (its packed weights and which kernel
+// reads them): what `cpu_linear.direct_linear` hands to Python as the layer's call, and what the
+// layer loop calls here. `LeanLayers` holds a model's layers, made once per cache.
+#include <torch/extension.h>
+
+#include <tuple>
+#include <vector>
+
+// linear_avx2.cpp: the linear kernels
+torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+torch::Tensor linear_packed(torch::Tensor x, torch::Tensor panels, int64_t N,
+                            c10::optional<torch::Tensor> bias);
+torch::Tensor linear_int8_packed(torch::Tensor x, torch::Tensor panels, int64_t N,
+                                 torch::Tensor scale, c10::optional<torch::Tensor> bias);
+torch::Tensor linear_int4_packed(torch::Tensor x, torch::Tensor panels, int64_t N,
+                                 torch::Tensor codes, torch::Tensor steps, int64_t shift,
+                                 c10::optional<torch::Tensor> bias);
+torch::Tensor linear_q6_packed(torch::Tensor x, torch::Tensor lo, torch::Tensor hi,
+                               torch::Tensor sc, torch::Tensor d, int64_t N,
+                               c10::optional<torch::Tensor> bias);
+// draft_ops.cpp: the fused small operations
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x,
+                                                      c10::optional<torch::Tensor> delta,
+                                                      torch::Tensor weight, double eps);
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm_f32(torch::Tensor x,
+                                                          c10::optional<torch::Tensor> delta,
+                                                          torch::Tensor weight, double eps);
+torch::Tensor rope_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos,
+                             torch::Tensor sin, torch::Tensor keys, torch::Tensor values,
+                             int64_t past, c10::optional<torch::Tensor> mask, double scale);
+torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up);
+
+namespace {
+
+// One linear layer on a kernel: `kind` names it, `w` holds its weights as that kernel takes them
+// (rows: [weight]; panels: [panels]; int8: [panels, scale]; int4: [panels, codes, steps];
+// q6: [lo, hi, sc, d]), N its outputs.
+struct LinearOp {
+  std::string kind;
+  std::vector<torch::Tensor> w;
+  int64_t n;
+  int64_t shift;  // int4 only: log2 of the groups per block of steps
+  c10::optional<torch::Tensor> bias;
+  enum Kind { kRows, kPanels, kInt8, kInt4, kQ6 } code;
+
+  LinearOp(std::string kind_, std::vector<torch::Tensor> w_, int64_t n_, int64_t shift_,
+           c10::optional<torch::Tensor> bias_)
+      : kind(std::move(kind_)), w(std::move(w_)), n(n_), shift(shift_), bias(std::move(bias_)) {
+    const std::vector<std::pair<const char*, size_t>> kinds = {
+        {"rows", 1}, {"panels", 1}, {"int8", 2}, {"int4", 3}, {"q6", 4}};
+    for (size_t i = 0; i < kinds.size(); ++i)
+      if (kind == kinds[i].first) {
+        TORCH_CHECK(w.size() == kinds[i].second, "LinearOp: ", kind, " takes ",
+                    kinds[i].second, " weight tensors, got ", w.size());
+        code = static_cast<Kind>(i);
+        return;
+      }
+    TORCH_CHECK(false, "LinearOp: unknown kind ", kind, " (rows, panels, int8, int4, q6)");
+  }
+
+  // x [M, K] contiguous bfloat16 -> [M, N] bfloat16
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    switch (code) {
+      case kRows:
+        return ::linear(x, w[0], bias);  // not at::linear, which ADL finds too
+      case kPanels:
+        return linear_packed(x, w[0], n, bias);
+      case kInt8:
+        return linear_int8_packed(x, w[0], n, w[1], bias);
+      case kInt4:
+        return linear_int4_packed(x, w[0], n, w[1], w[2], shift, bias);
+      case kQ6:
+        return linear_q6_packed(x, w[0], w[1], w[2], w[3], n, bias);
+    }
+    TORCH_CHECK(false, "LinearOp: bad kind");
+  }
+};
+
+// One decoder layer: its seven projections and its two RMSNorms' weights and epsilons.
+struct LeanLayer {
+  LinearOp q, k, v, o, gate, up, down;
+  torch::Tensor input_norm, post_norm;
+  double input_eps, post_eps;
+};
+
+// A model's decoder layers, run one after the other over the rows of one sequence.
+class LeanLayers {
+ public:
+  LeanLayers(std::vector<LeanLayer> layers, double scale, bool wide)
+      : layers_(std::move(layers)), scale_(scale), wide_(wide) {
+    TORCH_CHECK(!layers_.empty(), "LeanLayers: no layers");
+  }
+
+  // x [n, D] the residual stream (float32 when `wide`, else bfloat16), delta the block output
+  // still to add to it (or none); kv [layers, 2, Hkv, capacity, d] float32, its first `past`
+  // positions valid; cos, sin [n, d] float32; mask [n, past + n] additive float32 or none
+  // (causal). Writes the n new keys and values at past.. and returns (x, delta) after the last
+  // layer: its residual stream and its MLP's output, not yet added.
+  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x,
+                                                   c10::optional<torch::Tensor> delta,
+                                                   const torch::Tensor& kv, int64_t past,
+                                                   const torch::Tensor& cos,
+                                                   const torch::Tensor& sin,
+                                                   const c10::optional<torch::Tensor>& mask) const {
+    TORCH_CHECK(kv.dim() == 5 && kv.size(0) == int64_t(layers_.size()),
+                "LeanLayers: kv [layers, 2, Hkv, capacity, d] expected");
+    const auto add_norm = wide_ ? add_rms_norm_f32 : add_rms_norm;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const LeanLayer& layer = layers_[i];
+      const torch::Tensor cache = kv.select(0, int64_t(i));  // [2, Hkv, capacity, d]
+      torch::Tensor h;
+      std::tie(x, h) = add_norm(x, delta, layer.input_norm, layer.input_eps);
+      const torch::Tensor out = rope_attention(layer.q(h), layer.k(h), layer.v(h), cos, sin,
+                                               cache.select(0, 0), cache.select(0, 1), past,
+                                               mask, scale_);
+      std::tie(x, h) = add_norm(x, layer.o(out), layer.post_norm, layer.post_eps);
+      delta = layer.down(silu_mul(layer.gate(h), layer.up(h)));
+    }
+    return {x, *delta};
+  }
+
+  size_t size() const { return layers_.size(); }
+
+ private:
+  std::vector<LeanLayer> layers_;
+  double scale_;  // attention's 1 / sqrt(d)
+  bool wide_;     // a float32 residual stream (add_rms_norm_f32) rather than bfloat16
+};
+
+}  // namespace
+
+void bind_lean_layers(pybind11::module& m) {
+  namespace py = pybind11;
+  py::class_<LinearOp>(m, "LinearOp",
+                       "one linear layer on specdecode's kernels: call it on x [M, K] bfloat16")
+      .def(py::init<std::string, std::vector<torch::Tensor>, int64_t, int64_t,
+                    c10::optional<torch::Tensor>>(),
+           py::arg("kind"), py::arg("weights"), py::arg("n"), py::arg("shift"), py::arg("bias"))
+      .def("__call__", &LinearOp::operator(), py::arg("x"))
+      .def_readonly("kind", &LinearOp::kind)
+      .def_readonly("n", &LinearOp::n);
+  py::class_<LeanLayer>(m, "LeanLayer", "a decoder layer's projections and norms")
+      .def(py::init<LinearOp, LinearOp, LinearOp, LinearOp, LinearOp, LinearOp, LinearOp,
+                    torch::Tensor, torch::Tensor, double, double>(),
+           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"), py::arg("gate"), py::arg("up"),
+           py::arg("down"), py::arg("input_norm"), py::arg("post_norm"), py::arg("input_eps"),
+           py::arg("post_eps"));
+  py::class_<LeanLayers>(m, "LeanLayers", "a model's decoder layers, run in one call")
+      .def(py::init<std::vector<LeanLayer>, double, bool>(), py::arg("layers"),
+           py::arg("scale"), py::arg("wide"))
+      .def("forward", &LeanLayers::forward, py::arg("x"), py::arg("delta"), py::arg("kv"),
+           py::arg("past"), py::arg("cos"), py::arg("sin"), py::arg("mask"))
+      .def("__len__", &LeanLayers::size);
+}
