@@ -1,13 +1,17 @@
 """The lean forward's layer loop in C++ against the same loop in Python, side by side.
 
     python benchmarks/layer_loop.py --rounds 16
+    python benchmarks/layer_loop.py --rounds 16 --compare groups
+
+`--compare groups`: the C++ loop with a layer's q, k, v (and gate, up) as one `linear_group`
+(one parallel region) against one call each.
 
 Loads the target (`--target`, as decoding loads it: float32 residual stream where quantized)
 and the draft (`--draft`, loaded as a draft is), prefills `--prompt` random tokens into a
 LeanCache of each, checks that both loops give the same logits and keys/values bit for bit, then
 alternates the two (`lean.NATIVE_LOOP`) round by round in this one process: each round times
 `--repeats` forwards of each size on each side, rolled back after each. Prints the median ms per
-forward and the median of the per-round ratios (C++ / Python): the VM's speed drifts between
+forward and the median of the per-round ratios (new / old): the VM's speed drifts between
 processes, so only a within-process comparison means anything.
 """
 
@@ -21,6 +25,7 @@ import torch
 
 import specdecode.lean as lean
 from specdecode import load_model
+from specdecode.kernels.build import extension
 from specdecode.lean import LeanCache, target_residual
 
 
@@ -32,6 +37,15 @@ def forward_ms(cache: LeanCache, ids: torch.Tensor, past: int, repeats: int) -> 
     return (time.perf_counter() - start) / repeats * 1e3
 
 
+def use(side: bool, compare: str) -> None:
+    """The new (True) or old (False) side of the comparison, for every forward from now on."""
+    if compare == "loop":
+        lean.NATIVE_LOOP = side
+    else:
+        lean.NATIVE_LOOP = True
+        extension().set_linear_groups(side)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct:int4")
@@ -40,6 +54,7 @@ def main() -> None:
     parser.add_argument("--draft-rows", default="1,2", help="new tokens per draft forward")
     parser.add_argument("--prompt", type=int, default=150, help="cached tokens before")
     parser.add_argument("--rounds", type=int, default=16)
+    parser.add_argument("--compare", choices=("loop", "groups"), default="loop")
     parser.add_argument("--repeats", type=int, default=6, help="forwards per size, side, round")
     args = parser.parse_args()
     target = load_model(args.target, device="cpu", role="target").model
@@ -62,33 +77,34 @@ def main() -> None:
             for n in sizes:
                 ids = torch.randint(0, 1000, (n,), generator=generator)
                 runs = []
-                for native in (True, False):
-                    lean.NATIVE_LOOP = native
+                for side in (True, False):
+                    use(side, args.compare)
                     logits = cache.forward(ids)
                     runs.append((logits, cache.kv[:, :, :, args.prompt : args.prompt + n].clone()))
                     cache.rollback(args.prompt)
                 same = all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
-                print(f"{name}, {n} rows: C++ and Python loops bit for bit the same: {same}")
+                print(f"{name}, {n} rows: both sides bit for bit the same: {same}")
         for _ in range(args.rounds):
-            for native in (True, False):
-                lean.NATIVE_LOOP = native
+            for side in (True, False):
+                use(side, args.compare)
                 for name, (cache, sizes) in caches.items():
                     for n in sizes:
                         ids = torch.randint(0, 1000, (n,), generator=generator)
                         ms = forward_ms(cache, ids, args.prompt, args.repeats)
-                        times.setdefault((name, n, native), []).append(ms)
-    lean.NATIVE_LOOP = True
-    print(
-        f"\n| model | rows | Python loop ms | C++ loop ms | C++ / Python (median of {args.rounds} rounds) |"
+                        times.setdefault((name, n, side), []).append(ms)
+    use(True, args.compare)
+    old, new = (
+        ("Python loop", "C++ loop") if args.compare == "loop" else ("one call each", "groups")
     )
-    print("|---|---:|---:|---:|---:|")
+    rounds = f"{new} / {old}, median of {args.rounds} rounds"
+    print(f"\n| model | rows | {old} ms | {new} ms | {rounds} |\n|---|---:|---:|---:|---:|")
     for name, (_, sizes) in caches.items():
         for n in sizes:
-            native, python = times[(name, n, True)], times[(name, n, False)]
-            ratio = statistics.median(a / b for a, b in zip(native, python, strict=True))
+            after, before = times[(name, n, True)], times[(name, n, False)]
+            ratio = statistics.median(a / b for a, b in zip(after, before, strict=True))
             print(
-                f"| {name} | {n} | {statistics.median(python):.2f} | "
-                f"{statistics.median(native):.2f} | {ratio:.3f} |"
+                f"| {name} | {n} | {statistics.median(before):.2f} | "
+                f"{statistics.median(after):.2f} | {ratio:.3f} |"
             )
 
 

@@ -151,3 +151,34 @@ def test_q6_refuses_bad_shapes_and_arguments():
         kernel(x[:, :128].contiguous(), lo, high, scales, ds, 16, None)
     with pytest.raises(RuntimeError, match="contiguous panels"):
         kernel(x, lo, high, scales.to(torch.uint8), ds, 16, None)
+
+
+@pytest.mark.parametrize("vnni", [False, True])
+@pytest.mark.parametrize("m", [1, 3, 13])
+def test_a_group_of_linears_gives_each_its_own_calls_bits(m, vnni):
+    """linear_group (a layer's q, k, v or gate, up in one parallel region): 4-bit and 6-bit
+    members, with and without a bias, each output bit for bit its own call's."""
+    from specdecode.kernels.cpu_linear import direct_linear
+    from specdecode.kernels.quantize import _quantize_int4
+
+    k = 512
+    q6 = _layer(*random_codes(48, k, 5), bias=torch.randn(48).bfloat16())
+    int4 = torch.nn.Linear(k, 80, bias=False).bfloat16()
+    int4_bias = torch.nn.Linear(k, 16).bfloat16()
+    for layer in (int4, int4_bias):
+        _quantize_int4(layer)
+    ops = [direct_linear(layer) for layer in (int4, q6, int4_bias, q6)]
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+    if vnni and not use_int4_vnni(True):
+        pytest.skip("no AVX-512 VNNI on this CPU")
+    try:
+        use_int4_vnni(vnni)
+        together = extension().linear_group(x, ops)
+        alone = [op(x) for op in ops]
+    finally:
+        use_int4_vnni(True)
+    assert [t.shape for t in together] == [(m, 80), (m, 48), (m, 16), (m, 48)]
+    assert all(torch.equal(a, b) for a, b in zip(together, alone, strict=True))
+    with pytest.raises(RuntimeError, match="4-bit and 6-bit linears only"):
+        rows = extension().LinearOp("rows", [torch.randn(16, k).bfloat16()], 16, 0, None)
+        extension().linear_group(x, [rows])

@@ -1,6 +1,6 @@
 """The compiled CPU kernels: one extension built on first use, and its process-wide switches.
 
-`linear_avx2.cpp`, `linear_avx512.cpp` and `draft_ops.cpp` are compiled with PyTorch's C++
+`linear_avx2.cpp`, `linear_avx512.cpp`, `draft_ops.cpp` and `lean_layers.cpp` are compiled with PyTorch's C++
 extension builder (a C++ compiler and ninja; once per machine, cached by PyTorch).
 The switches choose between the AVX2 and AVX-512 paths where the CPU has both (cpu.py says which).
 """
@@ -29,7 +29,8 @@ _SOURCES = [
     for name in ("linear_avx2.cpp", "linear_avx512.cpp", "draft_ops.cpp", "lean_layers.cpp")
 ]
 _HEADERS = [
-    Path(__file__).with_name(name) for name in ("kernel_common.h", "int4_tile.h", "q6_tile.h")
+    Path(__file__).with_name(name)
+    for name in ("kernel_common.h", "int4_tile.h", "q6_tile.h", "quantized_call.h")
 ]
 
 

@@ -13,6 +13,7 @@
 // layer loop calls here. `LeanLayers` holds a model's layers, made once per cache.
 #include <torch/extension.h>
 
+#include <initializer_list>
 #include <tuple>
 #include <vector>
 
@@ -28,6 +29,7 @@ torch::Tensor linear_int4_packed(torch::Tensor x, torch::Tensor panels, int64_t 
 torch::Tensor linear_q6_packed(torch::Tensor x, torch::Tensor lo, torch::Tensor hi,
                                torch::Tensor sc, torch::Tensor d, int64_t N,
                                c10::optional<torch::Tensor> bias);
+#include "quantized_call.h"  // linear_group
 // draft_ops.cpp: the fused small operations
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x,
                                                       c10::optional<torch::Tensor> delta,
@@ -41,6 +43,10 @@ torch::Tensor rope_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
 torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up);
 
 namespace {
+
+// Whether the layer loop runs a layer's q, k, v (and its gate, up) as one linear_group where
+// they are all 4-bit or 6-bit; off for comparisons (`set_linear_groups`).
+bool g_linear_groups = true;
 
 // One linear layer on a kernel: `kind` names it, `w` holds its weights as that kernel takes them
 // (rows: [weight]; panels: [panels]; int8: [panels, scale]; int4: [panels, codes, steps];
@@ -84,7 +90,26 @@ struct LinearOp {
     }
     TORCH_CHECK(false, "LinearOp: bad kind");
   }
+
+  bool quantized() const { return code == kInt4 || code == kQ6; }
+  QuantizedCall call() const { return {code == kQ6, &w, n, shift, &bias}; }
 };
+
+// ops over the same x [M, K] -> their outputs: one linear_group where every op is 4-bit or
+// 6-bit (and groups are on), else one call each
+std::vector<torch::Tensor> apply_all(std::initializer_list<const LinearOp*> ops,
+                                     const torch::Tensor& x) {
+  bool group = g_linear_groups;
+  for (const LinearOp* op : ops) group = group && op->quantized();
+  if (group) {
+    std::vector<QuantizedCall> calls;
+    for (const LinearOp* op : ops) calls.push_back(op->call());
+    return linear_group(x, calls);
+  }
+  std::vector<torch::Tensor> outs;
+  for (const LinearOp* op : ops) outs.push_back((*op)(x));
+  return outs;
+}
 
 // One decoder layer: its seven projections and its two RMSNorms' weights and epsilons.
 struct LeanLayer {
@@ -120,11 +145,13 @@ class LeanLayers {
       const torch::Tensor cache = kv.select(0, int64_t(i));  // [2, Hkv, capacity, d]
       torch::Tensor h;
       std::tie(x, h) = add_norm(x, delta, layer.input_norm, layer.input_eps);
-      const torch::Tensor out = rope_attention(layer.q(h), layer.k(h), layer.v(h), cos, sin,
+      const auto qkv = apply_all({&layer.q, &layer.k, &layer.v}, h);
+      const torch::Tensor out = rope_attention(qkv[0], qkv[1], qkv[2], cos, sin,
                                                cache.select(0, 0), cache.select(0, 1), past,
                                                mask, scale_);
       std::tie(x, h) = add_norm(x, layer.o(out), layer.post_norm, layer.post_eps);
-      delta = layer.down(silu_mul(layer.gate(h), layer.up(h)));
+      const auto gate_up = apply_all({&layer.gate, &layer.up}, h);
+      delta = layer.down(silu_mul(gate_up[0], gate_up[1]));
     }
     return {x, *delta};
   }
@@ -161,4 +188,20 @@ void bind_lean_layers(pybind11::module& m) {
       .def("forward", &LeanLayers::forward, py::arg("x"), py::arg("delta"), py::arg("kv"),
            py::arg("past"), py::arg("cos"), py::arg("sin"), py::arg("mask"))
       .def("__len__", &LeanLayers::size);
+  m.def(
+      "linear_group",
+      [](const torch::Tensor& x, const std::vector<LinearOp>& ops) {
+        std::vector<QuantizedCall> calls;
+        for (const LinearOp& op : ops) {
+          TORCH_CHECK(op.quantized(), "linear_group: 4-bit and 6-bit linears only, got ", op.kind);
+          calls.push_back(op.call());
+        }
+        return linear_group(x, calls);
+      },
+      "the outputs of several 4-bit / 6-bit LinearOps over the same x [M, K], in one parallel "
+      "region",
+      py::arg("x"), py::arg("ops"));
+  m.def(
+      "set_linear_groups", [](bool on) { return g_linear_groups = on; },
+      "whether the layer loop runs q, k, v (and gate, up) as one linear_group where it can");
 }

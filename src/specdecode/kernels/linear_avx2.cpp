@@ -32,6 +32,7 @@
 #include "int4_tile.h"
 #include "kernel_common.h"
 #include "q6_tile.h"
+#include "quantized_call.h"
 
 namespace specdecode_kernels {  // linear_avx512.cpp: the bfloat16 panels on AVX-512 BF16
 bool bf16_dot_supported();
@@ -579,16 +580,89 @@ inline void store_tile(uint16_t* out, const float* res, const float* bias, int64
 }
 }  // namespace
 
-// x: [M, K] bfloat16 (K a multiple of 32), panels: uint8 [P = ceil(N / 16)][K / 4][32] (see
-// above; rows past N zero), codes: uint8 [P][K / 32][32], steps: float16
-// [P][ceil(K / 32 / 2^shift)][32], bias: [N] or None -> [M, N] bfloat16 with out[m, n] =
-// sum_k xq[m, k] dx (scale q + min) + bias[n], the min term on the exact sum of x.
-torch::Tensor linear_int4_packed(torch::Tensor x, torch::Tensor panels, int64_t N,
-                                 torch::Tensor codes, torch::Tensor steps, int64_t shift,
-                                 c10::optional<torch::Tensor> bias) {
+namespace {
+
+// One 4-bit or 6-bit linear over the 8-bit activations of x, checked, its output made:
+// `panel(p, res)` computes panel p's rows for every token. A linear runs all its panels
+// (`run`); `linear_group` runs the panels of several linears over the same x in one parallel
+// region. A panel's outputs are the same bits whichever call or thread computes them.
+struct QuantizedJob {
+  bool q6;
+  int64_t M, K, N, G, P;
+  int sh;  // int4: log2 of the groups per block of steps
+  const uint8_t* w0;   // int4: panels; q6: lo
+  const uint8_t* w1;   // int4: codes; q6: hi
+  const void* w2;      // int4: steps (float16); q6: sc (int8)
+  const uint16_t* w3;  // q6: d (float16)
+  const QuantizedRows* xr;
+  const int32_t* xs;  // q6: per group the halves' sums of xq, packed
+  std::vector<float> bias_f;
+  torch::Tensor out;
+  uint16_t* op;
+
+  void panel(int64_t p, float* res) const {
+    const int64_t rows = std::min<int64_t>(kPanel, N - p * kPanel);
+    const int64_t most = !g_int4_vnni ? 4
+                         : q6        ? specdecode_kernels::q6_vnni_tile_rows()
+                                     : specdecode_kernels::int4_vnni_tile_rows();
+    const int64_t blocks = (M + most - 1) / most;  // as few blocks as possible, near-equal
+    const float* bp = bias_f.empty() ? nullptr : bias_f.data();
+    for (int64_t b = 0, t0 = 0; b < blocks; ++b) {
+      const int64_t block = (M - t0) / (blocks - b);
+      const int8_t* xt = xr->xq.data() + t0 * K;
+      const float* dt = xr->dx.data() + t0 * G;
+      if (q6) {
+        const uint8_t* pl = w0 + p * kPanel * K / 2;
+        const uint8_t* ph = w1 + p * kPanel * K / 4;
+        const int8_t* ps = static_cast<const int8_t*>(w2) + p * kPanel * K / 16;
+        const uint16_t* pd = w3 + p * kPanel * K / specdecode_kernels::kQ6Block;
+        const int32_t* st = xs + t0 * G;
+        if (g_int4_vnni) {
+          specdecode_kernels::q6_vnni_tile(block, pl, ph, ps, pd, K, xt, st, dt, res);
+        } else {
+          with_tile_rows<4>(block, [&](auto n) {
+            specdecode_kernels::q6_tile<decltype(n)::value>(pl, ph, ps, pd, K, xt, st, dt, res);
+          });
+        }
+      } else {
+        const int64_t B = (G + (int64_t(1) << sh) - 1) >> sh;
+        const uint8_t* panel = w0 + p * (K / 2) * kPanel;
+        const uint8_t* c = w1 + p * G * 2 * kPanel;
+        const uint16_t* s = static_cast<const uint16_t*>(w2) + p * B * 2 * kPanel;
+        const float* st = xr->xsum.data() + t0 * G;
+        if (g_int4_vnni) {
+          specdecode_kernels::int4_vnni_tile(block, panel, c, s, sh, K, xt, dt, st, res);
+        } else {
+          with_tile_rows<4>(block, [&](auto n) {
+            int4_tile<decltype(n)::value>(panel, c, s, sh, K, xt, dt, st, res);
+          });
+        }
+      }
+      store_tile(op, res, bp, t0, block, p, rows, N);
+      t0 += block;
+    }
+  }
+
+  torch::Tensor run() const {
+    if (M > 0 && N > 0)
+      at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+        float res[12 * kPanel];
+        for (int64_t p = p0; p < p1; ++p) panel(p, res);
+      });
+    return out;
+  }
+};
+
+void check_activations(const torch::Tensor& x, const char* what) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() &&
                   x.device().is_cpu(),
-              "linear_int4_packed: contiguous bfloat16 CPU x [M, K] expected");
+              what, ": contiguous bfloat16 CPU x [M, K] expected");
+}
+
+// x [M, K] (checked by the caller), its 8-bit activations xr -> the 4-bit linear's job
+QuantizedJob int4_job(const torch::Tensor& x, const QuantizedRows& xr, const torch::Tensor& panels,
+                      int64_t N, const torch::Tensor& codes, const torch::Tensor& steps,
+                      int64_t shift, const c10::optional<torch::Tensor>& bias) {
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % kInt4Group == 0, "linear_int4_packed: K must be a multiple of 32");
   const int64_t P = (N + kPanel - 1) / kPanel, G = K / kInt4Group;
@@ -603,60 +677,32 @@ torch::Tensor linear_int4_packed(torch::Tensor x, torch::Tensor panels, int64_t 
   TORCH_CHECK(steps.scalar_type() == at::kHalf && steps.is_contiguous() &&
                   steps.device().is_cpu() && steps.numel() == P * B * 2 * kPanel,
               "linear_int4_packed: contiguous float16 steps [P][ceil(K / 32 / 2^shift)][32]");
-  const QuantizedRows xr = quantize_rows(x);
-  const std::vector<float> bias_f = bias_float(bias, N);
   auto out = torch::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out;
-  const uint8_t* pp = panels.data_ptr<uint8_t>();
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const auto* sp = reinterpret_cast<const uint16_t*>(steps.data_ptr<at::Half>());
-  const int sh = static_cast<int>(shift);
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  const float* bp = bias_f.empty() ? nullptr : bias_f.data();
-  const int64_t pstride = (K / 2) * kPanel, cstride = G * 2 * kPanel, sstride = B * 2 * kPanel;
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    float res[12 * kPanel];
-    const int64_t most = g_int4_vnni ? specdecode_kernels::int4_vnni_tile_rows() : 4;
-    for (int64_t p = p0; p < p1; ++p) {
-      const uint8_t* panel = pp + p * pstride;
-      const uint8_t* c = cp + p * cstride;
-      const uint16_t* s = sp + p * sstride;
-      const int64_t rows = std::min<int64_t>(kPanel, N - p * kPanel);
-      const int64_t blocks = (M + most - 1) / most;  // as few blocks as possible, near-equal
-      for (int64_t b = 0, t0 = 0; b < blocks; ++b) {
-        const int64_t block = (M - t0) / (blocks - b);
-        const int8_t* xt = xr.xq.data() + t0 * K;
-        const float* dt = xr.dx.data() + t0 * G;
-        const float* st = xr.xsum.data() + t0 * G;
-        if (g_int4_vnni) {
-          specdecode_kernels::int4_vnni_tile(block, panel, c, s, sh, K, xt, dt, st, res);
-        } else {
-          with_tile_rows<4>(block, [&](auto n) {
-            int4_tile<decltype(n)::value>(panel, c, s, sh, K, xt, dt, st, res);
-          });
-        }
-        store_tile(op, res, bp, t0, block, p, rows, N);
-        t0 += block;
-      }
-    }
-  });
-  return out;
+  return {false, M, K, N, G, P, static_cast<int>(shift), panels.data_ptr<uint8_t>(),
+          codes.data_ptr<uint8_t>(), steps.data_ptr<at::Half>(), nullptr, &xr, nullptr,
+          bias_float(bias, N), out, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>())};
 }
 
-// 6-bit panels: GGUF Q6_K's grid as the file has it (a GGUF-made target's Q6_K tensors: its
-// output layer, half its down and value projections), instead of int8 per row: 6.56 bits per
-// weight read, not 8, and the file's own weights, not a second rounding of them. Same 8-bit
-// activations as the int4 panels (groups of 32); the tile (q6_tile.h) sums each group exactly
-// in integers and adds (d dx) times it, group after group: batch invariant as they are.
-//   out = sum over groups of d dx (sum over its 16-k halves of sc (xq . q - 32 sum xq))
-torch::Tensor linear_q6_packed(torch::Tensor x, torch::Tensor lo, torch::Tensor hi,
-                               torch::Tensor sc, torch::Tensor d, int64_t N,
-                               c10::optional<torch::Tensor> bias) {
+// Per group of 32 activations, the sums of xq over its two halves of 16, packed in one int32
+std::vector<int32_t> half_sums(const QuantizedRows& xr, int64_t M, int64_t G) {
+  std::vector<int32_t> xs(size_t(M * G));
+  for (int64_t i = 0; i < M * G; ++i) {
+    int32_t a = 0, b = 0;
+    for (int j = 0; j < 16; ++j) {
+      a += xr.xq[i * kInt4Group + j];
+      b += xr.xq[i * kInt4Group + 16 + j];
+    }
+    xs[i] = int32_t((uint32_t(a) & 0xFFFF) | (uint32_t(b) << 16));
+  }
+  return xs;
+}
+
+// x [M, K] (checked by the caller), its 8-bit activations xr and their half_sums xs -> the
+// 6-bit linear's job
+QuantizedJob q6_job(const torch::Tensor& x, const QuantizedRows& xr, const std::vector<int32_t>& xs,
+                    const torch::Tensor& lo, const torch::Tensor& hi, const torch::Tensor& sc,
+                    const torch::Tensor& d, int64_t N, const c10::optional<torch::Tensor>& bias) {
   using specdecode_kernels::kQ6Block;
-  using specdecode_kernels::q6_tile;
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() &&
-                  x.device().is_cpu(),
-              "linear_q6_packed: contiguous bfloat16 CPU x [M, K] expected");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % kQ6Block == 0, "linear_q6_packed: K must be a multiple of 256");
   const int64_t P = (N + kPanel - 1) / kPanel, G = K / kInt4Group;
@@ -670,53 +716,70 @@ torch::Tensor linear_q6_packed(torch::Tensor x, torch::Tensor lo, torch::Tensor 
                   bytes_ok(d, at::kHalf, P * kPanel * K / kQ6Block),
               "linear_q6_packed: contiguous panels expected: lo uint8 [P][K / 4][32], hi uint8 "
               "[P][K / 8][32], sc int8 [P][K / 16][16], d float16 [P][K / 256][16]");
-  const QuantizedRows xr = quantize_rows(x);
-  std::vector<int32_t> xs(size_t(M * G));  // per group: its halves' sums of xq, packed
-  for (int64_t i = 0; i < M * G; ++i) {
-    int32_t a = 0, b = 0;
-    for (int j = 0; j < 16; ++j) {
-      a += xr.xq[i * kInt4Group + j];
-      b += xr.xq[i * kInt4Group + 16 + j];
-    }
-    xs[i] = int32_t((uint32_t(a) & 0xFFFF) | (uint32_t(b) << 16));
-  }
-  const std::vector<float> bias_f = bias_float(bias, N);
   auto out = torch::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out;
-  const uint8_t* lp = lo.data_ptr<uint8_t>();
-  const uint8_t* hp = hi.data_ptr<uint8_t>();
-  const int8_t* sp = sc.data_ptr<int8_t>();
-  const auto* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  const float* bp = bias_f.empty() ? nullptr : bias_f.data();
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+  return {true, M, K, N, G, P, 0, lo.data_ptr<uint8_t>(), hi.data_ptr<uint8_t>(),
+          sc.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), &xr,
+          xs.data(), bias_float(bias, N), out,
+          reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>())};
+}
+
+}  // namespace
+
+// x: [M, K] bfloat16 (K a multiple of 32), panels: uint8 [P = ceil(N / 16)][K / 4][32] (see
+// above; rows past N zero), codes: uint8 [P][K / 32][32], steps: float16
+// [P][ceil(K / 32 / 2^shift)][32], bias: [N] or None -> [M, N] bfloat16 with out[m, n] =
+// sum_k xq[m, k] dx (scale q + min) + bias[n], the min term on the exact sum of x.
+torch::Tensor linear_int4_packed(torch::Tensor x, torch::Tensor panels, int64_t N,
+                                 torch::Tensor codes, torch::Tensor steps, int64_t shift,
+                                 c10::optional<torch::Tensor> bias) {
+  check_activations(x, "linear_int4_packed");
+  const QuantizedRows xr = quantize_rows(x);
+  return int4_job(x, xr, panels, N, codes, steps, shift, bias).run();
+}
+
+// 6-bit panels: GGUF Q6_K's grid as the file has it (a GGUF-made target's Q6_K tensors: its
+// output layer, half its down and value projections), instead of int8 per row: 6.56 bits per
+// weight read, not 8, and the file's own weights, not a second rounding of them. Same 8-bit
+// activations as the int4 panels (groups of 32); the tile (q6_tile.h) sums each group exactly
+// in integers and adds (d dx) times it, group after group: batch invariant as they are.
+//   out = sum over groups of d dx (sum over its 16-k halves of sc (xq . q - 32 sum xq))
+torch::Tensor linear_q6_packed(torch::Tensor x, torch::Tensor lo, torch::Tensor hi,
+                               torch::Tensor sc, torch::Tensor d, int64_t N,
+                               c10::optional<torch::Tensor> bias) {
+  check_activations(x, "linear_q6_packed");
+  const QuantizedRows xr = quantize_rows(x);
+  const std::vector<int32_t> xs = half_sums(xr, x.size(0), x.size(1) / kInt4Group);
+  return q6_job(x, xr, xs, lo, hi, sc, d, N, bias).run();
+}
+
+// Several 4-bit and 6-bit linears of the same x (a layer's q, k and v projections; its gate and
+// up): x quantized once, every panel of every linear in one parallel region (one wake-up and
+// one wait of the threads, not one per linear). Each output is the same bits as its own call's.
+std::vector<torch::Tensor> linear_group(const torch::Tensor& x,
+                                        const std::vector<QuantizedCall>& calls) {
+  check_activations(x, "linear_group");
+  const QuantizedRows xr = quantize_rows(x);
+  std::vector<int32_t> xs;
+  std::vector<QuantizedJob> jobs;
+  std::vector<int64_t> first{0};  // job j's panels are first[j]..first[j + 1]
+  for (const QuantizedCall& c : calls) {
+    const std::vector<torch::Tensor>& w = *c.weights;
+    if (c.q6 && xs.empty()) xs = half_sums(xr, x.size(0), x.size(1) / kInt4Group);
+    jobs.push_back(c.q6 ? q6_job(x, xr, xs, w[0], w[1], w[2], w[3], c.n, *c.bias)
+                        : int4_job(x, xr, w[0], c.n, w[1], w[2], c.shift, *c.bias));
+    first.push_back(first.back() + (x.size(0) > 0 ? jobs.back().P : 0));
+  }
+  at::parallel_for(0, first.back(), 1, [&](int64_t i0, int64_t i1) {
     float res[12 * kPanel];
-    const int64_t most = g_int4_vnni ? specdecode_kernels::q6_vnni_tile_rows() : 4;
-    for (int64_t p = p0; p < p1; ++p) {
-      const uint8_t* pl = lp + p * kPanel * K / 2;
-      const uint8_t* ph = hp + p * kPanel * K / 4;
-      const int8_t* ps = sp + p * kPanel * K / 16;
-      const uint16_t* pd = dp + p * kPanel * K / kQ6Block;
-      const int64_t rows = std::min<int64_t>(kPanel, N - p * kPanel);
-      const int64_t blocks = (M + most - 1) / most;  // as few blocks as possible, near-equal
-      for (int64_t b = 0, t0 = 0; b < blocks; ++b) {
-        const int64_t block = (M - t0) / (blocks - b);
-        const int8_t* xt = xr.xq.data() + t0 * K;
-        const int32_t* st = xs.data() + t0 * G;
-        const float* dt = xr.dx.data() + t0 * G;
-        if (g_int4_vnni) {
-          specdecode_kernels::q6_vnni_tile(block, pl, ph, ps, pd, K, xt, st, dt, res);
-        } else {
-          with_tile_rows<4>(block, [&](auto n) {
-            q6_tile<decltype(n)::value>(pl, ph, ps, pd, K, xt, st, dt, res);
-          });
-        }
-        store_tile(op, res, bp, t0, block, p, rows, N);
-        t0 += block;
-      }
+    size_t j = std::upper_bound(first.begin(), first.end(), i0) - first.begin() - 1;
+    for (int64_t i = i0; i < i1; ++i) {
+      while (i >= first[j + 1]) ++j;
+      jobs[j].panel(i - first[j], res);
     }
   });
-  return out;
+  std::vector<torch::Tensor> outs;
+  for (const QuantizedJob& job : jobs) outs.push_back(job.out);
+  return outs;
 }
 
 // draft_ops.cpp: the lean draft forward's fused small operations
