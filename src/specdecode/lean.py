@@ -343,12 +343,11 @@ class LeanCache:
         pasts = [cache.length for cache in caches]
         for cache, past, n in zip(caches, pasts, sizes, strict=True):
             cache._reserve(past + n)
-        position_ids = torch.cat(
-            [
-                pos if pos is not None else torch.arange(past, past + n, device=self.device)
-                for pos, past, n in zip(positions, pasts, sizes, strict=True)
-            ]
-        )  # [N]
+        each = [
+            pos if pos is not None else torch.arange(past, past + n, device=self.device)
+            for pos, past, n in zip(positions, pasts, sizes, strict=True)
+        ]
+        position_ids = each[0] if len(each) == 1 else torch.cat(each)  # [N]
         base = self.model.model
         ids = torch.cat(inputs) if len(inputs) > 1 else inputs[0]
         x = base.embed_tokens(ids).to(self.residual)  # [N, D]
@@ -373,7 +372,9 @@ class LeanCache:
             cache.length = end
             leading = fused is not None and cache.fused_len >= past
             cache.fused_len = end if leading else min(cache.fused_len, past)
-        if last_only:  # each sequence's last row
+        if last_only and len(caches) == 1:  # the last row: a view, contiguous as it is
+            x, delta = x[-1:], delta[-1:]
+        elif last_only:  # each sequence's last row
             last = torch.tensor(bounds[1:], device=self.device) - 1
             x, delta = x[last].contiguous(), delta[last].contiguous()
             bounds = list(range(len(caches) + 1))
