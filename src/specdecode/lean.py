@@ -398,7 +398,7 @@ class LeanCache:
         """x through every decoder layer, writing each layer's keys and values -> (x, delta):
         the residual stream after the last layer and that layer's MLP output, not yet added."""
         if fused is not None and self._native is not None and len(caches) == 1 and NATIVE_LOOP:
-            return self._native.forward(x, None, self.kv, pasts[0], cos, sin, row_masks[0])
+            return self._native.forward(x, self.kv, pasts[0], cos, sin, row_masks[0])
         attend = self._attend_fused if fused is not None else self._attend
         delta = None  # the last block's output, added to x by the next norm
         for index, layer in enumerate(self.layers):

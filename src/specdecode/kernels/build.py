@@ -30,7 +30,7 @@ _SOURCES = [
 ]
 _HEADERS = [
     Path(__file__).with_name(name)
-    for name in ("kernel_common.h", "int4_tile.h", "q6_tile.h", "quantized_call.h")
+    for name in ("kernel_common.h", "int4_tile.h", "q6_tile.h", "kernel_ops.h")
 ]
 
 

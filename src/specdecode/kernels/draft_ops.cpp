@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "kernel_common.h"
+#include "kernel_ops.h"
 
 #ifndef SD_UNROLL
 #define SD_UNROLL _Pragma("GCC unroll 16")

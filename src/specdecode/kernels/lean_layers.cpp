@@ -17,30 +17,7 @@
 #include <tuple>
 #include <vector>
 
-// linear_avx2.cpp: the linear kernels
-torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
-torch::Tensor linear_packed(torch::Tensor x, torch::Tensor panels, int64_t N,
-                            c10::optional<torch::Tensor> bias);
-torch::Tensor linear_int8_packed(torch::Tensor x, torch::Tensor panels, int64_t N,
-                                 torch::Tensor scale, c10::optional<torch::Tensor> bias);
-torch::Tensor linear_int4_packed(torch::Tensor x, torch::Tensor panels, int64_t N,
-                                 torch::Tensor codes, torch::Tensor steps, int64_t shift,
-                                 c10::optional<torch::Tensor> bias);
-torch::Tensor linear_q6_packed(torch::Tensor x, torch::Tensor lo, torch::Tensor hi,
-                               torch::Tensor sc, torch::Tensor d, int64_t N,
-                               c10::optional<torch::Tensor> bias);
-#include "quantized_call.h"  // linear_group
-// draft_ops.cpp: the fused small operations
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x,
-                                                      c10::optional<torch::Tensor> delta,
-                                                      torch::Tensor weight, double eps);
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm_f32(torch::Tensor x,
-                                                          c10::optional<torch::Tensor> delta,
-                                                          torch::Tensor weight, double eps);
-torch::Tensor rope_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos,
-                             torch::Tensor sin, torch::Tensor keys, torch::Tensor values,
-                             int64_t past, c10::optional<torch::Tensor> mask, double scale);
-torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up);
+#include "kernel_ops.h"
 
 namespace {
 
@@ -48,31 +25,34 @@ namespace {
 // they are all 4-bit or 6-bit; off for comparisons (`set_linear_groups`).
 bool g_linear_groups = true;
 
-// One linear layer on a kernel: `kind` names it, `w` holds its weights as that kernel takes them
-// (rows: [weight]; panels: [panels]; int8: [panels, scale]; int4: [panels, codes, steps];
-// q6: [lo, hi, sc, d]), N its outputs.
+// One linear layer on a kernel: `code` says which (its name in `kNames`), `w` holds its weights
+// as that kernel takes them (rows: [weight]; panels: [panels]; int8: [panels, scale]; int4:
+// [panels, codes, steps]; q6: [lo, hi, sc, d]), `n` its outputs.
 struct LinearOp {
-  std::string kind;
+  enum Kind { kRows, kPanels, kInt8, kInt4, kQ6 };
+  static constexpr const char* kNames[] = {"rows", "panels", "int8", "int4", "q6"};
+  static constexpr size_t kTensors[] = {1, 1, 2, 3, 4};  // weight tensors per kind
+
+  Kind code;
   std::vector<torch::Tensor> w;
   int64_t n;
   int64_t shift;  // int4 only: log2 of the groups per block of steps
   c10::optional<torch::Tensor> bias;
-  enum Kind { kRows, kPanels, kInt8, kInt4, kQ6 } code;
 
-  LinearOp(std::string kind_, std::vector<torch::Tensor> w_, int64_t n_, int64_t shift_,
+  LinearOp(const std::string& kind, std::vector<torch::Tensor> w_, int64_t n_, int64_t shift_,
            c10::optional<torch::Tensor> bias_)
-      : kind(std::move(kind_)), w(std::move(w_)), n(n_), shift(shift_), bias(std::move(bias_)) {
-    const std::vector<std::pair<const char*, size_t>> kinds = {
-        {"rows", 1}, {"panels", 1}, {"int8", 2}, {"int4", 3}, {"q6", 4}};
-    for (size_t i = 0; i < kinds.size(); ++i)
-      if (kind == kinds[i].first) {
-        TORCH_CHECK(w.size() == kinds[i].second, "LinearOp: ", kind, " takes ",
-                    kinds[i].second, " weight tensors, got ", w.size());
-        code = static_cast<Kind>(i);
-        return;
-      }
+      : code(parse(kind)), w(std::move(w_)), n(n_), shift(shift_), bias(std::move(bias_)) {
+    TORCH_CHECK(w.size() == kTensors[code], "LinearOp: ", kind, " takes ", kTensors[code],
+                " weight tensors, got ", w.size());
+  }
+
+  static Kind parse(const std::string& kind) {
+    for (int i = 0; i <= kQ6; ++i)
+      if (kind == kNames[i]) return static_cast<Kind>(i);
     TORCH_CHECK(false, "LinearOp: unknown kind ", kind, " (rows, panels, int8, int4, q6)");
   }
+
+  std::string kind() const { return kNames[code]; }
 
   // x [M, K] contiguous bfloat16 -> [M, N] bfloat16
   torch::Tensor operator()(const torch::Tensor& x) const {
@@ -126,13 +106,11 @@ class LeanLayers {
     TORCH_CHECK(!layers_.empty(), "LeanLayers: no layers");
   }
 
-  // x [n, D] the residual stream (float32 when `wide`, else bfloat16), delta the block output
-  // still to add to it (or none); kv [layers, 2, Hkv, capacity, d] float32, its first `past`
+  // x [n, D] the embedded rows, the residual stream (float32 when `wide`, else bfloat16); kv [layers, 2, Hkv, capacity, d] float32, its first `past`
   // positions valid; cos, sin [n, d] float32; mask [n, past + n] additive float32 or none
   // (causal). Writes the n new keys and values at past.. and returns (x, delta) after the last
   // layer: its residual stream and its MLP's output, not yet added.
   std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x,
-                                                   c10::optional<torch::Tensor> delta,
                                                    const torch::Tensor& kv, int64_t past,
                                                    const torch::Tensor& cos,
                                                    const torch::Tensor& sin,
@@ -140,6 +118,7 @@ class LeanLayers {
     TORCH_CHECK(kv.dim() == 5 && kv.size(0) == int64_t(layers_.size()),
                 "LeanLayers: kv [layers, 2, Hkv, capacity, d] expected");
     const auto add_norm = wide_ ? add_rms_norm_f32 : add_rms_norm;
+    c10::optional<torch::Tensor> delta;  // the last block's output, added to x by the next norm
     for (size_t i = 0; i < layers_.size(); ++i) {
       const LeanLayer& layer = layers_[i];
       const torch::Tensor cache = kv.select(0, int64_t(i));  // [2, Hkv, capacity, d]
@@ -174,7 +153,7 @@ void bind_lean_layers(pybind11::module& m) {
                     c10::optional<torch::Tensor>>(),
            py::arg("kind"), py::arg("weights"), py::arg("n"), py::arg("shift"), py::arg("bias"))
       .def("__call__", &LinearOp::operator(), py::arg("x"))
-      .def_readonly("kind", &LinearOp::kind)
+      .def_property_readonly("kind", &LinearOp::kind)
       .def_readonly("n", &LinearOp::n);
   py::class_<LeanLayer>(m, "LeanLayer", "a decoder layer's projections and norms")
       .def(py::init<LinearOp, LinearOp, LinearOp, LinearOp, LinearOp, LinearOp, LinearOp,
@@ -185,7 +164,7 @@ void bind_lean_layers(pybind11::module& m) {
   py::class_<LeanLayers>(m, "LeanLayers", "a model's decoder layers, run in one call")
       .def(py::init<std::vector<LeanLayer>, double, bool>(), py::arg("layers"),
            py::arg("scale"), py::arg("wide"))
-      .def("forward", &LeanLayers::forward, py::arg("x"), py::arg("delta"), py::arg("kv"),
+      .def("forward", &LeanLayers::forward, py::arg("x"), py::arg("kv"),
            py::arg("past"), py::arg("cos"), py::arg("sin"), py::arg("mask"))
       .def("__len__", &LeanLayers::size);
   m.def(
@@ -193,7 +172,8 @@ void bind_lean_layers(pybind11::module& m) {
       [](const torch::Tensor& x, const std::vector<LinearOp>& ops) {
         std::vector<QuantizedCall> calls;
         for (const LinearOp& op : ops) {
-          TORCH_CHECK(op.quantized(), "linear_group: 4-bit and 6-bit linears only, got ", op.kind);
+          TORCH_CHECK(op.quantized(), "linear_group: 4-bit and 6-bit linears only, got ",
+                      op.kind());
           calls.push_back(op.call());
         }
         return linear_group(x, calls);

@@ -32,7 +32,7 @@
 #include "int4_tile.h"
 #include "kernel_common.h"
 #include "q6_tile.h"
-#include "quantized_call.h"
+#include "kernel_ops.h"
 
 namespace specdecode_kernels {  // linear_avx512.cpp: the bfloat16 panels on AVX-512 BF16
 bool bf16_dot_supported();
@@ -782,18 +782,6 @@ std::vector<torch::Tensor> linear_group(const torch::Tensor& x,
   return outs;
 }
 
-// draft_ops.cpp: the lean draft forward's fused small operations
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x,
-                                                      c10::optional<torch::Tensor> delta,
-                                                      torch::Tensor weight, double eps);
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm_f32(torch::Tensor x,
-                                                          c10::optional<torch::Tensor> delta,
-                                                          torch::Tensor weight, double eps);
-torch::Tensor rope_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos,
-                             torch::Tensor sin, torch::Tensor keys, torch::Tensor values,
-                             int64_t past, c10::optional<torch::Tensor> mask, double scale);
-torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up);
-torch::Tensor argmax_rows(torch::Tensor x);
 // lean_layers.cpp: LinearOp, LeanLayer, LeanLayers
 void bind_lean_layers(pybind11::module& m);
 
