@@ -436,3 +436,17 @@ def test_forward_seconds_times_rounds_over_every_size_after_a_warm_up_round():
     # forward i reads the clock at ticks 2i and 2i + 1: it "takes" 4i + 1; the warm-up round is
     # forwards 0-2, the timed rounds 3-5 and 6-8, and the median of two is the upper one
     assert seconds == {1: 25, 2: 29, 3: 33}
+
+
+def test_a_draft_vocabulary_is_part_of_the_key(tiny_pair):
+    """Its draft forwards cost less: a calibration of the whole draft is not reused for it."""
+    import types
+
+    from specdecode.models.draft_vocab import restrict_draft_vocab
+
+    target, draft = tiny_pair
+    smaller = noisy_copy(target.model, 0.05)
+    restrict_draft_vocab(types.SimpleNamespace(model=smaller, tokenizer=None, extra={}), 40)
+    whole, part = calibrate.machine_key(target, draft), calibrate.machine_key(target, smaller)
+    assert (whole.draft_vocab, part.draft_vocab) == (0, 40)
+    assert whole.differences(part) == ["draft_vocab"]

@@ -97,3 +97,24 @@ def test_the_kernel_help_names_both_instruction_sets():
     parser = argparse.ArgumentParser()
     add_kernel_arg(parser)
     assert "AVX2, or AVX-512 where the CPU has it" in " ".join(parser.format_help().split())
+
+
+def test_generate_takes_a_draft_vocabulary(tmp_path, capsys, monkeypatch):
+    from specdecode.draft_spec import DRAFT_VOCAB_ENV
+
+    monkeypatch.setenv(DRAFT_VOCAB_ENV, "all")  # restored after the test: main() sets it
+    target = tiny_llama(seed=0)
+    target.save_pretrained(tmp_path / "target")
+    noisy_copy(target, 0.05).save_pretrained(tmp_path / "draft")
+    argv = ["generate", "--target", str(tmp_path / "target"), "--prompt-ids", "1,2,3"]
+    argv += ["--dtype", "float32", "--max-new-tokens", "20", "--json"]
+    assert main(argv) == 0
+    ar = json.loads(capsys.readouterr().out)
+    draft = ["--draft", str(tmp_path / "draft"), "--k", "3", "--draft-vocab", "40"]
+    assert main([*argv, *draft]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["token_ids"] == ar["token_ids"] and spec["stats"]["accepted"] > 0
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--draft-vocab", "many"])
+    assert exit_info.value.code == 2
+    assert "draft vocabulary 'many'" in capsys.readouterr().err

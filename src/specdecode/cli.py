@@ -219,6 +219,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "kernel", None):
         # every load_model of this command (target, draft, bench, tune, serve) reads it
         os.environ["SPECDECODE_KERNEL"] = args.kernel
+    if getattr(args, "draft_vocab", None):
+        from specdecode.draft_spec import DRAFT_VOCAB_ENV
+
+        # every resolve_draft of this command reads it
+        os.environ[DRAFT_VOCAB_ENV] = args.draft_vocab
     try:
         return int(args.func(args) or 0)
     except ValueError as err:

@@ -56,7 +56,21 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     add_kernel_arg(parser)
 
 
-def add_kernel_arg(parser: argparse.ArgumentParser) -> None:
+def draft_vocab_value(text: str) -> str:
+    """--draft-vocab: a number of token ids or "all", checked here (models/draft_vocab.py)."""
+    from specdecode.draft_spec import resolve_draft_vocab
+
+    try:
+        resolve_draft_vocab(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+def add_kernel_arg(parser: argparse.ArgumentParser, draft_vocab: bool = True) -> None:
+    """--kernel, and (`draft_vocab`) --draft-vocab beside it: how a loaded model's layers run."""
+    if draft_vocab:
+        add_draft_vocab_arg(parser)
     parser.add_argument(
         "--kernel",
         choices=("auto", "on", "off"),
@@ -64,6 +78,20 @@ def add_kernel_arg(parser: argparse.ArgumentParser) -> None:
         help="bfloat16 linear layers on specdecode's CPU kernel (AVX2, or AVX-512 where the CPU "
         "has it): auto (default: when it builds), on (fail if it cannot), off (plain PyTorch); "
         "also $SPECDECODE_KERNEL",
+    )
+
+
+def add_draft_vocab_arg(parser: argparse.ArgumentParser) -> None:
+    from specdecode.draft_spec import DEFAULT_DRAFT_VOCAB, DRAFT_VOCAB_ENV
+
+    parser.add_argument(
+        "--draft-vocab",
+        type=draft_vocab_value,
+        default=None,
+        metavar="N|all",
+        help="a draft model's output layer computes only the first N token ids and the special "
+        f"ones (the others are never drafted; output unchanged): default {DEFAULT_DRAFT_VOCAB}, "
+        f"all: every id; also ${DRAFT_VOCAB_ENV}",
     )
 
 

@@ -10,6 +10,7 @@ take, so that a target carries the same quantization suffix.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import Literal
@@ -21,6 +22,10 @@ DraftKind = Literal["model", "ngram", "early-exit", "distilled"]
 # output layer int8); both on the CPU kernel, for a draft or a target (models/quantized.py)
 QUANT_BITS: dict[str, int] = {"int8": 8, "int4": 4}
 DEFAULT_NGRAM = (1, 3)  # `ngram` alone: n-grams of 1 to 3 tokens
+# the ids a draft model's output layer keeps by default (models/draft_vocab.py);
+# $SPECDECODE_DRAFT_VOCAB or --draft-vocab overrides it, 0 or "all": every id
+DEFAULT_DRAFT_VOCAB = 65536
+DRAFT_VOCAB_ENV = "SPECDECODE_DRAFT_VOCAB"
 
 MODEL_FORMS = "expected MODEL, MODEL:int8 or MODEL:int4 (int8 / 4-bit weights)"
 DRAFT_FORMS = (
@@ -186,3 +191,23 @@ def _kind(head: str) -> DraftKind:
     if head == "ngram" or head.startswith("ngram:"):
         return "ngram"
     return "model"
+
+
+def resolve_draft_vocab(size: int | str | None) -> int | None:
+    """The draft vocabulary size asked for: None -> $SPECDECODE_DRAFT_VOCAB, else the default;
+    0, "all" or "none" -> None (every id). ValueError for anything else but a positive count."""
+    if size is None:
+        size = os.environ.get(DRAFT_VOCAB_ENV, DEFAULT_DRAFT_VOCAB)
+    if isinstance(size, str):
+        text = size.strip().lower()
+        if text in ("all", "none", "0"):
+            return None
+        if not text.isascii() or not text.isdigit():
+            raise ValueError(
+                f"draft vocabulary {size!r}: expected a number of token ids or 'all' "
+                f"(from --draft-vocab or ${DRAFT_VOCAB_ENV})"
+            )
+        size = int(text)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ValueError(f"draft vocabulary {size!r}: expected a number of token ids or 'all'")
+    return size or None

@@ -54,9 +54,11 @@ import torch.nn.functional as F
 
 from specdecode.cache import KVCache, compaction
 from specdecode.kernels.cpu_linear import direct_linear
+from specdecode.models.draft_vocab import DraftVocabHead
 from specdecode.store import RowPool, StoreFull, kv_shape
 
 FAMILIES = ("llama", "qwen2", "mistral")
+OUTPUT_LAYERS = (torch.nn.Linear, DraftVocabHead)  # a draft's may keep part of the vocabulary
 ENV = "SPECDECODE_DRAFT_FORWARD"  # "hf": Hugging Face's forward for every draft; else "lean"
 TARGET_ENV = "SPECDECODE_TARGET_FORWARD"  # the same for every target
 PREFILL_CHUNK = 512  # longer inputs run in chunks: attention scores stay [H, 512, L]
@@ -87,7 +89,7 @@ def unsupported_reason(model: Any) -> str | None:
     needed = ("embed_tokens", "layers", "norm", "rotary_emb")
     if base is None or not all(hasattr(base, name) for name in needed):
         return "not a decoder with embed_tokens / layers / norm / rotary_emb"
-    if not isinstance(getattr(model, "lm_head", None), torch.nn.Linear) or model.training:
+    if not isinstance(getattr(model, "lm_head", None), OUTPUT_LAYERS) or model.training:
         return "no linear output layer, or the model is in training mode"
     for layer in base.layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
@@ -209,7 +211,7 @@ class LeanCache:
         # per layer (q, k, v, o, gate, up, down), then the output layer: the kernel calls
         # themselves where the draft's linears run on specdecode's kernels
         self._linears = [_layer_linears(layer) for layer in self.layers]
-        self._lm_head = direct_linear(model.lm_head)
+        self._lm_head = _output_layer(model.lm_head)
         # the whole layer loop in one C++ call where every projection is a kernel call
         self._native = _native_layers(self) if self._fused is not None else None
         half = self.head_dim // 2
@@ -629,6 +631,15 @@ def _native_layers(cache: LeanCache) -> Any:
         for ops, layer in zip(cache._linears, cache.layers, strict=True)
     ]
     return ext.LeanLayers(layers, cache.scale, cache.residual != cache.dtype)
+
+
+def _output_layer(head: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What computes the output layer's logits [M, V] from h [M, D]: the kernel call itself, and
+    for a draft vocabulary (models/draft_vocab.py) the kept ids' call spread over the vocabulary."""
+    if isinstance(head, DraftVocabHead):
+        kept = direct_linear(head.inner)
+        return lambda h: head.expand(kept(h))
+    return direct_linear(head)
 
 
 def _fused_ops(model: Any, dtype: torch.dtype, device: torch.device, head_dim: int) -> Any:

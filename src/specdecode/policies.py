@@ -341,8 +341,7 @@ def _compute_params(model: Any) -> int:
     embedding is tied to the output head."""
     total = sum(p.numel() for p in model.parameters())
     embed = model.get_input_embeddings().weight
-    head = model.get_output_embeddings()
-    if head is None or head.weight is not embed:
+    if getattr(model.get_output_embeddings(), "weight", None) is not embed:
         total -= embed.numel()
     return total
 

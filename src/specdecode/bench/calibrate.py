@@ -118,6 +118,7 @@ def machine_key(target: LoadedModel, draft: Any) -> MachineKey:
     from specdecode.kernels.build import source_digest
     from specdecode.kernels.cpu import cpu_flags
     from specdecode.lean import runs_lean, target_cache
+    from specdecode.models.draft_vocab import kept_count
 
     cpu = cpu_identity()
     device = target.device
@@ -140,6 +141,7 @@ def machine_key(target: LoadedModel, draft: Any) -> MachineKey:
         draft_forward=forward,
         target_forward="hf" if isinstance(target_cache(target.model), KVCache) else "lean",
         kernels=source_digest(),
+        draft_vocab=(kept_count(draft_model) or 0) if draft_model is not None else 0,
     )
 
 

@@ -59,6 +59,7 @@ class MachineKey:
     target_forward: str = "hf"  # "lean" (lean.target_cache) or "hf"
     format: int = FORMAT
     kernels: str = ""  # kernels.build.source_digest(): the kernels' code, between versions too
+    draft_vocab: int = 0  # ids the draft's output layer computes (models/draft_vocab.py); 0: all
 
     def differences(self, other: MachineKey) -> list[str]:
         """The fields in which `other` differs from this key."""
@@ -336,8 +337,8 @@ def _check(c: Calibration) -> None:
         raise ValueError("machine must be a MachineKey")
     for f in dataclasses.fields(MachineKey):
         value = getattr(c.machine, f.name)
-        if f.name in ("threads", "format"):
-            _count(value, f"machine.{f.name}", 1)
+        if f.name in ("threads", "format", "draft_vocab"):
+            _count(value, f"machine.{f.name}", 0 if f.name == "draft_vocab" else 1)
         elif f.name == "flags":
             if not all(isinstance(flag, str) for flag in value):
                 raise ValueError(f"machine.flags must be strings (got {value!r})")

@@ -34,6 +34,7 @@ from specdecode.bench.methods import (
 from specdecode.bench.records import Record, make_record, mark_identity, top2_margin
 from specdecode.bench.suites import BenchPrompt, interleave_by_category, load_suite
 from specdecode.config import load_config
+from specdecode.draft_spec import resolve_draft_vocab
 from specdecode.models.loading import LoadedModel
 
 QUICK_TARGET = "smollm2-135m-instruct"
@@ -415,6 +416,8 @@ def _write_run_info(
         "run_config": load_config(config.config_file).to_dict() if config.config_file else None,
         "target_dtype": str(target.dtype),
         "kernel": target.kernel,  # which path its linears run on (kernels/cpu.py)
+        # ids a draft model's output layer computes (models/draft_vocab.py); None: every id
+        "draft_vocab": resolve_draft_vocab(None),
         "attention": getattr(target.model.config, "_attn_implementation", None),
         "device": str(target.device),
         "machine": f"{platform.processor() or platform.machine()}, "

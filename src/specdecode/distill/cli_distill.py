@@ -91,7 +91,7 @@ def add_distill_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
         help="training in bfloat16 autocast: auto (when --dtype is bfloat16 and a measured "
         "linear layer trains faster so), bf16, off",
     )
-    add_kernel_arg(parser)
+    add_kernel_arg(parser, draft_vocab=False)  # it trains and measures drafts with every id
     parser.set_defaults(func=handle_distill, chat=True)
     return parser
 

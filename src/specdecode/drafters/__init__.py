@@ -21,7 +21,11 @@ __all__ = [
 
 
 def resolve_draft(
-    spec: str | DraftSpec | None, target: Any, dtype: Any = "bfloat16", device: Any = None
+    spec: str | DraftSpec | None,
+    target: Any,
+    dtype: Any = "bfloat16",
+    device: Any = None,
+    draft_vocab: int | str | None = None,
 ):
     """Turn a `--draft` value (its text or its DraftSpec) into what `SpeculativeDecoder(draft=...)`
     takes; ValueError for a bad spec (draft_spec.py), before anything is loaded.
@@ -32,6 +36,9 @@ def resolve_draft(
     weights (bfloat16 on a CPU with AVX2 only; models/quantized.py), its bfloat16 weights kept.
     `distilled:DIR[:int8|:int4]` loads the base draft DIR/distill.json names with DIR's adapter
     merged (then quantized, where asked), checked against `target`'s tokenizer.
+
+    A draft model's output layer keeps `draft_vocab` ids (None: $SPECDECODE_DRAFT_VOCAB, else
+    draft_spec.DEFAULT_DRAFT_VOCAB; 0 or "all": every id), checked before anything is loaded.
     """
     if spec is None:
         return None
@@ -41,14 +48,18 @@ def resolve_draft(
         return NgramDrafter(*spec.ngram)
     if spec.kind == "early-exit":
         return EarlyExitDrafter(target.model, spec.depth)
+    from specdecode.draft_spec import resolve_draft_vocab
     from specdecode.models.loading import load_model
 
+    vocab = resolve_draft_vocab(draft_vocab)
     if spec.kind == "distilled":
-        return _load_distilled(spec, target, dtype, device)
-    return load_model(spec.model, dtype=dtype, device=device, keep_weights=True, role="draft")
+        return _load_distilled(spec, target, dtype, device, vocab)
+    return load_model(
+        spec.model, dtype=dtype, device=device, keep_weights=True, role="draft", draft_vocab=vocab
+    )
 
 
-def _load_distilled(spec: DraftSpec, target: Any, dtype: Any, device: Any):
+def _load_distilled(spec: DraftSpec, target: Any, dtype: Any, device: Any, vocab: int | None):
     from specdecode.distill.result import check_target, read_result
     from specdecode.draft_spec import ModelSpec
     from specdecode.models.loading import load_model
@@ -58,7 +69,13 @@ def _load_distilled(spec: DraftSpec, target: Any, dtype: Any, device: Any):
     check_target(record, folder, target)
     base = ModelSpec(record["draft"], spec.model.quantization)  # type: ignore[union-attr]
     loaded = load_model(
-        base, dtype=dtype, device=device, keep_weights=True, role="draft", adapter=folder
+        base,
+        dtype=dtype,
+        device=device,
+        keep_weights=True,
+        role="draft",
+        adapter=folder,
+        draft_vocab=vocab,
     )
     loaded.name = str(spec)
     loaded.extra["distilled"] = {"folder": folder, "base": record["draft"]}

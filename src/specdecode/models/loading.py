@@ -119,6 +119,7 @@ def load_model(
     keep_weights: bool = False,
     role: str = "model",
     adapter: str | Path | None = None,
+    draft_vocab: int | None = None,
 ) -> LoadedModel:
     """Load a causal LM from a preset name, a `.gguf` file, a local folder or a hub id, each
     optionally with `:int8` / `:int4`.
@@ -131,9 +132,12 @@ def load_model(
     bfloat16 weights are freed unless `keep_weights` (a draft's; models/quantized.py). `role`
     ("target", "draft") names the model in error messages. `adapter`: a distillation's folder
     (`specdecode distill --out DIR`) whose adapter is merged into the weights first, so that the
-    kernel and the quantization take the trained weights (distill/result.py).
+    kernel and the quantization take the trained weights (distill/result.py). `draft_vocab`:
+    a draft's output layer keeps only that many ids (and the special ones) where it has more
+    (models/draft_vocab.py); None keeps them all.
     """
     from specdecode.kernels.cpu_linear import apply_kernel, resolve_mode
+    from specdecode.models.draft_vocab import restrict_draft_vocab
     from specdecode.models.quantized import check_quantizable, quantize_loaded
 
     model_spec = spec if isinstance(spec, ModelSpec) else ModelSpec.parse(str(spec), role)
@@ -145,6 +149,7 @@ def load_model(
         from specdecode.distill.result import merge_adapter
 
         loaded.model = merge_adapter(loaded.model, adapter)
+    restrict_draft_vocab(loaded, draft_vocab)  # before the kernel and quantization take the layer
     loaded.kernel = apply_kernel(loaded.model, mode)
     return quantize_loaded(loaded, model_spec, keep_weights=keep_weights, role=role)
 

@@ -160,7 +160,7 @@ def _linear_share(model: torch.nn.Module) -> float:
     total = sum(p.numel() for p in model.parameters())
     embed = model.get_input_embeddings()
     head = model.get_output_embeddings()
-    if embed is not None and (head is None or head.weight is not embed.weight):
+    if embed is not None and getattr(head, "weight", None) is not embed.weight:
         total -= embed.weight.numel()
     linear = sum(
         module.weight.numel()

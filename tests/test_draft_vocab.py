@@ -1,0 +1,132 @@
+"""The draft vocabulary (models/draft_vocab.py): a draft's output layer over the first N ids and
+the special ones. The kept ids' logits are the full layer's, the others -inf; speculation over
+such a draft stays lossless, greedy (token for token) and sampled (the target's distribution)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from specdecode import SpeculativeDecoder
+from specdecode.draft_spec import DRAFT_VOCAB_ENV, resolve_draft_vocab
+from specdecode.lean import LeanCache
+from specdecode.models.draft_vocab import DraftVocabHead, kept_count, kept_ids, restrict_draft_vocab
+from specdecode.sampling import SamplingParams
+from test_sampling_lossless import chi_square, chi_square_limit, exact_step_joint
+
+from conftest import WIDE, char_tokenizer, needs_kernel, noisy_copy, on_kernel, tiny_llama
+
+
+def restricted(model, size: int, tokenizer=None):
+    """`model` (changed in place) with a draft vocabulary of `size` ids."""
+    loaded = types.SimpleNamespace(model=model, tokenizer=tokenizer, extra={})
+    assert restrict_draft_vocab(loaded, size) == loaded.extra["draft_vocab"]
+    return model
+
+
+def test_the_size_comes_from_the_argument_then_the_environment(monkeypatch):
+    monkeypatch.delenv(DRAFT_VOCAB_ENV, raising=False)
+    assert resolve_draft_vocab(None) == 65536
+    assert resolve_draft_vocab(1000) == 1000
+    assert resolve_draft_vocab("2048") == 2048
+    for every in ("all", "ALL", "none", "0", 0):
+        assert resolve_draft_vocab(every) is None
+    monkeypatch.setenv(DRAFT_VOCAB_ENV, "all")
+    assert resolve_draft_vocab(None) is None
+    monkeypatch.setenv(DRAFT_VOCAB_ENV, "4096")
+    assert resolve_draft_vocab(None) == 4096
+    for bad in ("-5", "1e4", "lots", "٣", -1, 2.5, True):
+        with pytest.raises(ValueError, match="draft vocabulary"):
+            resolve_draft_vocab(bad)
+
+
+def test_the_kept_ids_are_the_prefix_and_the_special_tokens():
+    tokenizer = char_tokenizer()  # <unk> 0, <eos> 1: special, inside any prefix
+    config = types.SimpleNamespace(eos_token_id=[90, 3], bos_token_id=None, pad_token_id=95)
+    keep = kept_ids(96, 10, tokenizer, config)
+    assert keep.tolist() == [*range(10), 90, 95]
+    assert kept_ids(96, 200, None, None).tolist() == list(range(96))
+
+
+def test_the_kept_logits_are_the_full_layers_and_the_rest_is_minus_infinity():
+    model = tiny_llama(seed=1, vocab=96)
+    full = torch.nn.Linear(32, 96, bias=True)
+    head = DraftVocabHead(full, torch.tensor([0, 1, 2, 7, 50]))
+    h = torch.randn(3, 5, 32)
+    logits = head(h)  # [3, 5, 96]
+    assert logits.shape == (3, 5, 96)
+    expected = full(h)  # (PyTorch's float32 matmul over fewer rows may round differently)
+    torch.testing.assert_close(logits[..., [0, 1, 2, 7, 50]], expected[..., [0, 1, 2, 7, 50]])
+    others = torch.ones(96, dtype=torch.bool)
+    others[[0, 1, 2, 7, 50]] = False
+    assert torch.isneginf(logits[..., others]).all()
+    # a model's tied output layer: the embedding keeps its own rows
+    embed = model.get_input_embeddings().weight.clone()
+    restricted(model, 40)
+    assert torch.equal(model.get_input_embeddings().weight, embed)
+    assert kept_count(model) == 40
+    assert kept_count(tiny_llama(seed=1)) is None
+
+
+def test_a_draft_at_or_under_the_size_is_left_as_it_is():
+    model = tiny_llama(seed=1, vocab=96)
+    loaded = types.SimpleNamespace(model=model, tokenizer=None, extra={})
+    assert restrict_draft_vocab(loaded, 96) is None
+    assert restrict_draft_vocab(loaded, None) is None
+    assert type(model.lm_head) is torch.nn.Linear and not loaded.extra
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_greedy_output_is_the_targets_with_a_draft_vocabulary(k):
+    target = tiny_llama(seed=0)
+    draft = restricted(noisy_copy(target, 0.05), 48)
+    plain = SpeculativeDecoder(target, None)
+    engine = SpeculativeDecoder(target, draft, k=k)
+    for prompt in ([4, 5, 6], [60, 70, 80, 90]):
+        expected = plain.generate(prompt, 40).token_ids
+        result = engine.generate(prompt, 40)
+        assert result.token_ids == expected
+        assert result.stats.accepted > 0
+        # ids the draft cannot say are never drafted, and still emitted where the target says them
+        assert any(t >= 48 for t in expected)
+
+
+def test_sampling_keeps_the_targets_distribution_with_a_draft_vocabulary():
+    vocab = 6
+    params = SamplingParams(temperature=1.0)
+    target = tiny_llama(seed=3, vocab=vocab)
+    draft = restricted(noisy_copy(target, 0.3), 3)  # ids 3, 4, 5 never drafted
+    exact = exact_step_joint(target, params)
+    engine = SpeculativeDecoder(target, draft, k=4)
+    n = 2000
+    counts = torch.zeros(vocab * vocab)
+    drafted = 0
+    for seed in range(n):
+        result = engine.generate([1, 2, 3], max_new_tokens=4, temperature=1.0, seed=seed)
+        second, third = result.token_ids[1:3]
+        counts[second * vocab + third] += 1
+        drafted += result.stats.drafted
+    assert drafted >= 2 * n
+    assert chi_square(counts, exact) < chi_square_limit(int((exact > 0).sum()))
+    # the tokens outside the draft vocabulary were reached (by the target's own corrections)
+    assert counts.view(vocab, vocab)[3:].sum() > 0.2 * n
+
+
+@needs_kernel()
+@pytest.mark.parametrize("bits", [None, 4])
+def test_the_lean_forward_gives_the_kept_ids_the_full_layers_logits(bits):
+    """On the kernel (bfloat16 panels, or 4-bit weights), each kept id's logit is its row of the
+    full output layer's, bit for bit: the kernel computes every output row on its own. (The
+    tiny models' output layers are not tied, so both are 4-bit alike.)"""
+    base = tiny_llama(seed=2, vocab=160, **WIDE)
+    full = on_kernel(base, bits)
+    draft = on_kernel(restricted(tiny_llama(seed=2, vocab=160, **WIDE), 64), bits)
+    ids = torch.tensor([5, 9, 100, 42, 7])
+    with torch.inference_mode():
+        a = LeanCache(full).forward(ids)  # [5, 160]
+        b = LeanCache(draft).forward(ids)
+    assert torch.equal(a[:, :64], b[:, :64])  # 4-bit: each row quantized on its own, alike
+    assert torch.isneginf(b[:, 64:]).all()
+    assert b.shape == a.shape
