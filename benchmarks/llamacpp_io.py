@@ -434,7 +434,14 @@ def render_report(results: dict[str, Any]) -> str:
         f"- software: {', '.join(f'{k} {v}' for k, v in machine['versions'].items())}",
         f"- target `{config['target']}` (llama.cpp: `{Path(config['target_gguf']).name}`; ours: "
         "converted to bfloat16, `int4`: our 4-bit weights of it), draft "
-        f"`{config['draft']}` (llama.cpp: `{Path(config['draft_gguf']).name}`)",
+        f"`{config['draft']}` (llama.cpp: `{Path(config['draft_gguf']).name}`"
+        + (
+            f"; ours: its output layer on the first {config['draft_vocab']} ids and the special "
+            "ones, the draft vocabulary"
+            if config.get("draft_vocab")
+            else ""
+        )
+        + ")",
         f"- prompts: {len({r['prompt_id'] for r in runs})} of the built-in suite "
         f"({', '.join(config['categories'])}; at most {config['limit']} per category), chat "
         f"template applied by ours and given to llama.cpp as text; greedy, at most "

@@ -36,6 +36,7 @@ from specdecode import metrics
 from specdecode.bench.methods import MethodRunner, Setting
 from specdecode.bench.records import Record, make_record, mark_identity, top2_margin
 from specdecode.bench.suites import CATEGORIES, BenchPrompt, interleave_by_category, load_suite
+from specdecode.draft_spec import resolve_draft_vocab
 from specdecode.drafters import resolve_draft
 from specdecode.drafters.tree_shape import parse_tree_spec
 from specdecode.models.fetch import rebuild_gguf
@@ -321,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             "ours": [s.label for s in args.ours_specs],
             "ours_kernels": ours.kernels,
             "ctx_size": args.ctx_size,
+            "draft_vocab": resolve_draft_vocab(None),  # ids our draft's output layer computes
         },
         "machine": lio.machine(threads),
         "llama_cpp": version,

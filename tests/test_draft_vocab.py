@@ -130,3 +130,36 @@ def test_the_lean_forward_gives_the_kept_ids_the_full_layers_logits(bits):
     assert torch.equal(a[:, :64], b[:, :64])  # 4-bit: each row quantized on its own, alike
     assert torch.isneginf(b[:, 64:]).all()
     assert b.shape == a.shape
+
+
+def test_the_benchmark_runs_on_tiny_models(tiny_folders, tmp_path):
+    import json
+
+    from conftest import load_benchmark
+
+    bench = load_benchmark("draft_vocab")
+    argv = ["--target", str(tiny_folders / "target"), "--draft", str(tiny_folders / "draft")]
+    argv += [
+        "--prompts",
+        str(tiny_folders / "prompts.jsonl"),
+        "--sizes",
+        "all,20",
+        "--limit",
+        "1",
+        "--max-new-tokens",
+        "8",
+        "--repeats",
+        "2",
+    ]
+    argv += ["--tree", "dynamic:4,3,2", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    prompts = len(results["rates"]["target alone"])
+    assert set(results["rows"]) == {
+        "target alone",
+        *(f"vocab {s}, {how}" for s in ("all", "20") for how in ("k=2", "tree dynamic:4,3,2")),
+    }
+    assert all(row["identical"] == prompts for row in results["rows"].values())
+    assert results["coverage"]["all"]["all"] == 1.0
+    assert 0.0 <= results["coverage"]["20"]["all"] <= 1.0
+    assert "| 20 | " in (tmp_path / "report.md").read_text()
