@@ -31,10 +31,9 @@ from tqdm.auto import tqdm
 
 from specdecode.bench.methods import MethodRunner, Setting
 from specdecode.bench.suites import interleave_by_category, load_suite
-from specdecode.draft_spec import resolve_draft_vocab
 from specdecode.drafters import resolve_draft
 from specdecode.lean import draft_cache
-from specdecode.models.draft_vocab import kept_ids
+from specdecode.models.draft_vocab import DraftVocabHead
 from specdecode.models.loading import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -112,11 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             same[name] += tokens[name] == tokens["target alone"]
 
-    tokenizer, config = target.tokenizer, target.model.config
     coverage: dict[str, dict[str, float]] = {}
     for size in sizes:
-        n = resolve_draft_vocab(size)
-        kept = set(kept_ids(vocab, n, tokenizer, config).tolist()) if n else None
+        head = drafts[f"vocab {size}"].model.get_output_embeddings()  # the ids it keeps
+        kept = set(head.keep.tolist()) if isinstance(head, DraftVocabHead) else None
         by_category: dict[str, list[bool]] = defaultdict(list)
         for category, toks in outputs.values():
             by_category[category] += [kept is None or t in kept for t in toks]

@@ -44,10 +44,11 @@ def test_the_size_comes_from_the_argument_then_the_environment(monkeypatch):
 
 def test_the_kept_ids_are_the_prefix_and_the_special_tokens():
     tokenizer = char_tokenizer()  # <unk> 0, <eos> 1: special, inside any prefix
-    config = types.SimpleNamespace(eos_token_id=[90, 3], bos_token_id=None, pad_token_id=95)
-    keep = kept_ids(96, 10, tokenizer, config)
+    config = types.SimpleNamespace(eos_token_id=3, bos_token_id=None, pad_token_id=95)
+    generation = types.SimpleNamespace(eos_token_id=[90, 3])
+    keep = kept_ids(96, 10, tokenizer, [config, generation, None])
     assert keep.tolist() == [*range(10), 90, 95]
-    assert kept_ids(96, 200, None, None).tolist() == list(range(96))
+    assert kept_ids(96, 200).tolist() == list(range(96))
 
 
 def test_the_kept_logits_are_the_full_layers_and_the_rest_is_minus_infinity():

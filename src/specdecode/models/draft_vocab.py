@@ -18,6 +18,7 @@ vocabulary"). The size: draft_spec.DEFAULT_DRAFT_VOCAB, --draft-vocab, $SPECDECO
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -58,16 +59,19 @@ class DraftVocabHead(torch.nn.Module):
         return f"keeps {self.keep.numel()} of {self.vocab} ids"
 
 
-def kept_ids(vocab: int, size: int, tokenizer: Any = None, config: Any = None) -> torch.Tensor:
+def kept_ids(
+    vocab: int, size: int, tokenizer: Any = None, configs: Sequence[Any] = ()
+) -> torch.Tensor:
     """The ids a draft vocabulary of `size` keeps out of `vocab`: 0 .. size-1, every special or
-    added token of `tokenizer`, and the end/start/padding ids `config` names. [N'] int64."""
+    added token of `tokenizer`, and the end/start/padding ids `configs` name (a model's config
+    and its generation config). [N'] int64, increasing."""
     special: set[int] = set()
     if tokenizer is not None:
         special.update(getattr(tokenizer, "all_special_ids", None) or [])
         special.update((getattr(tokenizer, "added_tokens_decoder", None) or {}).keys())
-    for source in (config, getattr(config, "generation_config", None)):
+    for config in configs:
         for name in ("eos_token_id", "bos_token_id", "pad_token_id"):
-            value = getattr(source, name, None)
+            value = getattr(config, name, None)
             special.update(value if isinstance(value, (list, tuple)) else [value])
     extra = sorted(i for i in special if isinstance(i, int) and size <= i < vocab)
     return torch.cat([torch.arange(min(size, vocab)), torch.tensor(extra, dtype=torch.long)])
@@ -81,7 +85,8 @@ def restrict_draft_vocab(loaded: Any, size: int | None) -> int | None:
     head = getattr(model, "lm_head", None)
     if size is None or type(head) is not torch.nn.Linear or head.weight.shape[0] <= size:
         return None
-    keep = kept_ids(head.weight.shape[0], size, loaded.tokenizer, getattr(model, "config", None))
+    configs = [getattr(model, name, None) for name in ("config", "generation_config")]
+    keep = kept_ids(head.weight.shape[0], size, loaded.tokenizer, configs)
     model.lm_head = DraftVocabHead(head, keep)
     loaded.extra["draft_vocab"] = int(keep.numel())
     return int(keep.numel())
