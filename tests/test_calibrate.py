@@ -446,7 +446,8 @@ def test_a_draft_vocabulary_is_part_of_the_key(tiny_pair):
 
     target, draft = tiny_pair
     smaller = noisy_copy(target.model, 0.05)
-    restrict_draft_vocab(types.SimpleNamespace(model=smaller, tokenizer=None, extra={}), 40)
+    loaded = types.SimpleNamespace(model=smaller, tokenizer=None, extra={}, name="draft")
+    restrict_draft_vocab(loaded, 40)
     whole, part = calibrate.machine_key(target, draft), calibrate.machine_key(target, smaller)
     assert (whole.draft_vocab, part.draft_vocab) == (0, 40)
     assert whole.differences(part) == ["draft_vocab"]

@@ -21,7 +21,7 @@ from conftest import WIDE, char_tokenizer, needs_kernel, noisy_copy, on_kernel, 
 
 def restricted(model, size: int, tokenizer=None):
     """`model` (changed in place) with a draft vocabulary of `size` ids."""
-    loaded = types.SimpleNamespace(model=model, tokenizer=tokenizer, extra={})
+    loaded = types.SimpleNamespace(model=model, tokenizer=tokenizer, extra={}, name="draft")
     assert restrict_draft_vocab(loaded, size) == loaded.extra["draft_vocab"]
     return model
 
@@ -51,7 +51,7 @@ def test_the_kept_ids_are_the_prefix_and_the_special_tokens():
     assert kept_ids(96, 200).tolist() == list(range(96))
 
 
-def test_the_kept_logits_are_the_full_layers_and_the_rest_is_minus_infinity():
+def test_the_kept_logits_are_the_full_layers_and_the_rest_is_minus_infinity(capsys):
     model = tiny_llama(seed=1, vocab=96)
     full = torch.nn.Linear(32, 96, bias=True)
     head = DraftVocabHead(full, torch.tensor([0, 1, 2, 7, 50]))
@@ -66,6 +66,9 @@ def test_the_kept_logits_are_the_full_layers_and_the_rest_is_minus_infinity():
     # a model's tied output layer: the embedding keeps its own rows
     embed = model.get_input_embeddings().weight.clone()
     restricted(model, 40)
+    assert (
+        "draft: the draft vocabulary, its output layer on 40 of 96 ids" in capsys.readouterr().err
+    )
     assert torch.equal(model.get_input_embeddings().weight, embed)
     assert kept_count(model) == 40
     assert kept_count(tiny_llama(seed=1)) is None
@@ -73,7 +76,7 @@ def test_the_kept_logits_are_the_full_layers_and_the_rest_is_minus_infinity():
 
 def test_a_draft_at_or_under_the_size_is_left_as_it_is():
     model = tiny_llama(seed=1, vocab=96)
-    loaded = types.SimpleNamespace(model=model, tokenizer=None, extra={})
+    loaded = types.SimpleNamespace(model=model, tokenizer=None, extra={}, name="draft")
     assert restrict_draft_vocab(loaded, 96) is None
     assert restrict_draft_vocab(loaded, None) is None
     assert type(model.lm_head) is torch.nn.Linear and not loaded.extra

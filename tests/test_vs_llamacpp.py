@@ -245,3 +245,13 @@ def test_report_ends_with_the_main_table():
         "- b1, ours bf16 + int4 draft k=3: from token 7 (target's top-2 margin there: 0.125)"
         in (report)
     )
+
+
+def test_the_report_names_our_draft_vocabulary():
+    results = _fake_results()
+    assert "draft vocabulary" not in lio.render_report(results)  # none recorded: every id
+    results["config"]["draft_vocab"] = 65536
+    assert (
+        "ours: its output layer on the first 65536 ids and the special ones, the draft vocabulary"
+        in " ".join(lio.render_report(results).split())
+    )

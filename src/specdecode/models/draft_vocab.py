@@ -18,6 +18,7 @@ vocabulary"). The size: draft_spec.DEFAULT_DRAFT_VOCAB, --draft-vocab, $SPECDECO
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -89,6 +90,12 @@ def restrict_draft_vocab(loaded: Any, size: int | None) -> int | None:
     keep = kept_ids(head.weight.shape[0], size, loaded.tokenizer, configs)
     model.lm_head = DraftVocabHead(head, keep)
     loaded.extra["draft_vocab"] = int(keep.numel())
+    print(
+        f"{loaded.name}: the draft vocabulary, its output layer on {keep.numel()} of "
+        f"{head.weight.shape[0]} ids (--draft-vocab all: every id)",
+        file=sys.stderr,
+        flush=True,
+    )
     return int(keep.numel())
 
 
