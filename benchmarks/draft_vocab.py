@@ -30,10 +30,11 @@ import torch
 from tqdm.auto import tqdm
 
 from specdecode.bench.methods import MethodRunner, Setting
+from specdecode.bench.serve_report import table
 from specdecode.bench.suites import interleave_by_category, load_suite
 from specdecode.drafters import resolve_draft
 from specdecode.lean import draft_cache
-from specdecode.models.draft_vocab import DraftVocabHead
+from specdecode.models.draft_vocab import DraftVocabHead, kept_count
 from specdecode.models.loading import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -130,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         for name in names
     }
+    categories = sorted({c for c, _ in outputs.values()})
     machine = lio.machine(torch.get_num_threads())
     cpu = machine["cpu"]
     lines = [
@@ -141,17 +143,18 @@ def main(argv: list[str] | None = None) -> int:
         f"{', '.join(cpu.get('flags', []))}; target `{args.target}`, draft `{args.draft}`; "
         f"{len(prompts)} prompts, greedy, at most {args.max_new_tokens} new tokens.",
         "",
-        "| draft vocabulary | ids kept | one-row draft forward, ms | target tokens inside |",
-        "|---|---:|---:|---:|",
-    ]
-    for size in sizes:
-        label = f"vocab {size}"
-        kept_n = drafts[label].extra.get("draft_vocab", vocab)
-        lines.append(
-            f"| {size} | {kept_n} | {forward_ms[label]:.2f} | {coverage[size]['all']:.3f} |"
-        )
-    categories = sorted({c for c, _ in outputs.values()})
-    lines += [
+        *table(
+            ("draft vocabulary", "ids kept", "one-row draft forward, ms", "target tokens inside"),
+            [
+                [
+                    size,
+                    str(kept_count(drafts[f"vocab {size}"].model) or vocab),
+                    f"{forward_ms[f'vocab {size}']:.2f}",
+                    f"{coverage[size]['all']:.3f}",
+                ]
+                for size in sizes
+            ],
+        ),
         "",
         "Target tokens inside, per category: "
         + "; ".join(
@@ -160,14 +163,19 @@ def main(argv: list[str] | None = None) -> int:
             if size != "all"
         ),
         "",
-        "| setting | decode tok/s (geomean) | vs target alone (paired) | identical |",
-        "|---|---:|---:|---:|",
+        *table(
+            ("setting", "decode tok/s (geomean)", "vs target alone (paired)", "identical"),
+            [
+                [
+                    name,
+                    f"{row['tok_s']:.2f}",
+                    f"{row['vs_target']:.3f}x",
+                    f"{row['identical']}/{len(prompts)}",
+                ]
+                for name, row in rows.items()
+            ],
+        ),
     ]
-    for name, row in rows.items():
-        lines.append(
-            f"| {name} | {row['tok_s']:.2f} | {row['vs_target']:.3f}x | "
-            f"{row['identical']}/{len(prompts)} |"
-        )
     report = "\n".join(lines) + "\n"
     print(report)
     if args.out is not None:

@@ -446,7 +446,7 @@ def test_a_draft_vocabulary_is_part_of_the_key(tiny_pair):
 
     target, draft = tiny_pair
     smaller = noisy_copy(target.model, 0.05)
-    loaded = types.SimpleNamespace(model=smaller, tokenizer=None, extra={}, name="draft")
+    loaded = types.SimpleNamespace(model=smaller, tokenizer=None, name="draft")
     restrict_draft_vocab(loaded, 40)
     whole, part = calibrate.machine_key(target, draft), calibrate.machine_key(target, smaller)
     assert (whole.draft_vocab, part.draft_vocab) == (0, 40)

@@ -14,15 +14,15 @@ from specdecode.draft_spec import DRAFT_VOCAB_ENV, resolve_draft_vocab
 from specdecode.lean import LeanCache
 from specdecode.models.draft_vocab import DraftVocabHead, kept_count, kept_ids, restrict_draft_vocab
 from specdecode.sampling import SamplingParams
-from test_sampling_lossless import chi_square, chi_square_limit, exact_step_joint
+from test_sampling_lossless import chi_square, chi_square_limit, exact_step_joint, first_step_draws
 
 from conftest import WIDE, char_tokenizer, needs_kernel, noisy_copy, on_kernel, tiny_llama
 
 
 def restricted(model, size: int, tokenizer=None):
     """`model` (changed in place) with a draft vocabulary of `size` ids."""
-    loaded = types.SimpleNamespace(model=model, tokenizer=tokenizer, extra={}, name="draft")
-    assert restrict_draft_vocab(loaded, size) == loaded.extra["draft_vocab"]
+    loaded = types.SimpleNamespace(model=model, tokenizer=tokenizer, name="draft")
+    assert restrict_draft_vocab(loaded, size) == kept_count(model)
     return model
 
 
@@ -77,10 +77,10 @@ def test_the_kept_logits_are_the_full_layers_and_the_rest_is_minus_infinity(caps
 
 def test_a_draft_at_or_under_the_size_is_left_as_it_is():
     model = tiny_llama(seed=1, vocab=96)
-    loaded = types.SimpleNamespace(model=model, tokenizer=None, extra={}, name="draft")
+    loaded = types.SimpleNamespace(model=model, tokenizer=None, name="draft")
     assert restrict_draft_vocab(loaded, 96) is None
     assert restrict_draft_vocab(loaded, None) is None
-    assert type(model.lm_head) is torch.nn.Linear and not loaded.extra
+    assert type(model.lm_head) is torch.nn.Linear and kept_count(model) is None
 
 
 @pytest.mark.parametrize("k", [2, 4])
@@ -106,14 +106,8 @@ def test_sampling_keeps_the_targets_distribution_with_a_draft_vocabulary():
     exact = exact_step_joint(target, params)
     engine = SpeculativeDecoder(target, draft, k=4)
     n = 2000
-    counts = torch.zeros(vocab * vocab)
-    drafted = 0
-    for seed in range(n):
-        result = engine.generate([1, 2, 3], max_new_tokens=4, temperature=1.0, seed=seed)
-        second, third = result.token_ids[1:3]
-        counts[second * vocab + third] += 1
-        drafted += result.stats.drafted
-    assert drafted >= 2 * n
+    counts, results = first_step_draws(engine, params, n)
+    assert sum(r.stats.drafted for r in results) >= 2 * n
     assert chi_square(counts, exact) < chi_square_limit(int((exact > 0).sum()))
     # the tokens outside the draft vocabulary were reached (by the target's own corrections)
     assert counts.view(vocab, vocab)[3:].sum() > 0.2 * n

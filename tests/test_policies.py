@@ -6,7 +6,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from specdecode import SpeculativeDecoder, metrics
 from specdecode.drafters import ModelDrafter, NgramDrafter
@@ -20,7 +19,13 @@ from specdecode.policies import (
 )
 from specdecode.sampling import SamplingParams
 from specdecode.types import ForwardMeter
-from test_sampling_lossless import PROMPT, VOCAB, chi_square, chi_square_limit, exact_step_joint
+from test_sampling_lossless import (
+    VOCAB,
+    chi_square,
+    chi_square_limit,
+    exact_step_joint,
+    first_step_draws,
+)
 
 from conftest import noisy_copy, tiny_llama
 
@@ -82,13 +87,10 @@ def test_sampling_stays_lossless_with_a_policy_and_confidence():
         target, draft, k=2, k_policy="heuristic", confidence=0.35, time_forwards=False
     )
     n = 1500  # about 20 s of CPU; the correct algorithm sits far below the limit
-    counts = torch.zeros(VOCAB * VOCAB)
+    counts, results = first_step_draws(engine, params, n)
     ks: dict[int, int] = {}
     drafted = asked = 0
-    for seed in range(n):
-        result = engine.generate(PROMPT, max_new_tokens=4, temperature=1.0, seed=seed)
-        second, third = result.token_ids[1:3]  # after the prefill's first token
-        counts[second * VOCAB + third] += 1
+    for result in results:
         for k, steps in result.stats.k_hist.items():
             ks[k] = ks.get(k, 0) + steps
             asked += k * steps

@@ -142,6 +142,30 @@ def exact_step_joint(model, params: SamplingParams, prompt: list[int] = PROMPT) 
     return (first[:, None, None] * second[:, :, None] * third).sum(0).flatten()
 
 
+def first_step_draws(
+    engine: SpeculativeDecoder, params: SamplingParams, n: int, prompt: list[int] = PROMPT
+) -> tuple[torch.Tensor, list]:
+    """`engine`'s first step's two tokens over n generations (seeds 0 .. n-1) of 4 tokens after
+    `prompt`: their counts ([V * V], index second * V + third, as `exact_step_joint`) and the
+    GenerationResults (for the callers' own counters)."""
+    vocab = engine.target.model.config.vocab_size
+    counts = torch.zeros(vocab * vocab)
+    results = []
+    for seed in range(n):
+        result = engine.generate(
+            prompt,
+            max_new_tokens=4,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            seed=seed,
+        )
+        second, third = result.token_ids[1:3]  # the first step's (the 1st is the prefill's)
+        counts[second * vocab + third] += 1
+        results.append(result)
+    return counts, results
+
+
 @pytest.mark.parametrize(
     "params",
     [
@@ -157,21 +181,10 @@ def test_speculative_sampling_matches_target_distribution(params):
     exact = exact_step_joint(target, params)
     engine = SpeculativeDecoder(target, draft, k=4)
     n = 3000
-    counts = torch.zeros(VOCAB * VOCAB)
-    drafted = 0
-    for seed in range(n):
-        result = engine.generate(
-            PROMPT,
-            max_new_tokens=4,
-            temperature=params.temperature,
-            top_k=params.top_k,
-            top_p=params.top_p,
-            seed=seed,
-        )
-        second, third = result.token_ids[1:3]  # the first step's (the 1st is the prefill's)
-        counts[second * VOCAB + third] += 1
-        drafted += result.stats.drafted
-    assert drafted >= 2 * n  # two drafts in the first step (k clamped by max_new_tokens = 4)
+    counts, results = first_step_draws(engine, params, n)
+    assert (
+        sum(r.stats.drafted for r in results) >= 2 * n
+    )  # two drafts in the first step (k clamped by max_new_tokens = 4)
     limit = chi_square_limit(int((exact > 0).sum()))
     assert chi_square(counts, exact) < limit
     # power: n draws from the draft's own distribution would fail by far

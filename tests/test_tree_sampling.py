@@ -16,7 +16,7 @@ from specdecode.sampling import SamplingParams
 from specdecode.tree import TokenTree
 from specdecode.types import ForwardMeter
 from specdecode.verify_tree import multi_candidate_step, verify_tree_sampling
-from test_sampling_lossless import chi_square, chi_square_limit, exact_step_joint
+from test_sampling_lossless import chi_square, chi_square_limit, exact_step_joint, first_step_draws
 
 from conftest import noisy_copy, tiny_llama
 
@@ -191,19 +191,8 @@ def test_tree_sampling_matches_target_distribution(spec, params, n):
     draft = noisy_copy(tiny_llama(seed=4, vocab=6), 0.0)  # an unrelated draft
     exact = exact_step_joint(target, params)  # [36]: the first step's two tokens
     engine = SpeculativeDecoder(target, draft, tree=spec, time_forwards=False)
-    counts = torch.zeros(36)
-    depth = 0
-    for seed in range(n):
-        result = engine.generate(
-            [1, 2, 3],
-            max_new_tokens=4,
-            temperature=params.temperature,
-            top_k=params.top_k,
-            seed=seed,
-        )
-        second, third = result.token_ids[1:3]  # after the prefill's first token
-        counts[second * 6 + third] += 1
-        depth += result.stats.accepted
+    counts, results = first_step_draws(engine, params, n, [1, 2, 3])
+    depth = sum(r.stats.accepted for r in results)
     assert depth > n // 4  # the trees really supply tokens, not only recovered ones
     limit = chi_square_limit(int((exact > 0).sum()))
     assert chi_square(counts, exact) < limit

@@ -13,7 +13,9 @@ def logits_size(model: Any) -> int:
     """Rows of the output embedding: the width of the logits (often padded past the tokenizer;
     a draft vocabulary's output layer gives the full width too, models/draft_vocab.py)."""
     head = model.get_output_embeddings()
-    return int(head.out_features) if head is not None else int(model.config.vocab_size)
+    if head is None:
+        return int(model.config.vocab_size)
+    return int(getattr(head, "out_features", None) or head.weight.shape[0])
 
 
 def describe_vocab_difference(target_tok: Any, draft_tok: Any) -> str | None:

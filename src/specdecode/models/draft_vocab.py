@@ -89,7 +89,6 @@ def restrict_draft_vocab(loaded: Any, size: int | None) -> int | None:
     configs = [getattr(model, name, None) for name in ("config", "generation_config")]
     keep = kept_ids(head.weight.shape[0], size, loaded.tokenizer, configs)
     model.lm_head = DraftVocabHead(head, keep)
-    loaded.extra["draft_vocab"] = int(keep.numel())
     print(
         f"{loaded.name}: the draft vocabulary, its output layer on {keep.numel()} of "
         f"{head.weight.shape[0]} ids (--draft-vocab all: every id)",
