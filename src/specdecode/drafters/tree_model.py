@@ -7,17 +7,12 @@ Which nodes get children (dynamic trees) is decided from tokens at their depth o
 their own children are drawn, and no draw is ever dropped afterwards (sampling); a greedy tree is
 deterministic, so it is also pruned to the `nodes` most probable at the end (EAGLE-2's re-rank),
 then rid of the nodes below the shape's `leaf` path probability (the root's most probable child
-always stays). A shape with `+lookup` then grafts a prompt-lookup branch onto a greedy tree: the
-tokens that followed the context's last n-gram where it occurred before (NgramDrafter), sharing
-the nodes it agrees with and adding the rest as one more branch, never fed to the draft. It
-costs no draft forward and pays where the answer repeats its prompt or itself (editing,
-extraction, summaries, code), beyond the tree's depth too.
+always stays).
 
 Cache bookkeeping: `propose_tree` first feeds the committed tokens the draft has not seen (causal,
 as ModelDrafter), then each level's expanded nodes in one forward with a tree mask; the cache then
 covers the context plus every expanded node. `observe_path` compacts it to the context plus the
-accepted nodes it holds (an accepted path's expanded nodes are a prefix of it: a lookup node has
-only lookup nodes below it); the next step's catch-up feeds the rest.
+accepted nodes it holds (an accepted path's expanded nodes are a prefix of it).
 """
 
 from __future__ import annotations
@@ -29,7 +24,6 @@ from typing import Any
 import torch
 
 from specdecode.drafters.model import DraftModelState, ModelDrafter
-from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.tree_shape import TreeShape, parse_tree_spec
 from specdecode.sampling import SamplingParams, logits_to_probs
 from specdecode.tree import (
@@ -40,10 +34,6 @@ from specdecode.tree import (
     tree_mask,
 )
 from specdecode.types import ForwardMeter
-
-# the n-gram a lookup branch matches: the longest of these lengths that occurred before; shorter
-# matches propose more often and more wrongly, and every wrong node is a verified row
-LOOKUP_NGRAM = (3, 5)
 
 
 class _Pool:
@@ -149,7 +139,6 @@ class TreeModelDrafter(DraftModelState):
         self._pool = _Pool()
         self._kept: list[int] = []  # pool id of each node of the last tree
         self._context_len = 0
-        self._lookup = NgramDrafter(*LOOKUP_NGRAM) if shape.lookup else None
 
     def begin(
         self,
@@ -164,14 +153,6 @@ class TreeModelDrafter(DraftModelState):
                 "every draw (lossless verification needs them)",
                 stacklevel=2,
             )
-        if self._lookup is not None:
-            if not params.greedy:
-                warnings.warn(
-                    f"tree {self.shape}: +lookup applies to greedy trees only; sampled trees "
-                    "draft without it",
-                    stacklevel=2,
-                )
-            self._lookup.begin(prompt_ids, params, generator, meter)
         super().begin(prompt_ids, params, generator, meter)
 
     def _q(self, logits: torch.Tensor) -> torch.Tensor | None:
@@ -217,34 +198,8 @@ class TreeModelDrafter(DraftModelState):
                 # the root); a path probability never grows along a path, so still a tree
                 least = math.log(self.shape.leaf)
                 keep = keep[:1] + [node for node in keep[1:] if pool.score[node] >= least]
-        if self._lookup is not None and self.params.greedy:
-            keep = self._graft_lookup(context, keep, min(self.shape.lookup, max_depth))
         self._kept = sorted(keep)
         return pool.tree(self._kept, self.device)
-
-    def _graft_lookup(self, context: list[int], keep: list[int], length: int) -> list[int]:
-        """`keep` (pool ids) plus a prompt-lookup branch of at most `length` tokens: from the
-        root, each lookup token follows the pool's node for it under the current node (taken
-        back into the tree if pruned) or, from the first one the draft did not propose, adds a
-        new node (never fed to the draft: its cache slot stays -1)."""
-        assert self._lookup is not None
-        tokens = self._lookup.propose(context, length).tokens.tolist()
-        if not tokens:
-            return keep
-        pool, kept = self._pool, set(keep)
-        nodes = zip(pool.parents, pool.tokens, strict=True)
-        children = {(parent, token): node for node, (parent, token) in enumerate(nodes)}
-        parent = -1
-        for token in tokens:
-            node = children.get((parent, token))
-            if node is None:
-                score = pool.score[parent] if parent >= 0 else 0.0  # unused: the tree is chosen
-                node = pool.add(parent, token, score, None)
-            if node not in kept:
-                kept.add(node)
-                keep = [*keep, node]
-            parent = node
-        return keep
 
     def _children(self, level: int, budget: int) -> int:
         if not self.shape.dynamic:

@@ -1,21 +1,17 @@
 """Tree shapes: `static:3,2,2,1,1` (children per node at each depth) or `dynamic:NODES`
-(`dynamic:NODES,DEPTH,WIDTH,FLOOR,LEAF` in full), either with `+lookup[:N]` (a prompt-lookup
-branch of up to N tokens grafted onto greedy trees)."""
+(`dynamic:NODES,DEPTH,WIDTH,FLOOR,LEAF` in full)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 MAX_NODES = 1024  # a verification forward over more tree nodes than this is surely a typo
-LOOKUP_TOKENS = 8  # `+lookup` without a length: the most tokens a lookup branch adds
-MAX_LOOKUP = 64
 
 _EXAMPLES = "e.g. static:3,2,2,1,1 (children per node at depth 1, 2, ...), dynamic:16 (a budget "
 _EXAMPLES += "of 16 nodes), dynamic:16,6,4 (budget, deepest level, nodes expanded per level) or "
 _EXAMPLES += "dynamic:16,6,4,0.2 (and the path probability below which no node is expanded) or "
 _EXAMPLES += "dynamic:16,6,4,0.2,0.05 (and the one below which no node is verified; FLOOR may be 0 "
-_EXAMPLES += "there); either may end in +lookup or +lookup:N (a prompt-lookup branch of up to "
-_EXAMPLES += "N tokens)"
+_EXAMPLES += "there)"
 
 
 @dataclass(frozen=True)
@@ -34,10 +30,6 @@ class TreeShape:
     the draft is unsure verifies fewer rows; a path probability never
     grows along a path, so what is left is still a tree. Sampled trees keep every draw (lossless
     verification needs them) and ignore `leaf`, with a warning.
-
-    `lookup` > 0 (greedy only): the continuation of the context's last n-gram where it occurred
-    before (prompt lookup), up to `lookup` tokens, joins the tree as one more branch, sharing
-    the nodes it agrees with (drafters/tree_model.py). Sampled trees ignore it, with a warning.
     """
 
     branching: tuple[int, ...] = ()  # static
@@ -46,7 +38,6 @@ class TreeShape:
     width: int = 4  # dynamic: nodes expanded per level, children per expanded node
     floor: float = 0.0  # dynamic: the least path probability of an expanded node
     leaf: float = 0.0  # dynamic, greedy: the least path probability of a verified node
-    lookup: int = 0  # greedy: the most tokens of a prompt-lookup branch (0: none)
 
     @property
     def dynamic(self) -> bool:
@@ -57,12 +48,11 @@ class TreeShape:
         return self.depth if self.dynamic else len(self.branching)
 
     def __str__(self) -> str:
-        lookup = f"+lookup:{self.lookup}" if self.lookup else ""
         if self.dynamic:
             tail = f",{self.floor:g},{self.leaf:g}" if self.leaf else ""
             tail = tail or (f",{self.floor:g}" if self.floor else "")
-            return f"dynamic:{self.nodes},{self.depth},{self.width}{tail}{lookup}"
-        return "static:" + ",".join(map(str, self.branching)) + lookup
+            return f"dynamic:{self.nodes},{self.depth},{self.width}{tail}"
+        return "static:" + ",".join(map(str, self.branching))
 
 
 def _positive_ints(text: str, spec: str) -> list[int]:
@@ -86,23 +76,10 @@ def _probability(text: str, spec: str, name: str, zero: bool = False) -> float:
     return value
 
 
-def _lookup(text: str, spec: str) -> int:
-    """What follows a shape's `+`: `lookup` or `lookup:N` (1 <= N <= MAX_LOOKUP)."""
-    name, sep, length = text.strip().partition(":")
-    if name != "lookup" or (sep and not length.strip().isdigit()):
-        raise ValueError(f"bad tree {spec!r}: expected +lookup or +lookup:N after the shape")
-    tokens = int(length) if sep else LOOKUP_TOKENS
-    if not 1 <= tokens <= MAX_LOOKUP:
-        raise ValueError(f"bad tree {spec!r}: a lookup branch of 1 to {MAX_LOOKUP} tokens")
-    return tokens
-
-
 def parse_tree_spec(spec: str) -> TreeShape:
-    """`static:C1,C2,...` or `dynamic:NODES[,DEPTH[,WIDTH[,FLOOR[,LEAF]]]]`, either followed by
-    `+lookup[:N]` -> TreeShape (ValueError if bad)."""
-    shape, plus, suffix = spec.partition("+")
-    lookup = _lookup(suffix, spec) if plus else 0
-    kind, sep, rest = shape.partition(":")
+    """`static:C1,C2,...` or `dynamic:NODES[,DEPTH[,WIDTH[,FLOOR[,LEAF]]]]` -> TreeShape
+    (ValueError if bad)."""
+    kind, sep, rest = spec.partition(":")
     if not sep or kind not in ("static", "dynamic"):
         raise ValueError(f"bad tree {spec!r}: {_EXAMPLES}")
     floor = leaf = 0.0
@@ -120,10 +97,10 @@ def parse_tree_spec(spec: str) -> TreeShape:
             nodes += level
         if nodes > MAX_NODES:
             raise ValueError(f"tree {spec!r} has {nodes} nodes (at most {MAX_NODES})")
-        return TreeShape(branching=tuple(numbers), lookup=lookup)
+        return TreeShape(branching=tuple(numbers))
     if len(numbers) > 3:
         raise ValueError(f"bad tree {spec!r}: {_EXAMPLES}")
     if numbers[0] > MAX_NODES:
         raise ValueError(f"tree {spec!r} has {numbers[0]} nodes (at most {MAX_NODES})")
     extra = dict(zip(("depth", "width"), numbers[1:], strict=False))  # optional, in order
-    return TreeShape(nodes=numbers[0], floor=floor, leaf=leaf, lookup=lookup, **extra)
+    return TreeShape(nodes=numbers[0], floor=floor, leaf=leaf, **extra)
