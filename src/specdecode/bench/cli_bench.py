@@ -7,7 +7,7 @@ import shlex
 import time
 
 from specdecode.bench.methods import ALL_METHODS
-from specdecode.cli_args import add_kernel_arg, csv_list, int_csv
+from specdecode.cli_args import TREE_HELP, add_kernel_arg, csv_list, int_csv
 
 
 def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:
@@ -63,8 +63,7 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         action="append",
         default=None,
         metavar="SHAPE",
-        help="token tree for each model draft (repeatable): static:3,2,2,1,1 or "
-        "dynamic:NODES[,DEPTH,WIDTH[,FLOOR[,LEAF]]]",
+        help=f"token tree for each model draft (repeatable): {TREE_HELP}",
     )
     bench.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     bench.add_argument("--top-k", type=int, default=None)
@@ -145,8 +144,7 @@ def _add_tune_parser(subparsers: argparse._SubParsersAction) -> None:
         action="append",
         default=None,
         metavar="SHAPE",
-        help="token tree to try with each model draft (repeatable): static:3,2,1 or "
-        "dynamic:NODES[,DEPTH,WIDTH[,FLOOR[,LEAF]]]",
+        help=f"token tree to try with each model draft (repeatable): {TREE_HELP}",
     )
     tune.add_argument(
         "--limit", type=int, default=2, help="prompts per category to calibrate (and validate)"
