@@ -5,7 +5,8 @@
 
 A decoded token reads every linear layer's weights as the kernel holds them (4-bit, 6-bit or
 int8 panels with their scales, or bfloat16 panels), the norms and biases, and one row of the
-input embedding (not the table: a lookup). Per model this sums, per kind of buffer, the bytes of
+input embedding (not the table: a lookup); a draft's output layer only its draft vocabulary's
+rows (`--draft-vocab`, as a draft is loaded to decode). Per model this sums, per kind of buffer, the bytes of
 every module's parameters and buffers except the input embedding's table (each storage once),
 and prints them with bits per linear weight. Divide by a measured token time for the bytes per
 second a forward streams, against the machine's read bandwidth (`quant_rate.py` measures it).
@@ -19,6 +20,7 @@ from collections import defaultdict
 
 import torch
 
+from specdecode.draft_spec import resolve_draft_vocab
 from specdecode.kernels.panels import PANELS_BUFFER
 from specdecode.kernels.quantize import is_quantized
 from specdecode.models.loading import load_model
@@ -70,10 +72,22 @@ def main() -> None:
         default=[],
         help="per model, in order: target (frees bfloat16 weights) or draft (keeps them)",
     )
+    parser.add_argument(
+        "--draft-vocab",
+        default=None,
+        metavar="N|all",
+        help="a draft's output layer on the first N ids and the special ones, as decoding "
+        "loads it (default: as there, $SPECDECODE_DRAFT_VOCAB or 65536)",
+    )
     args = parser.parse_args()
+    try:
+        draft_vocab = resolve_draft_vocab(args.draft_vocab)
+    except ValueError as err:
+        parser.error(str(err))
     roles = args.role + ["target"] * (len(args.models) - len(args.role))
     for spec, role in zip(args.models, roles, strict=True):
-        loaded = load_model(spec, role=role)
+        vocab = draft_vocab if role == "draft" else None
+        loaded = load_model(spec, role=role, draft_vocab=vocab)
         kinds = read_bytes(loaded.model)
         linear_weights = sum(
             m.weight.numel()
