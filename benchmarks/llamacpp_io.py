@@ -363,8 +363,8 @@ def geometric_mean(values: Iterable[float | None]) -> float | None:
 
 
 def summarize(runs: list[dict[str, Any]], methods: Sequence[str]) -> list[dict[str, Any]]:
-    """One row per method: decode tokens/s per category and overall (geometric means over
-    prompts), e2e and prefill tokens/s, the paired ratios to llama.cpp's target alone (geometric
+    """One row per method: decode and e2e tokens/s per category and overall (geometric means
+    over prompts), prefill tokens/s, the paired ratios to llama.cpp's target alone (geometric
     mean over prompts of the per-prompt ratio), greedy identity and τ."""
     categories = list(dict.fromkeys(r["category"] for r in runs))
     base = {r["prompt_id"]: r for r in runs if r["method"] == LLAMA}
@@ -381,10 +381,8 @@ def summarize(runs: list[dict[str, Any]], methods: Sequence[str]) -> list[dict[s
             {
                 "method": method,
                 "prompts": len(mine),
-                "decode_by_category": {
-                    c: geometric_mean(r["decode_tokens_per_s"] for r in mine if r["category"] == c)
-                    for c in categories
-                },
+                "decode_by_category": _by_category(mine, categories, "decode_tokens_per_s"),
+                "e2e_by_category": _by_category(mine, categories, "tokens_per_s"),
                 "decode_tokens_per_s": geometric_mean(r["decode_tokens_per_s"] for r in mine),
                 "tokens_per_s": geometric_mean(r["tokens_per_s"] for r in mine),
                 "prefill_tokens_per_s": geometric_mean(r["prefill_tokens_per_s"] for r in mine),
@@ -396,6 +394,12 @@ def summarize(runs: list[dict[str, Any]], methods: Sequence[str]) -> list[dict[s
             }
         )
     return rows
+
+
+def _by_category(
+    mine: list[dict[str, Any]], categories: list[str], key: str
+) -> dict[str, float | None]:
+    return {c: geometric_mean(r[key] for r in mine if r["category"] == c) for c in categories}
 
 
 def _paired(mine: list[dict[str, Any]], base: dict[str, dict[str, Any]], key: str) -> float | None:
@@ -467,18 +471,21 @@ def render_report(results: dict[str, Any]) -> str:
         ]
     lines += [*_prompt_check(runs), ""]
     categories = list(dict.fromkeys(r["category"] for r in runs))
-    lines += [
-        "## Decode tokens/s per category",
-        "",
-        "| method | " + " | ".join(categories) + " | geomean |",
-        "|---|" + "---:|" * (len(categories) + 1),
-    ]
-    for row in rows:
-        cells = [_num(row["decode_by_category"][c]) for c in categories]
-        lines.append(
-            f"| {row['method']} | " + " | ".join(cells) + f" | {_num(row['decode_tokens_per_s'])} |"
-        )
-    lines += ["", *_divergences(runs), "## Summary", "", main_table(rows)]
+    for title, key, overall in (
+        ("Decode tokens/s per category", "decode_by_category", "decode_tokens_per_s"),
+        ("e2e tokens/s per category (prefill included)", "e2e_by_category", "tokens_per_s"),
+    ):
+        lines += [
+            f"## {title}",
+            "",
+            "| method | " + " | ".join(categories) + " | geomean |",
+            "|---|" + "---:|" * (len(categories) + 1),
+        ]
+        for row in rows:
+            cells = [_num(row[key][c]) for c in categories]
+            lines.append(f"| {row['method']} | " + " | ".join(cells) + f" | {_num(row[overall])} |")
+        lines.append("")
+    lines += [*_divergences(runs), "## Summary", "", main_table(rows)]
     return "\n".join(lines) + "\n"
 
 

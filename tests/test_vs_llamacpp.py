@@ -219,6 +219,7 @@ def test_summary_pairs_ratios_per_prompt():
     }
     spec = rows["ours bf16 + int4 draft k=3"]
     assert spec["decode_by_category"] == pytest.approx({"chat": 20.0, "math": 40.0})
+    assert spec["e2e_by_category"] == pytest.approx({"chat": 16.0, "math": 40.0})
     assert spec["decode_tokens_per_s"] == pytest.approx((20 * 40) ** 0.5)
     assert spec["decode_vs_llama"] == pytest.approx((2 * 4) ** 0.5)
     assert spec["e2e_vs_llama"] == pytest.approx((2 * 4) ** 0.5)
@@ -241,6 +242,12 @@ def test_report_ends_with_the_main_table():
     assert "**Prompt tokens differ** in 1 of 2 llama.cpp runs" in report
     assert "- b1 (llama.cpp): llama.cpp 29 tokens, ours 30" in report
     assert "| method | chat | math | geomean |" in report
+    # decode, then whole-generation tokens/s per category (the long-prompt categories' bar)
+    decode = report.index("## Decode tokens/s per category")
+    e2e = report.index("## e2e tokens/s per category (prefill included)")
+    assert decode < e2e < report.index("## Summary")
+    assert "| ours bf16 + int4 draft k=3 | 16.00 | 40.00 | 25.30 |" in report[e2e:]
+    assert "| ours bf16 + int4 draft k=3 | 20.00 | 40.00 | 28.28 |" in report[decode:e2e]
     assert (
         "- b1, ours bf16 + int4 draft k=3: from token 7 (target's top-2 margin there: 0.125)"
         in (report)
