@@ -10,6 +10,7 @@ import pytest
 from specdecode import SpeculativeDecoder, metrics
 from specdecode.drafters import ModelDrafter, NgramDrafter
 from specdecode.policies import (
+    TRUSTED_SAMPLES,
     CostK,
     FixedK,
     HeuristicK,
@@ -201,10 +202,12 @@ def test_cost_policy_explores_a_neighbour():
 
 
 def test_cost_policy_explores_only_a_k_that_could_pay_fully_accepted():
-    # measured: one row 10 ms, a draft forward 5 ms (c = 0.5); k = 1 rejected every time
+    # measured (TRUSTED_SAMPLES times and more): one row 10 ms, a draft forward 5 ms (c = 0.5);
+    # k = 1 rejected every time
     def policy_with(two_rows_s: float) -> CostK:
         policy = CostK(1, explore_every=2)
-        policy.observe(0, 0, None, 0.010)
+        for _ in range(TRUSTED_SAMPLES):
+            policy.observe(0, 0, None, 0.010)
         for _ in range(4):
             policy.observe(1, 0, 0.005, two_rows_s)
         return policy
@@ -216,6 +219,24 @@ def test_cost_policy_explores_only_a_k_that_could_pay_fully_accepted():
     # 2 rows at 1.1: fully accepted, k = 1 would give 2 for 1.6: worth a step now and then
     cheap = policy_with(0.011)
     assert [cheap.next_k(100) for _ in range(6)] == [0, 1, 0, 1, 0, 1]
+
+
+def test_one_slow_forward_does_not_keep_the_cost_policy_from_drafting():
+    # one row 10 ms, a draft forward 1 ms (c = 0.1), 2-4 rows barely more, every draft accepted:
+    # k = 3 pays. But the first 2-row forward took 200 ms (a hiccup): judged on that one sample,
+    # k = 1 could never pay, and a policy that only explores a k that could would stay at 0
+    # (it did: 40 steps of k = 0 before TRUSTED_SAMPLES and the median).
+    policy = CostK(3, explore_every=2)
+    policy.observe(0, 0, None, 0.010)
+    policy.observe(1, 1, 0.001, 0.200)
+    chosen = []
+    for _ in range(40):
+        k = policy.next_k(100)
+        chosen.append(k)
+        policy.observe(k, k, 0.001 * k if k else None, 0.010 + 0.0005 * k)
+    assert 1 in chosen[:6]  # one slow sample is not trusted to rule k = 1 out
+    assert chosen[-10:].count(3) >= 5  # the median forgets the hiccup: back to drafting 3
+    assert 0.200 in policy._target[2].samples and policy._target_time(2) < 0.011
 
 
 def test_make_k_policy_and_bad_names():

@@ -18,12 +18,17 @@ With i.i.d. acceptance α this is `metrics.ideal_speedup(α, k, c, v(k))`.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from specdecode.types import ForwardMeter
 
 K_POLICIES = ("fixed", "heuristic", "cost")
+# forward times a size needs before the cost policy trusts them to rule out exploring it: one
+# slow forward (a VM's hiccup, a first call's warm-up) must not keep a k from ever being tried
+TRUSTED_SAMPLES = 3
 
 
 @runtime_checkable
@@ -107,6 +112,26 @@ class _Mean:
         self.mean += (x - self.mean) / self.n
 
 
+class _Median:
+    """The median of the last `memory` samples: a forward time that one slow forward cannot
+    move far (a mean would carry it for dozens of steps), and that forgets old samples as the
+    machine's load drifts."""
+
+    def __init__(self, memory: int) -> None:
+        self.samples: deque[float] = deque(maxlen=memory)
+
+    @property
+    def n(self) -> int:
+        return len(self.samples)
+
+    @property
+    def value(self) -> float:
+        return statistics.median(self.samples)
+
+    def add(self, x: float) -> None:
+        self.samples.append(x)
+
+
 class CostK:
     """Picks the k in 0..k_max that maximises expected emitted tokens per unit of time, for one
     sequence or for a batch of them (`next_batch_k`).
@@ -118,7 +143,7 @@ class CostK:
       (untried deep positions inherit the last tried one). Reset at `begin()`: acceptance
       depends on the prompt. A batch's rows share one estimate.
     - target forward time T(n) over n rows (a step of B sequences drafting k verifies B(k+1)),
-      averaged per n; an n not seen yet is interpolated linearly between the nearest seen n, or
+      the median of the last `memory` per n; an n not seen yet is interpolated linearly between the nearest seen n, or
       extrapolated from the nearest with the slope fitted to the seen ones. v(k) = T(B(k+1)) /
       T(1): at B = 1 the verify cost of the glossary.
     - draft time per depth D(B) (one forward of the draft model over the batch's B rows); c =
@@ -135,8 +160,9 @@ class CostK:
     Every `explore_every`-th step drafts a neighbour of the best k instead (alternately one
     more and one fewer) so the estimates of other ks do not go stale; when the best k is 0
     it explores k = 1, because a k = 0 step teaches nothing about acceptance. A neighbour whose
-    costs at this batch size are measured and which would not beat the best k even with every
-    drafted token accepted is not explored (its step could only lose time). 0 disables it.
+    costs at this batch size are measured (`TRUSTED_SAMPLES` forwards each) and which would not
+    beat the best k even with every drafted token accepted is not explored (its step could only
+    lose time). 0 disables it.
     """
 
     name = "cost"
@@ -162,8 +188,8 @@ class CostK:
         self.cost_ratio, self.verify_slope = cost_ratio, verify_slope
         self.prior_acceptance, self.prior_weight = prior_acceptance, prior_weight
         self.memory, self.explore_every = memory, explore_every
-        self._target: dict[int, _Mean] = {}  # rows verified -> seconds of the forward
-        self._draft: dict[int, _Mean] = {}  # batch rows -> seconds per drafted depth
+        self._target: dict[int, _Median] = {}  # rows verified -> seconds of the forward
+        self._draft: dict[int, _Median] = {}  # batch rows -> seconds per drafted depth
         self.begin()
 
     def begin(self) -> None:
@@ -246,9 +272,9 @@ class CostK:
         batch size were never measured, or it would beat the best rate even if every drafted
         token were accepted. A neighbour that cannot pay at full acceptance (a large batch on
         arithmetic-bound forwards) is not explored: the step would only cost."""
-        if 1 not in self._target or rows * (k + 1) not in self._target:
+        if not _trusted(self._target, 1) or not _trusted(self._target, rows * (k + 1)):
             return True
-        if k and rows not in self._draft:
+        if k and not _trusted(self._draft, rows):
             return True
         c, v = self.costs(rows)
         return rows * (k + 1) / (k * c + v[k]) > best_rate
@@ -274,18 +300,22 @@ class CostK:
                 self._accept[j].add(1.0 if j < accepted else 0.0)
         depth = max(drafted for drafted, _ in rows)
         if target_s is not None and verified <= len(rows) * (self.k_max + 1):
-            self._target.setdefault(verified, _Mean(self.memory)).add(target_s)
+            self._target.setdefault(verified, _Median(self.memory)).add(target_s)
         # per drafted depth: with confidence stops the one unused forward is charged to them
         if draft_s is not None and depth:
-            self._draft.setdefault(len(rows), _Mean(self.memory)).add(draft_s / depth)
+            self._draft.setdefault(len(rows), _Median(self.memory)).add(draft_s / depth)
 
 
-def _estimate(seen_means: dict[int, _Mean], n: int, prior_slope: float) -> float | None:
-    """A time at n from the means measured at other n: linear between the nearest seen n on
+def _trusted(seen: dict[int, _Median], n: int) -> bool:
+    return n in seen and seen[n].n >= TRUSTED_SAMPLES
+
+
+def _estimate(seen_times: dict[int, _Median], n: int, prior_slope: float) -> float | None:
+    """A time at n from the times measured at other n: linear between the nearest seen n on
     either side, else extrapolated from the nearest with the least-squares slope of all seen
     (one point: the prior's relative slope), never sloping down and never below a tenth of the
     cheapest seen. None when nothing was measured."""
-    seen = sorted((i, m.mean) for i, m in seen_means.items() if m.n)
+    seen = sorted((i, m.value) for i, m in seen_times.items() if m.n)
     if not seen:
         return None
     below = [(i, t) for i, t in seen if i <= n]
