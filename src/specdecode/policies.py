@@ -143,9 +143,9 @@ class CostK:
       (untried deep positions inherit the last tried one). Reset at `begin()`: acceptance
       depends on the prompt. A batch's rows share one estimate.
     - target forward time T(n) over n rows (a step of B sequences drafting k verifies B(k+1)),
-      the median of the last `memory` per n; an n not seen yet is interpolated linearly between the nearest seen n, or
-      extrapolated from the nearest with the slope fitted to the seen ones. v(k) = T(B(k+1)) /
-      T(1): at B = 1 the verify cost of the glossary.
+      the median of the last `memory` per n; an n not seen yet is interpolated linearly
+      between the nearest seen n, or extrapolated from the nearest with the slope fitted to the
+      seen ones. v(k) = T(B(k+1)) / T(1): at B = 1 the verify cost of the glossary.
     - draft time per depth D(B) (one forward of the draft model over the batch's B rows); c =
       D(B) / T(1).
     Costs are properties of the models and the machine, so they carry over between sequences.
