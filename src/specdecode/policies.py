@@ -119,17 +119,15 @@ class _Median:
 
     def __init__(self, memory: int) -> None:
         self.samples: deque[float] = deque(maxlen=memory)
+        self.value = 0.0  # the median, kept on `add`: every step reads it for every size seen
 
     @property
     def n(self) -> int:
         return len(self.samples)
 
-    @property
-    def value(self) -> float:
-        return statistics.median(self.samples)
-
     def add(self, x: float) -> None:
         self.samples.append(x)
+        self.value = statistics.median(self.samples)
 
 
 class CostK:
