@@ -173,6 +173,9 @@ class Batch:
         if row.drafter is None or row.drafting:
             return
         try:
+            follow = getattr(row.drafter, "follow", None)
+            if follow is not None:  # a drafter reading the target's features (drafters/eagle.py)
+                follow(row.state.target_cache)
             with torch.inference_mode():  # the draft's prefill: no autograd graph
                 row.drafter.begin(row.state.tokens, row.params, row.generator, self.meter)
         except BaseException:

@@ -42,6 +42,36 @@ class Cache(Protocol):
 # model -> an empty cache for it (KVCache, or lean.target_cache where the target runs lean)
 NewCache = Callable[[Any], Cache]
 
+# a target whose caches keep its features holds this attribute (`keep_features`)
+_FEATURES_FLAG = "_specdecode_keeps_features"
+
+
+def keep_features(model: Any) -> None:
+    """Make every cache made over `model` from now on keep its features: the last hidden state
+    after the final norm (what the output layer reads), one [D] row per cached position, as
+    `cache.features()` [len, D]. A drafter fed the target's own hidden states (an EAGLE-style
+    head, drafters/eagle.py) asks for them; other caches skip the copy. Over Hugging Face's
+    forward (KVCache) a forward hook on the final norm hands them over: no forked model code."""
+    if keeps_features(model):
+        return
+    tapped: list[torch.Tensor] = []  # the last forward's norm output, [1, n, D]
+
+    def tap(module: Any, args: Any, out: torch.Tensor) -> None:
+        tapped[:] = [out]
+
+    model.get_decoder().norm.register_forward_hook(tap)
+    setattr(model, _FEATURES_FLAG, tapped)
+
+
+def keeps_features(model: Any) -> bool:
+    return tapped_features(model) is not None
+
+
+def tapped_features(model: Any) -> list[torch.Tensor] | None:
+    """Where the hook on a feature-keeping model's final norm leaves its last output (a list
+    holding it until a cache takes it), or None for a model that keeps none."""
+    return getattr(model, _FEATURES_FLAG, None)
+
 
 def forward_rows(
     caches: Sequence[Cache],
@@ -89,9 +119,20 @@ class KVCache:
         # transformers 5.x names the cache argument `cache`, 4.x `past_key_values`
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._can_trim_logits = "logits_to_keep" in params
+        # [len, D] the final norm's output per cached position, where the model keeps features
+        self._features: torch.Tensor | None = None
+        self._tapped = tapped_features(model)
+        if self._tapped is not None:
+            self._features = torch.empty(0, model.config.hidden_size, dtype=model.dtype)
 
     def __len__(self) -> int:
         return self.hf.get_seq_length()
+
+    def features(self) -> torch.Tensor:
+        """[len, D]: the final norm's output at every cached position (`keep_features`)."""
+        if self._features is None:
+            raise ValueError("this cache keeps no features: call cache.keep_features(model) first")
+        return self._features[: len(self)]
 
     def rollback(self, length: int) -> None:
         """Forget every cached position at or after `length`."""
@@ -100,12 +141,16 @@ class KVCache:
             raise ValueError(f"cannot roll back a cache of {len(self)} positions to {length}")
         if n_drop:
             self.hf.crop(-n_drop)  # a negative count drops that many positions (4.x and 5.x)
+        if self._features is not None:
+            self._features = self._features[:length]
 
     def copy(self) -> KVCache:
         """An independent copy over the same model (one prompt's prefill reused by many runs)."""
         other = KVCache(self.model)
         for index, layer in enumerate(_layers(self.hf)):
             other.hf.update(layer.keys.clone(), layer.values.clone(), index)
+        if self._features is not None:
+            other._features = self._features.clone()
         return other
 
     def compact(self, keep: list[int] | torch.Tensor) -> None:
@@ -124,6 +169,8 @@ class KVCache:
                     # the gather copies before the write, so overlapping slots are safe
                     states[..., run : keep.numel(), :] = states[..., tail.to(states.device), :]
                 setattr(layer, name, states[..., : keep.numel(), :])
+        if self._features is not None:
+            self._features = self._features[keep.to(self._features.device)]
 
     def forward(
         self,
@@ -148,6 +195,9 @@ class KVCache:
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask
         out = self.model(input_ids=input_ids[None], use_cache=True, **kwargs)
+        if self._tapped:  # the final norm's output over the n new positions: [1, n, D]
+            new = self._tapped.pop()[0].detach()
+            self._features = torch.cat([self._features.to(new), new])
         logits = out.logits[0]  # [n, V] or [1, V]
         return logits[-1:] if last_only else logits
 

@@ -1,6 +1,8 @@
 """The `--draft` text, parsed once: `MODEL`, `MODEL:int8`, `MODEL:int4`, `ngram`, `ngram:MIN-MAX`,
-`early-exit:N` or `distilled:DIR[:int8|:int4]` (a draft trained for its target by
-`specdecode distill`: DIR/distill.json names the base draft, DIR/adapter holds what it learnt).
+`early-exit:N`, `distilled:DIR[:int8|:int4]` (a draft trained for its target by
+`specdecode distill`: DIR/distill.json names the base draft, DIR/adapter holds what it learnt) or
+`eagle:DIR[:int8|:int4]` (an EAGLE-style head over the target's features, trained by
+`specdecode distill --kind eagle`: DIR/eagle.json and DIR/head.safetensors).
 
 No heavy imports (no torch, no transformers), so the command line and the run config check a
 draft before any model is loaded. `drafters.resolve_draft` builds the drafter from a DraftSpec.
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 Quantization = Literal["int8", "int4"]
-DraftKind = Literal["model", "ngram", "early-exit", "distilled"]
+DraftKind = Literal["model", "ngram", "early-exit", "distilled", "eagle"]
 
 # MODEL:int8 runs its linears on int8 weights; MODEL:int4 on 4-bit weights (groups of 32, a tied
 # output layer int8); both on the CPU kernel, for a draft or a target (models/quantized.py)
@@ -29,11 +31,13 @@ DRAFT_VOCAB_ENV = "SPECDECODE_DRAFT_VOCAB"
 
 MODEL_FORMS = "expected MODEL, MODEL:int8 or MODEL:int4 (int8 / 4-bit weights)"
 DRAFT_FORMS = (
-    "a draft is MODEL, MODEL:int8, MODEL:int4, ngram, ngram:MIN-MAX, early-exit:N or "
-    "distilled:DIR[:int8|:int4] (e.g. qwen2.5-coder-0.5b-instruct:int4, ngram:1-3, early-exit:8, "
-    "distilled:runs/distill:int4)"
+    "a draft is MODEL, MODEL:int8, MODEL:int4, ngram, ngram:MIN-MAX, early-exit:N, "
+    "distilled:DIR[:int8|:int4] or eagle:DIR[:int8|:int4] (e.g. qwen2.5-coder-0.5b-instruct:int4, "
+    "ngram:1-3, early-exit:8, distilled:runs/distill:int4, eagle:runs/eagle:int4)"
 )
 DISTILLED = "distilled:"  # the prefix of a distilled draft's spec
+EAGLE = "eagle:"  # the prefix of an EAGLE-style head's spec
+_FOLDER_KINDS = {"distilled": DISTILLED, "eagle": EAGLE}  # kinds named by a trained folder
 
 _NUMBER = re.compile(r"[0-9]+")  # ASCII only: str.isdigit() also takes '²', which int() refuses
 _LOOKS_QUANTIZED = re.compile(r"(?i)(int|q|fp|bf)[0-9]+\w*")  # `:int2`, `:INT8`, `:q4_0`, `:fp8`
@@ -94,8 +98,9 @@ def _name_problem(name: str) -> str | None:
 @dataclass(frozen=True)
 class DraftSpec:
     """What drafts: `kind` "model" (`model` set), "ngram" (`ngram` = (MIN, MAX) n-gram sizes),
-    "early-exit" (`depth` = the target's layers it runs) or "distilled" (`model`: its name is the
-    distillation's folder DIR, its quantization the merged draft's). `str(spec)` is the canonical
+    "early-exit" (`depth` = the target's layers it runs), "distilled" (`model`: its name is the
+    distillation's folder DIR, its quantization the merged draft's) or "eagle" (`model`: its
+    name is the head's folder, its quantization the head's). `str(spec)` is the canonical
     text, which `DraftSpec.parse` reads back to an equal spec."""
 
     kind: DraftKind
@@ -105,7 +110,13 @@ class DraftSpec:
 
     def __post_init__(self) -> None:
         # kind -> its field
-        fields = {"model": "model", "ngram": "ngram", "early-exit": "depth", "distilled": "model"}
+        fields = {
+            "model": "model",
+            "ngram": "ngram",
+            "early-exit": "depth",
+            "distilled": "model",
+            "eagle": "model",
+        }
         if self.kind not in fields:
             raise ValueError(f"bad draft kind {self.kind!r}: {DRAFT_FORMS}")
         given = [name for name in dict.fromkeys(fields.values()) if getattr(self, name) is not None]
@@ -126,18 +137,24 @@ class DraftSpec:
         return self.model.name if self.kind == "distilled" else None  # type: ignore[union-attr]
 
     @property
+    def eagle_dir(self) -> str | None:
+        """The folder an EAGLE-style head was written to (`eagle:DIR`), else None."""
+        return self.model.name if self.kind == "eagle" else None  # type: ignore[union-attr]
+
+    @property
     def is_model_draft(self) -> bool:
         """A model or early exit: drafts from a model's distribution, which trees and
-        --confidence need (an n-gram draft proposes tokens without probabilities)."""
-        return self.kind != "ngram"
+        --confidence need (an n-gram draft proposes tokens without probabilities; an EAGLE
+        head drafts chains only, so far)."""
+        return self.kind not in ("ngram", "eagle")
 
     def __str__(self) -> str:
         if self.kind == "ngram":
             return f"ngram:{self.ngram[0]}-{self.ngram[1]}"  # type: ignore[index]
         if self.kind == "early-exit":
             return f"early-exit:{self.depth}"
-        if self.kind == "distilled":
-            return f"{DISTILLED}{self.model}"
+        if self.kind in _FOLDER_KINDS:
+            return f"{_FOLDER_KINDS[self.kind]}{self.model}"
         return str(self.model)
 
     @classmethod
@@ -145,20 +162,24 @@ class DraftSpec:
         """A `--draft` value -> DraftSpec (ValueError naming the allowed forms if bad)."""
         head, quantization = _split_quantization(text)
         kind = _kind(head)
-        if quantization is not None and (kind not in ("model", "distilled") or not head):
+        if quantization is not None and (kind not in ("model", *_FOLDER_KINDS) or not head):
             raise _bad_draft(
                 text,
                 f":{quantization} quantizes a draft model; n-gram drafts have no weights and "
                 "early-exit shares the target's",
             )
-        if kind == "distilled":
-            folder = head[len(DISTILLED) :]
+        if kind in _FOLDER_KINDS:
+            prefix = _FOLDER_KINDS[kind]
+            folder = head[len(prefix) :]
             if not folder:
-                raise _bad_draft(text, "a distilled draft needs its folder, distilled:DIR")
+                raise _bad_draft(
+                    text,
+                    f"a{'n' if kind == 'eagle' else ''} {kind} draft needs its folder, {prefix}DIR",
+                )
             problem = _name_problem(folder)
             if problem:
                 raise _bad_draft(text, problem)
-            return cls("distilled", model=ModelSpec(folder, quantization))  # type: ignore[arg-type]
+            return cls(kind, model=ModelSpec(folder, quantization))  # type: ignore[arg-type]
         if kind == "model":
             problem = _name_problem(head)
             if problem:
@@ -183,11 +204,13 @@ def _bad_draft(text: str, why: str) -> ValueError:
 
 def _kind(head: str) -> DraftKind:
     """The kind a draft text names. Anything starting `early-exit` is meant as one (a missing
-    colon is a typo, not a model's name); `ngram` and `distilled` only alone or before a colon."""
+    colon is a typo, not a model's name); `ngram`, `distilled` and `eagle` only alone or before a
+    colon."""
     if head.startswith("early-exit"):
         return "early-exit"
-    if head == "distilled" or head.startswith(DISTILLED):
-        return "distilled"
+    for kind, prefix in _FOLDER_KINDS.items():
+        if head == kind or head.startswith(prefix):
+            return kind  # type: ignore[return-value]
     if head == "ngram" or head.startswith("ngram:"):
         return "ngram"
     return "model"

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from specdecode.cache import KVCache, compaction
+from specdecode.cache import KVCache, compaction, keeps_features
 from specdecode.kernels.cpu_linear import direct_linear
 from specdecode.models.draft_vocab import DraftVocabHead
 from specdecode.store import RowPool, StoreFull, kv_shape
@@ -207,6 +207,13 @@ class LeanCache:
             ids = torch.zeros(CAPACITY, dtype=torch.long, device=self.device)
         self.kv = kv
         self.ids = ids  # [capacity] int64: the token id each cached position holds
+        # [capacity, D]: the final norm's output per position, where the model keeps features
+        # (cache.keep_features); none in a store row that reuses a prefix (LeanStore skips reuse)
+        self._features = (
+            torch.empty(kv.shape[3], config.hidden_size, dtype=self.dtype, device=self.device)
+            if keeps_features(model)
+            else None
+        )
         self._fused = _fused_ops(model, self.dtype, self.device, self.head_dim)
         # per layer (q, k, v, o, gate, up, down), then the output layer: the kernel calls
         # themselves where the draft's linears run on specdecode's kernels
@@ -221,11 +228,19 @@ class LeanCache:
     def __len__(self) -> int:
         return self.length
 
+    def features(self) -> torch.Tensor:
+        """[len, D]: the final norm's output at every cached position (`keep_features`)."""
+        if self._features is None:
+            raise ValueError("this cache keeps no features: call cache.keep_features(model) first")
+        return self._features[: self.length]
+
     def copy(self) -> LeanCache:
         """An independent cache over the same positions (a prompt prefilled once, reused); a
         store row's copy is a cache of its own, outside the store."""
         twin = copy.copy(self)
         twin.kv, twin.ids = self.kv.clone(), self.ids.clone()
+        if self._features is not None:
+            twin._features = self._features.clone()
         twin.fixed, twin._release = False, None
         return twin
 
@@ -264,6 +279,8 @@ class LeanCache:
             tail = tail.to(self.device)
             self.kv[:, :, :, run : keep.numel()] = self.kv[:, :, :, tail]
             self.ids[run : keep.numel()] = self.ids[tail]
+            if self._features is not None:
+                self._features[run : keep.numel()] = self._features[tail]
         fused_all = self.fused_len >= self.length
         self.length = keep.numel()
         self.fused_len = self.length if fused_all else min(self.fused_len, run)
@@ -286,6 +303,10 @@ class LeanCache:
             ids = torch.zeros(grown.shape[3], dtype=torch.long, device=self.device)
             ids[: self.length] = self.ids[: self.length]
             self.ids = ids
+            if self._features is not None:
+                features = self._features.new_empty(grown.shape[3], self._features.shape[1])
+                features[: self.length] = self._features[: self.length]
+                self._features = features
 
     @torch.inference_mode()
     def forward(
@@ -374,13 +395,23 @@ class LeanCache:
             cache.length = end
             leading = fused is not None and cache.fused_len >= past
             cache.fused_len = end if leading else min(cache.fused_len, past)
-        if last_only and len(caches) == 1:  # the last row: a view, contiguous as it is
+        if self._features is not None:  # every row's features, then the rows asked for
+            _, h = self._add_norm(x, delta, base.norm, fused)  # [N, D], row by row
+            for cache, past, end, a, b in zip(
+                caches, pasts, ends, bounds, bounds[1:], strict=False
+            ):
+                cache._features[past:end] = h[a:b]
+            if last_only:
+                h = h[[b - 1 for b in bounds[1:]]]
+                bounds = list(range(len(caches) + 1))
+        elif last_only and len(caches) == 1:  # the last row: a view, contiguous as it is
             x, delta = x[-1:], delta[-1:]
         elif last_only:  # each sequence's last row
             last = torch.tensor(bounds[1:], device=self.device) - 1
             x, delta = x[last].contiguous(), delta[last].contiguous()
             bounds = list(range(len(caches) + 1))
-        _, h = self._add_norm(x, delta, base.norm, fused)
+        if self._features is None:
+            _, h = self._add_norm(x, delta, base.norm, fused)
         logits = self._lm_head(h)  # [N or B, V]
         if len(caches) == 1:
             return [logits]
@@ -551,7 +582,9 @@ class LeanStore(RowPool):
 
     def _kept(self, row: int, tokens: Sequence[int]) -> int:
         left = self._left[row]
-        return left.reusable_prefix(tokens) if left is not None and tokens else 0
+        if left is None or not tokens or keeps_features(self.model):  # features are per cache
+            return 0
+        return left.reusable_prefix(tokens)
 
     def _free_row(self, row: int, cache: LeanCache) -> None:
         self._left[row] = cache

@@ -364,7 +364,7 @@ def seconds_since(
     return after[0] - before[0], after[1] - before[1]
 
 
-def _compute_params(model: Any) -> int:
+def compute_params(model: Any) -> int:
     """Parameters a forward multiplies by: all but the input embedding (a lookup), unless the
     embedding is tied to the output head."""
     total = sum(p.numel() for p in model.parameters())
@@ -385,6 +385,6 @@ def prior_cost_ratio(target: Any, drafter: Any) -> float | None:
     if model is None:
         return None
     try:
-        return _compute_params(model) / max(1, _compute_params(target))
+        return compute_params(model) / max(1, compute_params(target))
     except (AttributeError, TypeError):
         return None

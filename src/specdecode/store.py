@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from specdecode.cache import compaction
+from specdecode.cache import compaction, tapped_features
 from specdecode.tree import additive_mask, check_tree_attention
 
 
@@ -93,11 +93,25 @@ class StaticStore(RowPool):
         self.keys = [make() for _ in range(layers)]  # [rows, Hkv, max_len + 1, d] per layer
         self.values = [make() for _ in range(layers)]
         self.lengths = [0] * rows
+        # [rows, max_len + 1, D]: each position's feature where the model keeps them
+        # (cache.keep_features), read through the hook KVCache reads too
+        self.tapped: list[torch.Tensor] | None = tapped_features(model)
+        self.features = (
+            torch.zeros(rows, max_len + 1, model.config.hidden_size, dtype=param.dtype,
+                        device=param.device)
+            if self.tapped is not None
+            else None
+        )  # fmt: skip
 
     @property
     def nbytes(self) -> int:
-        """Bytes the store holds (keys and values of every layer)."""
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        """Bytes the store holds (keys and values of every layer, and features if kept)."""
+        kept = [self.features] if self.features is not None else []
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values, *kept))
+
+    def _states(self) -> list[torch.Tensor]:
+        """Every per-row tensor a row's positions live in: [rows, ..., max_len + 1, ...]."""
+        return [*self.keys, *self.values]
 
     def open_row(self, tokens: Sequence[int] = ()) -> StoreRow:
         """An empty row (StoreFull when every row is taken); `StoreRow.close()` frees it.
@@ -116,6 +130,12 @@ class StoreRow:
 
     def __len__(self) -> int:
         return self.store.lengths[self.row]
+
+    def features(self) -> torch.Tensor:
+        """[len, D]: the final norm's output at every cached position (`keep_features`)."""
+        if self.store.features is None:
+            raise ValueError("this cache keeps no features: call cache.keep_features(model) first")
+        return self.store.features[self.row, : len(self)]
 
     def close(self) -> None:
         """Give the row back to the store (its keys stay until overwritten)."""
@@ -136,17 +156,22 @@ class StoreRow:
         keep, run = compaction(keep, len(self))
         tail = keep[run:]
         if tail.numel():
-            for states in (*self.store.keys, *self.store.values):
+            for states in self.store._states():
                 row = states[self.row]  # [Hkv, max_len, d]
                 row[:, run : keep.numel()] = row[:, tail.to(row.device)]  # gather, then write
+            if self.store.features is not None:
+                row = self.store.features[self.row]  # [max_len, D]
+                row[run : keep.numel()] = row[tail.to(row.device)]
         self.store.lengths[self.row] = keep.numel()
 
     def copy(self) -> StoreRow:
         """Another row of the same store holding the same positions (StoreFull if none)."""
         twin = self.store.open_row()
         n = len(self)
-        for states in (*self.store.keys, *self.store.values):
+        for states in self.store._states():
             states[twin.row, :, :n] = states[self.row, :, :n]
+        if self.store.features is not None:
+            self.store.features[twin.row, :n] = self.store.features[self.row, :n]
         self.store.lengths[twin.row] = n
         return twin
 
@@ -229,6 +254,10 @@ class StoreRow:
         )
         for r, past, size in zip(rows, pasts, sizes, strict=True):
             store.lengths[r.row] = past + size
+        if store.tapped:  # the final norm's output, [B, n, D]: each row's own positions
+            tapped = store.tapped.pop()
+            for b, (r, past, size) in enumerate(zip(rows, pasts, sizes, strict=True)):
+                store.features[r.row, past : past + size] = tapped[b, :size]  # type: ignore[index]
         logits = out.logits  # [B, n, V]
         if last_only:
             return [logits[b, size - 1 : size] for b, size in enumerate(sizes)]

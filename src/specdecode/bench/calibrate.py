@@ -169,14 +169,21 @@ def canonical_draft(name: str) -> str:
     model = str(ModelSpec(_absolute(spec.model.name), spec.model.quantization))
     if spec.kind == "distilled":  # the adapter's hash too: a new distillation in DIR is a new draft
         return f"distilled:{model}@{_adapter_hash(spec.model.name)}"
+    if spec.kind == "eagle":  # the same for a head: its weights' hash
+        return f"eagle:{model}@{_adapter_hash(spec.model.name, 'eagle.json', ('sha256',))}"
     return model
 
 
-def _adapter_hash(folder: str) -> str:
-    """The start of a distillation's adapter hash (DIR/distill.json), or "unfinished"."""
+def _adapter_hash(
+    folder: str, record_file: str = "distill.json", path: tuple[str, ...] = ("adapter", "sha256")
+) -> str:
+    """The start of a trained folder's weights hash (a distillation's adapter in
+    DIR/distill.json; a head's in DIR/eagle.json), or "unfinished"."""
     try:
-        record = json.loads((Path(folder).expanduser() / "distill.json").read_text())
-        return str(record["adapter"]["sha256"])[:16]
+        value: Any = json.loads((Path(folder).expanduser() / record_file).read_text())
+        for key in path:
+            value = value[key]
+        return str(value)[:16]
     except (OSError, ValueError, KeyError, TypeError):
         return "unfinished"
 

@@ -67,6 +67,14 @@ def add_distill_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
         help="training time (90s, 30m, 1.5h) or trained tokens (200k, "
         "2M); a resumed run counts what ran before (default 30m)",
     )
+    parser.add_argument(
+        "--kind",
+        choices=("lora", "eagle"),
+        default="lora",
+        help="what to train: lora (adapters on --draft; use as --draft distilled:OUT) or eagle "
+        "(a one-layer head over the target's own hidden states, EAGLE-style; --draft only "
+        "speeds up the answers; use as --draft eagle:OUT or eagle:OUT:int4)",
+    )
     parser.add_argument("--loss", choices=("kl", "tv"), default="kl", help="forward KL or TV")
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--lora-alpha", type=float, default=None, help="default: 2 x rank")
@@ -123,6 +131,7 @@ def settings_from_args(args: argparse.Namespace):
         dtype=args.dtype,
         device=args.device,
         autocast=args.autocast,
+        kind=args.kind,
     )
     settings.validate()
     return settings
@@ -156,6 +165,20 @@ def handle_distill(args: argparse.Namespace) -> int:
 
 def summary(record: dict, out: str) -> str:
     data, training = record["data"], record["training"]
+    if record.get("kind") == "eagle":
+        before, after = training["before"], training["after"]
+        return "\n".join(
+            [
+                f"an EAGLE-style head for {record['target']}: {data['answers']} answers "
+                f"({data['tokens']} tokens); {len(data['heldout_prompt_ids'])} prompts held out",
+                f"training: {training['steps']} steps, {training['tokens']} positions in "
+                f"{training['seconds']:.0f} s; top-1 agreement with the target "
+                f"{before['top1']:.3f} -> {after['top1']:.3f} (on {training['eval_answers']} "
+                "training answers)",
+                f"written: {out}/head.safetensors, {out}/eagle.json",
+                f"use it: --draft eagle:{out} (or eagle:{out}:int4)",
+            ]
+        )
     return "\n".join(
         [
             f"distilled {record['draft']} for {record['target']}: {data['answers']} answers "

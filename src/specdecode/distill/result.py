@@ -52,7 +52,7 @@ def vocab_digest(tokenizer: Any) -> str | None:
     return hashlib.sha256(repr(items).encode()).hexdigest()[:16]
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -68,7 +68,7 @@ def write_result(out: Path, peft_model: Any, record: dict[str, Any]) -> None:
     with disk_guard("the adapter", partial):
         peft_model.save_pretrained(partial)
     record = {**record, "format": FORMAT, "adapter": {**record.get("adapter", {})}}
-    record["adapter"]["sha256"] = _sha256(partial / WEIGHTS)
+    record["adapter"]["sha256"] = sha256_file(partial / WEIGHTS)
     if record_path.exists():
         record_path.unlink()  # from here on DIR holds no result that loads, until the last write
     with disk_guard("the adapter", final):
@@ -100,7 +100,7 @@ def read_result(folder: str | Path) -> dict[str, Any]:
     weights = adapter / WEIGHTS
     if not weights.is_file():
         raise ValueError(f"distilled draft {folder}: {weights} is missing")
-    if _sha256(weights) != record["adapter"]["sha256"]:
+    if sha256_file(weights) != record["adapter"]["sha256"]:
         raise ValueError(
             f"distilled draft {folder}: {weights} is not the adapter {RECORD} records (changed "
             "or half-written): run `specdecode distill` again"
@@ -130,7 +130,9 @@ def merge_adapter(model: Any, folder: str | Path) -> Any:
         return wrapped.merge_and_unload().eval()
 
 
-def check_target(record: dict[str, Any], folder: str, target: Any) -> None:
+def check_target(
+    record: dict[str, Any], folder: str, target: Any, what: str = "distilled draft"
+) -> None:
     """The tokenizers of the target and the distilled draft must match (ValueError); a target
     other than the one distilled for is a note on stderr (still lossless, the gain unmeasured)."""
     if target is None:
@@ -139,13 +141,13 @@ def check_target(record: dict[str, Any], folder: str, target: Any) -> None:
     held = record.get("tokenizer")
     if tokenizer is not None and held is not None and vocab_digest(tokenizer) != held:
         raise ValueError(
-            f"distilled draft {folder}: the target's tokenizer is not the one it was distilled "
+            f"{what} {folder}: the target's tokenizer is not the one it was distilled "
             f"with (for {record['target']}): a draft must share its target's tokenizer"
         )
     name = getattr(target, "name", None)
     if name is not None and _base_name(str(name)) != _base_name(str(record["target"])):
         print(
-            f"note: distilled draft {folder} was trained for {record['target']}, drafting for "
+            f"note: {what} {folder} was trained for {record['target']}, drafting for "
             f"{name} (still lossless: the target verifies every token)",
             file=sys.stderr,
         )

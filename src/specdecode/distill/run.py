@@ -111,6 +111,14 @@ def run_distill(
     models = store.models or {}
     vocab = int(models["vocab"])
     answers = store.load([p.key for p in planned])
+    if settings.kind == "eagle":
+        from specdecode.distill.eagle import distill_head
+
+        record = _record(settings, command)
+        record["data"] = _data_record(settings, train_prompts, held_out, answers, self_report, made)
+        record["time"] = {"data_s": round(data_s, 3)}
+        record["peak_memory"] = {"after_data": data_peak}
+        return distill_head(settings, answers, out, device, record, started, progress)
 
     draft = load_model(draft_spec.name, dtype="float32", device=device, kernel="off", role="draft")
     if draft.tokenizer is not None and vocab_digest(draft.tokenizer) != models["tokenizer"]:

@@ -10,6 +10,7 @@ from typing import Any
 
 LOSSES = ("kl", "tv")  # forward KL(p_target || q_draft) or total variation, on the top-k + tail
 AUTOCAST = ("auto", "bf16", "off")
+KINDS = ("lora", "eagle")  # LoRA adapters on the draft, or an EAGLE-style head (distill/eagle.py)
 _TIME_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
 _TOKEN_UNITS = {"": 1, "k": 1_000, "K": 1_000, "M": 1_000_000}
 _BUDGET = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h|k|K|M)?")
@@ -96,6 +97,7 @@ class DistillSettings:
     dtype: str = "bfloat16"  # the target's (and the generating draft's) weights for the data
     device: str | None = None
     autocast: str = "auto"  # training: bf16 autocast over float32 master weights, or off
+    kind: str = "lora"  # what is trained: LoRA adapters on the draft, or an EAGLE-style head
 
     def validate(self) -> None:
         """ValueError for anything wrong that needs no model (before any is loaded)."""
@@ -124,6 +126,8 @@ class DistillSettings:
             raise ValueError(f"--checkpoint-every must be >= 1 (got {self.checkpoint_every})")
         if self.loss not in LOSSES:
             raise ValueError(f"--loss is one of {', '.join(LOSSES)} (got {self.loss!r})")
+        if self.kind not in KINDS:
+            raise ValueError(f"--kind is one of {', '.join(KINDS)} (got {self.kind!r})")
         if self.autocast not in AUTOCAST:
             raise ValueError(f"--autocast is one of {', '.join(AUTOCAST)} (got {self.autocast!r})")
         if not self.lr > 0:
@@ -150,7 +154,10 @@ class DistillSettings:
 
         keys = ("loss", "lora_rank", "lr", "batch_size", "seed", "autocast")
         base = ModelSpec.parse(self.draft, "draft").name  # trained on its own weights
-        return {**{k: getattr(self, k) for k in keys}, "draft": base, "alpha": self.alpha}
+        key = {**{k: getattr(self, k) for k in keys}, "draft": base, "alpha": self.alpha}
+        if self.kind != "lora":  # (a LoRA run's key stays what it was: its checkpoints resume)
+            key["kind"] = self.kind
+        return key
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

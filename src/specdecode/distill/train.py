@@ -26,7 +26,7 @@ import hashlib
 import json
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -207,21 +207,32 @@ def _one_step(
 
 
 class Checkpoints:
-    """DIR/checkpoints/step-N.pt: write, find the newest, load (checking it is this run's)."""
+    """DIR/checkpoints/step-N.pt: write, find the newest, load (checking it is this run's).
 
-    def __init__(self, folder: Path, key: dict[str, Any]) -> None:
+    What of the model a checkpoint holds: its LoRA adapter's weights by default; `weights`
+    (model -> state dict) and `load_weights` (model, state dict) for any other trained part
+    (an EAGLE-style head's, distill/eagle.py)."""
+
+    def __init__(
+        self,
+        folder: Path,
+        key: dict[str, Any],
+        weights: Callable[[Any], dict[str, Any]] | None = None,
+        load_weights: Callable[[Any, dict[str, Any]], Any] | None = None,
+    ) -> None:
         self.folder, self.key = folder, key
+        self._weights = weights or (lambda model: peft_modules().get_peft_model_state_dict(model))
+        self._load_weights = load_weights or peft_set_state
 
     def paths(self) -> list[Path]:
         return sorted(self.folder.glob("step-*.pt")) if self.folder.exists() else []
 
     def save(self, model: Any, optimizer: torch.optim.Optimizer, state: TrainState) -> Path:
-        peft = peft_modules()
         path = self.folder / f"step-{state.step:07d}.pt"
         data = {
             "key": json.dumps(self.key, sort_keys=True),
             "state": state.__dict__,
-            "lora": peft.get_peft_model_state_dict(model),
+            "lora": self._weights(model),
             "optimizer": optimizer.state_dict(),
         }
         save_tensors(path, data, f"checkpoint {path.name}")
@@ -242,9 +253,13 @@ class Checkpoints:
                 f"{paths[-1]} was trained with other settings ({', '.join(differ)} differ): run "
                 f"with the same settings to resume, or remove {self.folder} to train afresh"
             )
-        peft_modules().set_peft_model_state_dict(model, data["lora"])
+        self._load_weights(model, data["lora"])
         optimizer.load_state_dict(data["optimizer"])
         return TrainState(**data["state"])
+
+
+def peft_set_state(model: Any, weights: dict[str, Any]) -> None:
+    peft_modules().set_peft_model_state_dict(model, weights)
 
 
 def too_small(budget: Budget, why: str) -> ValueError:
@@ -262,12 +277,20 @@ def train(
     device: torch.device,
     checkpoints: Checkpoints,
     progress: bool = True,
+    one_step: Callable[[torch.optim.Optimizer, Sequence[Any]], float] | None = None,
 ) -> TrainState:
     """Train `model` (with its LoRA adapters) within the budget, resuming from `checkpoints`;
-    the final state (also checkpointed). Interrupted on Ctrl-C, after a checkpoint."""
+    the final state (also checkpointed). Interrupted on Ctrl-C, after a checkpoint.
+    `one_step(optimizer, batch)`: one optimizer step on a batch of `answers` (anything with a
+    `tokens` count), its loss per token; default: the LoRA draft's (`_one_step`)."""
     from tqdm import tqdm
 
     dtype = autocast_dtype(settings, device)
+    if one_step is None:
+
+        def one_step(optimizer: torch.optim.Optimizer, batch: Sequence[Any]) -> float:
+            return _one_step(model, optimizer, batch, vocab, settings.loss, device, dtype)
+
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
     state = checkpoints.resume(model, optimizer) or TrainState()
@@ -299,7 +322,7 @@ def train(
             for group in optimizer.param_groups:
                 group["lr"] = settings.lr * min(1.0, (state.step + 1) / WARMUP_STEPS)
             start = time.perf_counter()
-            loss = _one_step(model, optimizer, batch, vocab, settings.loss, device, dtype)
+            loss = one_step(optimizer, batch)
             seconds = time.perf_counter() - start
             if budget.seconds is not None and state.step == 0 and seconds > budget.seconds:
                 raise too_small(budget, f"the first step took {seconds:.1f} s")

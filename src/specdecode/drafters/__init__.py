@@ -36,6 +36,8 @@ def resolve_draft(
     weights (bfloat16 on a CPU with AVX2 only; models/quantized.py), its bfloat16 weights kept.
     `distilled:DIR[:int8|:int4]` loads the base draft DIR/distill.json names with DIR's adapter
     merged (then quantized, where asked), checked against `target`'s tokenizer.
+    `eagle:DIR[:int8|:int4]` -> an EagleDrafter: DIR's head over `target`'s features
+    (models/eagle_head.py), on the kernels and the weights asked for, like a draft model's.
 
     A draft model's output layer keeps `draft_vocab` ids (None: $SPECDECODE_DRAFT_VOCAB, else
     draft_spec.DEFAULT_DRAFT_VOCAB; 0 or "all": every id), checked before anything is loaded.
@@ -54,6 +56,8 @@ def resolve_draft(
     vocab = resolve_draft_vocab(draft_vocab)
     if spec.kind == "distilled":
         return _load_distilled(spec, target, dtype, device, vocab)
+    if spec.kind == "eagle":
+        return _load_eagle(spec, target, vocab)
     return load_model(
         spec.model, dtype=dtype, device=device, keep_weights=True, role="draft", draft_vocab=vocab
     )
@@ -80,3 +84,22 @@ def _load_distilled(spec: DraftSpec, target: Any, dtype: Any, device: Any, vocab
     loaded.name = str(spec)
     loaded.extra["distilled"] = {"folder": folder, "base": record["draft"]}
     return loaded
+
+
+def _load_eagle(spec: DraftSpec, target: Any, vocab: int | None):
+    from specdecode.distill.result import check_target
+    from specdecode.drafters.eagle import EagleDrafter
+    from specdecode.kernels.cpu_linear import apply_kernel
+    from specdecode.models.compat import logits_size
+    from specdecode.models.eagle_head import load_head
+    from specdecode.models.loading import wrap_model
+    from specdecode.models.quantized import quantize_loaded
+
+    folder = spec.eagle_dir
+    model = getattr(target, "model", target)
+    head, record = load_head(folder, model, vocab, getattr(target, "tokenizer", None))
+    check_target(record, folder, target, "EAGLE head")
+    loaded = wrap_model(head, name=str(spec))
+    loaded.kernel = apply_kernel(head)
+    quantize_loaded(loaded, spec.model, keep_weights=False, role="draft")  # type: ignore[arg-type]
+    return EagleDrafter(head, model, vocab_size=logits_size(model), name=str(spec))
