@@ -14,6 +14,7 @@ import argparse
 import json
 import random
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -202,7 +203,21 @@ def main() -> None:
         },
     }
     (out / "probe.json").write_text(json.dumps(result, indent=2))
-    torch.save(head.trained_state(), out / "head.pt")
+    # a head folder as `specdecode distill --kind eagle` writes it: --draft eagle:OUT/head
+    from specdecode.distill.result import vocab_digest
+    from specdecode.models.eagle_head import target_fingerprint, write_head
+
+    record = {
+        "kind": "eagle",
+        "target": target_name,
+        "target_config": target_fingerprint(target),
+        "tokenizer": vocab_digest(loaded.tokenizer),
+        "command": " ".join(sys.argv),
+        "head": {"layers": 1, "train_vocab": int(head.output.keep.numel())},
+        "training": result["training"],
+        "probe": result["all"],
+    }
+    write_head(out / "head", head, record)
     print(json.dumps(result["all"], indent=2))
     for cat, d in result["per_category"].items():
         print(cat, d["head"]["mean_accepted"], d["draft"]["mean_accepted"])
