@@ -96,12 +96,10 @@ class StaticStore(RowPool):
         # [rows, max_len + 1, D]: each position's feature where the model keeps them
         # (cache.keep_features), read through the hook KVCache reads too
         self.tapped: list[torch.Tensor] | None = tapped_features(model)
-        self.features = (
-            torch.zeros(rows, max_len + 1, model.config.hidden_size, dtype=param.dtype,
-                        device=param.device)
-            if self.tapped is not None
-            else None
-        )  # fmt: skip
+        self.features: torch.Tensor | None = None
+        if self.tapped is not None:
+            size = (rows, max_len + 1, model.config.hidden_size)
+            self.features = torch.zeros(size, dtype=param.dtype, device=param.device)
 
     @property
     def nbytes(self) -> int:

@@ -97,30 +97,36 @@ class EagleDrafter:
 
     @torch.inference_mode()
     def propose(self, context: list[int], k: int) -> Draft:
+        """k tokens after `context`: one head forward per token (the first also feeds what the
+        target's cache gained), each timed as a draft forward."""
         if k < 1:
             raise ValueError(f"a draft needs k >= 1 (got {k})")
-        new = len(context) - 1 - self.fed
-        tokens, qs = [], []
-        with self.meter.forward("draft", new + k - 1):
+        tokens: list[torch.Tensor] = []
+        qs: list[torch.Tensor] = []
+        position = len(context) - 1  # head position of the first drafted token
+        with self.meter.forward("draft", max(1, len(context) - 1 - self.fed)):
             predicted = self._catch_up(context)  # [1, D]
-            position = len(context) - 1
-            for depth in range(k):
-                logits = self.head.logits(predicted)[0, : self.vocab_size].float()  # [V]
-                if self.params.greedy:
-                    token = greedy_tokens(logits)
-                else:
-                    q = logits_to_probs(logits, self.params)
-                    token = sample(q, self.generator)
-                    qs.append(q)
-                tokens.append(token)
-                if depth + 1 < k:
-                    predicted = self.head(
-                        self.embed(token.view(1)).to(self.dtype),
-                        predicted,
-                        torch.tensor([position + depth], device=self.device),
-                        self.cache,
-                    )
+            tokens.append(self._choose(predicted, qs))
+        for depth in range(1, k):
+            with self.meter.forward("draft", 1):
+                predicted = self.head(
+                    self.embed(tokens[-1].view(1)).to(self.dtype),
+                    predicted,
+                    torch.tensor([position + depth - 1], device=self.device),
+                    self.cache,
+                )
+                tokens.append(self._choose(predicted, qs))
         return Draft(torch.stack(tokens), torch.stack(qs) if qs else None)
+
+    def _choose(self, predicted: torch.Tensor, qs: list[torch.Tensor]) -> torch.Tensor:
+        """The next drafted token from a predicted feature [1, D]: the argmax, or a sample
+        (its distribution appended to `qs`)."""
+        logits = self.head.logits(predicted)[0, : self.vocab_size].float()  # [V]
+        if self.params.greedy:
+            return greedy_tokens(logits)
+        q = logits_to_probs(logits, self.params)
+        qs.append(q)
+        return sample(q, self.generator)
 
     def observe(self, n_accepted: int) -> None:
         """Nothing to do now: the next `propose` drops the drafted positions and feeds the
