@@ -23,7 +23,7 @@ from specdecode.lean import LeanCache
 from specdecode.models.eagle_head import EagleHead, read_head_record
 from test_distill import distill_args, pair  # noqa: F401  (the fixture, shared)
 
-from conftest import tiny_llama
+from conftest import needs_kernel, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -160,3 +160,18 @@ def test_a_head_folder_loads_only_whole_and_for_its_target(pair, head_dir, tmp_p
                            tree="static:2,1")  # fmt: skip
     record = json.loads((head_dir / "eagle.json").read_text())
     assert record["target"] == str(pair / "target") and record["head"]["layers"] == 1
+
+
+@needs_kernel()
+def test_a_head_on_4bit_weights_drafts_for_a_bfloat16_target(pair, head_dir):  # noqa: F811
+    from specdecode.kernels.quantize import is_quantized
+
+    target = load_model(pair / "target", dtype="bfloat16")
+    drafter = resolve_draft(f"eagle:{head_dir}:int4", target)
+    assert isinstance(drafter, EagleDrafter) and drafter.name == f"eagle:{head_dir}:int4"
+    # fc, the layer's seven projections and the output layer over the kept ids
+    assert sum(is_quantized(m) for m in drafter.head.modules()) == 9
+    text = load_suite(pair / "prompts.jsonl")[0].turns[0]
+    expected = SpeculativeDecoder(target).generate(text, max_new_tokens=16, chat=True)
+    out = SpeculativeDecoder(target, drafter, k=3).generate(text, max_new_tokens=16, chat=True)
+    assert out.token_ids == expected.token_ids

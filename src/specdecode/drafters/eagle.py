@@ -38,8 +38,8 @@ class EagleDrafter:
         self.embed = target.get_input_embeddings()
         self.target_cache: Cache | None = None
         self.cache: Any = None
-        parameter = next(head.parameters())
-        self.device, self.dtype = parameter.device, parameter.dtype
+        # (not the head's first parameter: a quantized layer's weight is freed, on meta)
+        self.device, self.dtype = self.embed.weight.device, head.body.norm.weight.dtype
         # the cost policy's clock-free prior: the head's weights against the target's
         from specdecode.policies import compute_params
 

@@ -91,6 +91,13 @@ class EagleHead(torch.nn.Module):
         self.output = DraftVocabHead(linear, keep).to(dtype)
         self.output.requires_grad_(False)
 
+    def get_input_embeddings(self) -> torch.nn.Module:
+        """The body's placeholder embedding (one row): the head reads the target's."""
+        return self.body.embed_tokens
+
+    def get_output_embeddings(self) -> torch.nn.Module | None:
+        return self.output
+
     def forward(
         self,
         embeds: torch.Tensor,  # [n, D]: the embeddings of t_{j+1}
