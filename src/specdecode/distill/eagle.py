@@ -173,6 +173,7 @@ def distill_head(
         answers_digest,
         autocast_dtype,
         train,
+        training_record,
     )
     from specdecode.draft_spec import DEFAULT_DRAFT_VOCAB
     from specdecode.lean import target_cache
@@ -223,19 +224,10 @@ def distill_head(
         },
         training={
             "loss": f"smooth L1 on the feature + {CLS_WEIGHT} x cross-entropy on the token",
-            "lr": settings.lr,
-            "batch_size": settings.batch_size,
-            "budget": settings.budget.text,
-            "steps": state.step,
-            "tokens": state.tokens,
-            "seconds": round(state.seconds, 3),
-            "tokens_per_s": round(state.tokens / state.seconds, 1) if state.seconds else None,
-            "device": str(device),
-            "autocast": str(autocast).removeprefix("torch.") if autocast else None,
+            **training_record(settings, state, device, autocast),
             "before": before,
             "after": after,
             "eval_answers": len(evaluated),
-            "curve": state.curve,
         },
     )
     record.setdefault("time", {})["features_s"] = round(feature_s, 3)

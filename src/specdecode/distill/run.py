@@ -42,6 +42,7 @@ from specdecode.distill.train import (
     mean_loss,
     peft_modules,
     train,
+    training_record,
 )
 from specdecode.draft_spec import ModelSpec
 
@@ -148,20 +149,11 @@ def run_distill(
         data=_data_record(settings, train_prompts, held_out, answers, self_report, made),
         training={
             "loss": settings.loss,
-            "lr": settings.lr,
-            "batch_size": settings.batch_size,
-            "budget": settings.budget.text,
-            "steps": state.step,
-            "tokens": state.tokens,
-            "seconds": round(state.seconds, 3),
-            "tokens_per_s": round(state.tokens / state.seconds, 1) if state.seconds else None,
-            "device": str(device),
-            "autocast": str(dtype).removeprefix("torch.") if dtype else None,
+            **training_record(settings, state, device, dtype),
             "autocast_probe_ms": autocast_probe(device) if settings.autocast == "auto" else None,
             "loss_before": loss_before,
             "loss_after": loss_after,
             "eval_answers": len(evaluated),
-            "curve": state.curve,
         },
         time={"data_s": round(data_s, 3), "this_run_s": round(time.perf_counter() - started, 3)},
         peak_memory={"after_data": data_peak, "after_training": train_peak},

@@ -262,6 +262,24 @@ def peft_set_state(model: Any, weights: dict[str, Any]) -> None:
     peft_modules().set_peft_model_state_dict(model, weights)
 
 
+def training_record(
+    settings: DistillSettings, state: TrainState, device: torch.device, autocast: Any
+) -> dict[str, Any]:
+    """What a finished training records whatever it trained (distill.json, eagle.json)."""
+    return {
+        "lr": settings.lr,
+        "batch_size": settings.batch_size,
+        "budget": settings.budget.text,
+        "steps": state.step,
+        "tokens": state.tokens,
+        "seconds": round(state.seconds, 3),
+        "tokens_per_s": round(state.tokens / state.seconds, 1) if state.seconds else None,
+        "device": str(device),
+        "autocast": str(autocast).removeprefix("torch.") if autocast else None,
+        "curve": state.curve,
+    }
+
+
 def too_small(budget: Budget, why: str) -> ValueError:
     return ValueError(
         f"--budget {budget.text} is too small for one training step ({why}): raise --budget, "
