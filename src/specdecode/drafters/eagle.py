@@ -103,7 +103,7 @@ class EagleDrafter:
             raise ValueError(f"a draft needs k >= 1 (got {k})")
         tokens: list[torch.Tensor] = []
         qs: list[torch.Tensor] = []
-        position = len(context) - 1  # head position of the first drafted token
+        position = len(context) - 1  # the head position the first drafted token is fed at
         with self.meter.forward("draft", max(1, len(context) - 1 - self.fed)):
             predicted = self._catch_up(context)  # [1, D]
             tokens.append(self._choose(predicted, qs))
