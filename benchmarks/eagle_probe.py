@@ -80,6 +80,14 @@ def main() -> None:
     parser.add_argument("--draft-vocab", type=int, default=65536)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--autocast", choices=("off", "bf16"), default="off")
+    parser.add_argument(
+        "--init", default=None, help="start from this head folder's weights (trained further)"
+    )
+    parser.add_argument(
+        "--prompt-positions",
+        action="store_true",
+        help="train on the prompts' positions too (held-out scoring stays on answers)",
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     out = Path(args.out)
@@ -117,10 +125,16 @@ def main() -> None:
     n_held = max(1, int(len(prompts) * args.held_out))
     held = set(prompts[:n_held])
     train_items = [s for p in prompts[n_held:] for _, s in by_prompt[p]]
+    if args.prompt_positions:  # every position scored: start 1 makes `first` 0
+        train_items = [FeatureAnswer(s.ids, s.features, 1, s.key) for s in train_items]
     # greedy answers only: their tokens are the target's own greedy chain
     test = [(a, s) for p in prompts[:n_held] for a, s in by_prompt[p] if a.temperature == 0]
 
     head = EagleHead.from_target(target)
+    if args.init:
+        from safetensors.torch import load_file
+
+        head.load_state_dict(load_file(str(Path(args.init) / "head.safetensors")), strict=False)
     head.attach_output(target, args.draft_vocab, loaded.tokenizer)
     head.output.float()
     head.body.embed_tokens.requires_grad_(False)
