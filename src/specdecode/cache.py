@@ -107,6 +107,12 @@ def _forward_params(model_cls: type) -> frozenset[str]:
     return frozenset(inspect.signature(model_cls.forward).parameters)
 
 
+def cache_kwarg(model_cls: type) -> str:
+    """The name a model's forward takes its cache by: `cache` in transformers 5.x,
+    `past_key_values` in 4.x."""
+    return "cache" if "cache" in _forward_params(model_cls) else "past_key_values"
+
+
 class KVCache:
     """One model's key/value cache for a single sequence (batch size 1)."""
 
@@ -115,10 +121,8 @@ class KVCache:
 
         self.model = model
         self.hf = DynamicCache()
-        params = _forward_params(type(model))
-        # transformers 5.x names the cache argument `cache`, 4.x `past_key_values`
-        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        self._can_trim_logits = "logits_to_keep" in params
+        self.cache_kwarg = cache_kwarg(type(model))
+        self._can_trim_logits = "logits_to_keep" in _forward_params(type(model))
         # [len, D] the final norm's output per cached position, where the model keeps features
         self._features: torch.Tensor | None = None
         self._tapped = tapped_features(model)

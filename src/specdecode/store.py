@@ -268,7 +268,7 @@ class _RowsView:
     positions ([B, Hkv, span, d]; the mask hides what a row does not own)."""
 
     def __init__(self, store: StaticStore, rows: list[int], pasts: list[int], n: int, span: int):
-        from specdecode.cache import _forward_params
+        from specdecode.cache import cache_kwarg
 
         self.store, self.span = store, span
         device = store.keys[0].device
@@ -280,8 +280,7 @@ class _RowsView:
         # rows first, first + 1, ...: a slice of the store, no gather
         self.contiguous = rows == list(range(first, first + len(rows)))
         self._slice = slice(first, first + len(rows))
-        params = _forward_params(type(store.model))
-        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.cache_kwarg = cache_kwarg(type(store.model))
 
     def update(
         self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any

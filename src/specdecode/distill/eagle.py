@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from specdecode.distill.data import Answer
 from specdecode.distill.settings import DistillSettings
+from specdecode.distill.train import autocast_context
 from specdecode.models.eagle_head import EagleHead
 
 CLS_WEIGHT = 0.1  # EAGLE's weight of the token loss against the feature regression
@@ -54,7 +55,9 @@ def target_features(target: Any, new_cache: Any, ids: torch.Tensor) -> torch.Ten
     cache = new_cache(target)
     try:
         with torch.inference_mode():
-            cache.forward(ids.to(next(target.parameters()).device), last_only=True)
+            # (the embedding's device: a 4-bit target's first weights may be freed, on meta)
+            device = target.get_input_embeddings().weight.device
+            cache.forward(ids.to(device), last_only=True)
             features = cache.features()
         return features.clone()
     finally:
@@ -91,7 +94,7 @@ def sequence_loss(
     device = feats.device
     n, first = int(item.ids.shape[0]) - 1, item.first
     goal = feats[first + 1 :]  # [m, D]: f_{j+1}
-    with _autocast(device, autocast):
+    with autocast_context(device, autocast):
         pred = head(embed[item.ids[1:]].float(), feats[:-1], torch.arange(n, device=device))
         pred = pred[first:]  # [m, D]
         logq = head.output.inner(pred).float().log_softmax(-1)  # [m, V']
@@ -108,14 +111,6 @@ def sequence_loss(
         "top1": float(agree),
     }
     return loss, parts
-
-
-def _autocast(device: torch.device, dtype: torch.dtype | None) -> Any:
-    import contextlib
-
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def head_step(

@@ -121,7 +121,7 @@ def autocast_probe(device: torch.device) -> dict[str, float]:
         best = float("inf")
         for _ in range(4):  # the first is a warm-up
             start = time.perf_counter()
-            with _autocast(device, dtype):
+            with autocast_context(device, dtype):
                 out = layer(x)
             out.float().sum().backward()
             if device.type == "cuda":
@@ -131,7 +131,7 @@ def autocast_probe(device: torch.device) -> dict[str, float]:
     return times
 
 
-def _autocast(device: torch.device, dtype: torch.dtype | None) -> Any:
+def autocast_context(device: torch.device, dtype: torch.dtype | None) -> Any:
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
@@ -162,7 +162,7 @@ def answer_loss(
     model: Any, answer: Answer, vocab: int, kind: str, device: torch.device, dtype: Any
 ) -> torch.Tensor:
     """The summed loss over one answer's positions (a 0-d tensor with its graph)."""
-    with _autocast(device, dtype):
+    with autocast_context(device, dtype):
         logits = model(input_ids=_input(answer, device), logits_to_keep=answer.tokens).logits
     logits = logits[0, :, :vocab].float()  # [T, vocab]
     return distill_loss(

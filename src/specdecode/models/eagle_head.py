@@ -19,8 +19,6 @@ distill/eagle.py).
 from __future__ import annotations
 
 import copy
-import functools
-import inspect
 from pathlib import Path
 from typing import Any
 
@@ -109,12 +107,13 @@ class EagleHead(torch.nn.Module):
         """The predicted features f_{j+1}: [n, D] (after the head's norm, as the target's)."""
         dtype = self.fc.weight.dtype  # (a quantized fc keeps its weight's dtype, on meta)
         x = self.fc(torch.cat([embeds.to(dtype), features.to(dtype)], dim=-1))  # [n, D]
-        cache_kwarg = _cache_kwarg(type(self.body))
+        from specdecode.cache import cache_kwarg
+
         out = self.body(
             inputs_embeds=x[None],
             position_ids=positions[None],
             use_cache=cache is not None,
-            **{cache_kwarg: cache},
+            **{cache_kwarg(type(self.body)): cache},
         )
         return out.last_hidden_state[0]  # [n, D]
 
@@ -123,14 +122,6 @@ class EagleHead(torch.nn.Module):
         if self.output is None:
             raise ValueError("attach_output(target, ...) first")
         return self.output(features)
-
-
-@functools.cache
-def _cache_kwarg(model_cls: type) -> str:
-    """transformers 5.x names the cache argument `cache`, 4.x `past_key_values`."""
-    return (
-        "cache" if "cache" in inspect.signature(model_cls.forward).parameters else "past_key_values"
-    )
 
 
 def output_weight(target: Any) -> torch.Tensor:
