@@ -8,8 +8,9 @@ int8 panels with their scales, or bfloat16 panels), the norms and biases, and on
 input embedding (not the table: a lookup); a draft's output layer only its draft vocabulary's
 rows (`--draft-vocab`, as a draft is loaded to decode). Per model this sums, per kind of
 buffer, the bytes of every module's parameters and buffers except the input embedding's table
-(each storage once), and prints them with bits per linear weight. Divide by a measured token time for the bytes per
-second a forward streams, against the machine's read bandwidth (`quant_rate.py` measures it).
+(each storage once), and prints them with bits per linear weight. Divide by a measured token
+time for the bytes per second a forward streams, against the machine's read bandwidth
+(`quant_rate.py` measures it).
 The key/value cache is not counted (it grows with the context: `bench/memory.py`).
 """
 

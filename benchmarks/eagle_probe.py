@@ -137,7 +137,6 @@ def main() -> None:
         head.load_state_dict(load_file(str(Path(args.init) / "head.safetensors")), strict=False)
     head.attach_output(target, args.draft_vocab, loaded.tokenizer)
     head.output.float()
-    head.body.embed_tokens.requires_grad_(False)
     embed = target.get_input_embeddings().weight.detach()
     autocast = torch.bfloat16 if args.autocast == "bf16" else None
     settings = DistillSettings(

@@ -175,3 +175,28 @@ def test_a_head_on_4bit_weights_drafts_for_a_bfloat16_target(pair, head_dir):  #
     expected = SpeculativeDecoder(target).generate(text, max_new_tokens=16, chat=True)
     out = SpeculativeDecoder(target, drafter, k=3).generate(text, max_new_tokens=16, chat=True)
     assert out.token_ids == expected.token_ids
+
+
+@needs_kernel()
+def test_a_store_row_keeps_the_features_of_the_prefix_it_reuses():
+    from specdecode.lean import VERIFY_TOKENS, LeanStore
+
+    from conftest import WIDE, on_kernel
+
+    target = on_kernel(tiny_llama(seed=0, layers=2, **WIDE))
+    keep_features(target)
+    gen = torch.Generator().manual_seed(1)
+    shared, first, then = (torch.randint(0, 40, (n,), generator=gen) for n in (20, 12, 15))
+    store = LeanStore(target, rows=1, max_len=96)
+    row = store.open_row()
+    with torch.inference_mode():
+        row.forward(torch.cat([shared, first]), last_only=True)
+    row.close()
+    prompt = torch.cat([shared, then])
+    row = store.open_row(prompt.tolist())
+    assert len(row) == 20  # the shared prefix is kept, features included
+    fresh = LeanCache(target, VERIFY_TOKENS, residual=store.residual)
+    with torch.inference_mode():
+        row.forward(prompt[20:], last_only=True)
+        fresh.forward(prompt, last_only=True)
+    assert torch.equal(row.features(), fresh.features())

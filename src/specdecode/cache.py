@@ -123,7 +123,8 @@ class KVCache:
         self.hf = DynamicCache()
         self.cache_kwarg = cache_kwarg(type(model))
         self._can_trim_logits = "logits_to_keep" in _forward_params(type(model))
-        # [len, D] the final norm's output per cached position, where the model keeps features
+        # [capacity, D]: the final norm's output per cached position (the first len(self)
+        # valid, as a LeanCache's), where the model keeps features; grown by doubling
         self._features: torch.Tensor | None = None
         self._tapped = tapped_features(model)
         if self._tapped is not None:
@@ -145,8 +146,6 @@ class KVCache:
             raise ValueError(f"cannot roll back a cache of {len(self)} positions to {length}")
         if n_drop:
             self.hf.crop(-n_drop)  # a negative count drops that many positions (4.x and 5.x)
-        if self._features is not None:
-            self._features = self._features[:length]
 
     def copy(self) -> KVCache:
         """An independent copy over the same model (one prompt's prefill reused by many runs)."""
@@ -173,8 +172,9 @@ class KVCache:
                     # the gather copies before the write, so overlapping slots are safe
                     states[..., run : keep.numel(), :] = states[..., tail.to(states.device), :]
                 setattr(layer, name, states[..., : keep.numel(), :])
-        if self._features is not None:
-            self._features = self._features[keep.to(self._features.device)]
+        if self._features is not None and tail.numel():
+            rows = self._features
+            rows[run : keep.numel()] = rows[tail.to(rows.device)]  # gather, then write
 
     def forward(
         self,
@@ -198,12 +198,22 @@ class KVCache:
             kwargs["position_ids"] = position_ids[None]  # [1, n]
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask
+        past = len(self)
         out = self.model(input_ids=input_ids[None], use_cache=True, **kwargs)
         if self._tapped:  # the final norm's output over the n new positions: [1, n, D]
-            new = self._tapped.pop()[0].detach()
-            self._features = torch.cat([self._features.to(new), new])
+            self._keep_features(past, self._tapped.pop()[0])
         logits = out.logits[0]  # [n, V] or [1, V]
         return logits[-1:] if last_only else logits
+
+    def _keep_features(self, past: int, new: torch.Tensor) -> None:
+        """Write the features [n, D] of positions past .. past + n (the buffer doubles)."""
+        assert self._features is not None
+        end = past + new.shape[0]
+        if end > self._features.shape[0] or self._features.device != new.device:
+            grown = new.new_empty(max(end, 2 * self._features.shape[0]), new.shape[1])
+            grown[:past] = self._features[:past]
+            self._features = grown
+        self._features[past:end] = new.detach()
 
 
 def compaction(keep: list[int] | torch.Tensor, n: int) -> tuple[torch.Tensor, int]:

@@ -172,10 +172,7 @@ class DraftSpec:
             prefix = _FOLDER_KINDS[kind]
             folder = head[len(prefix) :]
             if not folder:
-                raise _bad_draft(
-                    text,
-                    f"a{'n' if kind == 'eagle' else ''} {kind} draft needs its folder, {prefix}DIR",
-                )
+                raise _bad_draft(text, f"{prefix} needs its folder, {prefix}DIR")
             problem = _name_problem(folder)
             if problem:
                 raise _bad_draft(text, problem)

@@ -171,11 +171,13 @@ class LeanCache:
         reused: int = 0,
         release: Callable[[LeanCache], None] | None = None,
         residual: torch.dtype | None = None,
+        features: torch.Tensor | None = None,
     ) -> None:
         """`kv` (a LeanStore's row, [layers, 2, Hkv, max_len, d] float32) and `ids` (its
         [max_len] int64): a fixed store to write into, never grown (StoreFull past it), whose
         first `reused` positions already hold a prefix computed on the fused path;
-        `release(cache)` gives the row back (`close`).
+        `release(cache)` gives the row back (`close`); `features` ([max_len, D]) its features
+        where the model keeps them (cache.keep_features).
         `residual`: the hidden states' dtype between layers (default the model's; float32 for
         a quantized target, `target_residual`): the linears still take the model's dtype."""
         reason = unsupported_reason(model)
@@ -208,12 +210,12 @@ class LeanCache:
         self.kv = kv
         self.ids = ids  # [capacity] int64: the token id each cached position holds
         # [capacity, D]: the final norm's output per position, where the model keeps features
-        # (cache.keep_features); none in a store row that reuses a prefix (LeanStore skips reuse)
-        self._features = (
-            torch.empty(kv.shape[3], config.hidden_size, dtype=self.dtype, device=self.device)
-            if keeps_features(model)
-            else None
-        )
+        # (cache.keep_features); a store row's are the store's, kept with its prefix
+        if features is None and keeps_features(model):
+            features = torch.empty(
+                kv.shape[3], config.hidden_size, dtype=self.dtype, device=self.device
+            )
+        self._features = features
         self._fused = _fused_ops(model, self.dtype, self.device, self.head_dim)
         # per layer (q, k, v, o, gate, up, down), then the output layer: the kernel calls
         # themselves where the draft's linears run on specdecode's kernels
@@ -554,11 +556,22 @@ class LeanStore(RowPool):
         device = next(model.parameters()).device
         self.kv = torch.empty(rows, layers, 2, kv_heads, max_len, head_dim, device=device)
         self.ids = torch.zeros(rows, max_len, dtype=torch.long, device=device)
+        # [rows, max_len, D]: each position's feature where the model keeps them
+        dtype = next(model.parameters()).dtype
+        hidden = model.config.hidden_size
+        self.features = (
+            torch.empty(rows, max_len, hidden, dtype=dtype, device=device)
+            if keeps_features(model)
+            else None
+        )
         self._left: list[LeanCache | None] = [None] * rows  # a freed row's last cache
 
     @property
     def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size() + self.ids.numel() * 8
+        kept = (
+            self.features.numel() * self.features.element_size() if self.features is not None else 0
+        )
+        return self.kv.numel() * self.kv.element_size() + self.ids.numel() * 8 + kept
 
     def open_row(self, tokens: Sequence[int] = ()) -> LeanCache:
         """A row for a sequence that starts with `tokens` (StoreFull when every row is
@@ -578,13 +591,12 @@ class LeanStore(RowPool):
             reused=kept[row],
             release=lambda cache: self._free_row(row, cache),
             residual=self.residual,
+            features=self.features[row] if self.features is not None else None,
         )
 
     def _kept(self, row: int, tokens: Sequence[int]) -> int:
         left = self._left[row]
-        if left is None or not tokens or keeps_features(self.model):  # features are per cache
-            return 0
-        return left.reusable_prefix(tokens)
+        return left.reusable_prefix(tokens) if left is not None and tokens else 0
 
     def _free_row(self, row: int, cache: LeanCache) -> None:
         self._left[row] = cache

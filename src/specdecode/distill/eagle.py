@@ -183,7 +183,6 @@ def distill_head(
     feature_s = time.perf_counter() - started
 
     head = EagleHead.from_target(target).to(device)
-    head.body.embed_tokens.requires_grad_(False)  # unused: the head reads embeddings
     head.attach_output(target, DEFAULT_DRAFT_VOCAB, loaded.tokenizer)
     assert head.output is not None
     head.output.float()

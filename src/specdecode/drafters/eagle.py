@@ -20,6 +20,7 @@ import torch
 
 from specdecode.cache import Cache, keep_features
 from specdecode.models.eagle_head import EagleHead
+from specdecode.policies import compute_params
 from specdecode.sampling import SamplingParams, greedy_tokens, logits_to_probs, sample
 from specdecode.types import Draft, ForwardMeter
 
@@ -41,8 +42,6 @@ class EagleDrafter:
         # (not the head's first parameter: a quantized layer's weight is freed, on meta)
         self.device, self.dtype = self.embed.weight.device, head.body.norm.weight.dtype
         # the cost policy's clock-free prior: the head's weights against the target's
-        from specdecode.policies import compute_params
-
         self.cost_ratio = sum(p.numel() for p in head.parameters()) / compute_params(target)
 
     def follow(self, cache: Cache) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from specdecode.cache import cache_kwarg
 from specdecode.models.draft_vocab import DraftVocabHead, kept_ids
 
 
@@ -53,6 +54,7 @@ class EagleHead(torch.nn.Module):
         self.config = config
         self.fc = torch.nn.Linear(2 * hidden, hidden, bias=False)
         self.body = AutoModel.from_config(config)
+        self.body.embed_tokens.requires_grad_(False)  # a placeholder: the head reads embeddings
         self.output: DraftVocabHead | None = None
 
     @classmethod
@@ -107,8 +109,6 @@ class EagleHead(torch.nn.Module):
         """The predicted features f_{j+1}: [n, D] (after the head's norm, as the target's)."""
         dtype = self.fc.weight.dtype  # (a quantized fc keeps its weight's dtype, on meta)
         x = self.fc(torch.cat([embeds.to(dtype), features.to(dtype)], dim=-1))  # [n, D]
-        from specdecode.cache import cache_kwarg
-
         out = self.body(
             inputs_embeds=x[None],
             position_ids=positions[None],
