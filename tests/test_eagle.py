@@ -200,3 +200,22 @@ def test_a_store_row_keeps_the_features_of_the_prefix_it_reuses():
         row.forward(prompt[20:], last_only=True)
         fresh.forward(prompt, last_only=True)
     assert torch.equal(row.features(), fresh.features())
+
+
+def test_the_bench_counts_a_heads_weights_its_cache_and_the_kept_features():
+    from specdecode.bench.memory import decode_bytes, kv_bytes_per_token, weights_bytes
+
+    target = tiny_llama(seed=5)
+    head = EagleHead.from_target(target)
+    head.attach_output(target, None)
+    drafter = EagleDrafter(head, target)
+    n = 30
+    alone = decode_bytes(target, None, n)
+    hidden = target.config.hidden_size
+    shared = weights_bytes(target) + weights_bytes(head) - weights_bytes(target, head)
+    added = weights_bytes(head) - shared + kv_bytes_per_token(head.body) * n + hidden * 4 * n
+    assert (
+        kv_bytes_per_token(head.body)
+        == kv_bytes_per_token(target) // target.config.num_hidden_layers
+    )
+    assert decode_bytes(target, drafter, n) == alone + added
