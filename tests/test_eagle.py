@@ -219,3 +219,11 @@ def test_the_bench_counts_a_heads_weights_its_cache_and_the_kept_features():
         == kv_bytes_per_token(target) // target.config.num_hidden_layers
     )
     assert decode_bytes(target, drafter, n) == alone + added
+
+
+def test_a_head_trains_without_peft(pair, tmp_path, monkeypatch):  # noqa: F811
+    monkeypatch.setitem(__import__("sys").modules, "peft", None)  # `import peft` fails
+    out = tmp_path / "run"
+    assert main(distill_args(pair, out, "--kind", "eagle", budget="40")) == 0
+    record = read_head_record(out)
+    assert "peft" not in record["versions"] and record["training"]["steps"] >= 1

@@ -95,7 +95,8 @@ def run_distill(
     from specdecode.models.loading import load_model, resolve_device
 
     settings.validate()
-    peft_modules()  # missing peft fails before anything is loaded
+    if settings.kind == "lora":
+        peft_modules()  # missing peft fails before anything is loaded (a head needs none)
     started = time.perf_counter()
     out = Path(settings.out).expanduser()
     device = resolve_device(settings.device)
@@ -227,18 +228,19 @@ def _answer(
 def _record(settings: DistillSettings, command: str) -> dict[str, Any]:
     import transformers
 
-    peft = peft_modules()
+    versions = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+    if settings.kind == "lora":
+        versions["peft"] = peft_modules().__version__
     return {
         "target": portable(settings.target),
         "command": command or " ".join(sys.argv),
         "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "settings": settings.to_dict(),
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "peft": peft.__version__,
-        },
+        "versions": versions,
     }
 
 
