@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.distill.store import disk_guard, load_json, replace_folder, save_json
+from specdecode.models.fetch import sha256_file
 
 RECORD, ADAPTER, PARTIAL = "distill.json", "adapter", ".adapter.partial"
 WEIGHTS = "adapter_model.safetensors"
@@ -50,14 +51,6 @@ def vocab_digest(tokenizer: Any) -> str | None:
         return None
     items = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
     return hashlib.sha256(repr(items).encode()).hexdigest()[:16]
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def write_result(out: Path, peft_model: Any, record: dict[str, Any]) -> None:

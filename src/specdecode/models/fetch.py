@@ -132,12 +132,13 @@ def _file_records(folder: Path) -> dict[str, dict[str, Any]]:
     for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MARKER):
         records[path.relative_to(folder).as_posix()] = {
             "size": path.stat().st_size,
-            "sha256": _sha256(path),
+            "sha256": sha256_file(path),
         }
     return records
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """The hex sha256 of the file at `path`, read in chunks."""
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         while chunk := fh.read(_CHUNK):
@@ -161,7 +162,7 @@ def _file_problems(folder: Path, records: Any, *, deep: bool) -> list[str]:
             problems.append(
                 f"{name} has {path.stat().st_size:,} bytes, expected {record.get('size'):,}"
             )
-        elif deep and _sha256(path) != record.get("sha256"):
+        elif deep and sha256_file(path) != record.get("sha256"):
             problems.append(f"{name} does not match its sha256 (its content changed)")
     return problems
 
@@ -552,7 +553,7 @@ def rebuild_gguf(
     out = Path(out_dir).expanduser() if out_dir is not None else gguf_dir()
     dest = out / preset.gguf_filename
     if dest.is_file():
-        if dest.stat().st_size == preset.total_size and _sha256(dest) == preset.sha256:
+        if dest.stat().st_size == preset.total_size and sha256_file(dest) == preset.sha256:
             _say(progress, f"{dest} is already there (sha256 checked)")
             return dest
         logger.warning("%s differs from the preset's sha256: rebuilding it", dest)
