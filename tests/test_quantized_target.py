@@ -4,7 +4,9 @@ is an error before anything loads, and every command takes the suffix."""
 
 from __future__ import annotations
 
+import gc
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,6 +86,27 @@ def test_a_target_frees_its_bfloat16_weights_and_computes_the_same(tmp_path):
     with torch.inference_mode():
         assert torch.equal(model(ids).logits, kept.model(ids).logits)
     assert quantize_linears(model, bits=4, keep_weights=False) == len(linears)  # idempotent
+
+
+@needs_kernel()
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc/self/maps")
+def test_a_quantized_target_lets_go_of_its_weights_file(tmp_path):
+    # transformers maps the safetensors file: a view of it left alive (the embedding) would
+    # keep every page of it written or read in the process (models/loading.py `own_memory`)
+    tiny_llama(seed=3, tie_word_embeddings=True).to(torch.bfloat16).save_pretrained(tmp_path)
+    bf16 = load_model(str(tmp_path))
+    mapped = [
+        line for line in Path("/proc/self/maps").read_text().splitlines() if str(tmp_path) in line
+    ]
+    assert mapped  # the file is mapped while its weights are the model's
+    del bf16, mapped
+    gc.collect()
+    freed = load_model(f"{tmp_path}:int4")
+    assert str(tmp_path) not in Path("/proc/self/maps").read_text()
+    model = freed.model
+    assert model.lm_head.weight is model.get_input_embeddings().weight  # still tied
+    with torch.inference_mode():
+        assert torch.isfinite(model(torch.tensor([PROMPT])).logits).all()
 
 
 @needs_kernel()

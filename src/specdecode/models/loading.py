@@ -150,8 +150,29 @@ def load_model(
 
         loaded.model = merge_adapter(loaded.model, adapter)
     restrict_draft_vocab(loaded, draft_vocab)  # before the kernel and quantization take the layer
-    loaded.kernel = apply_kernel(loaded.model, mode)
-    return quantize_loaded(loaded, model_spec, keep_weights=keep_weights, role=role)
+    if model_spec.quantization is None or keep_weights:
+        loaded.kernel = apply_kernel(loaded.model, mode)
+        return quantize_loaded(loaded, model_spec, keep_weights=keep_weights, role=role)
+    # bfloat16 weights about to be freed: quantized first, so that none is packed into the
+    # bfloat16 kernel's panels (a written copy of it) only to be dropped
+    quantize_loaded(loaded, model_spec, keep_weights=False, role=role)
+    apply_kernel(loaded.model, mode)  # the attention kernel, and any linear left in bfloat16
+    own_memory(loaded.model)
+    return loaded
+
+
+def own_memory(model: torch.nn.Module) -> None:
+    """Give each parameter that holds data its own copy of it.
+
+    transformers maps a safetensors file into memory and makes the parameters views of that
+    mapping; a page of it written to (the bfloat16 panels, packed in place) or read stays in the
+    process as long as any view lives. Once a quantized target's bfloat16 weights are freed,
+    its embedding and norms are the views left: copied out, the whole mapping goes, and the
+    process holds what the model holds (docs/benchmarks.md, "Loading a 4-bit target")."""
+    with torch.no_grad():
+        for param in model.parameters():  # each once, tied ones too
+            if not param.is_meta:
+                param.data = param.data.clone()
 
 
 def _load(
