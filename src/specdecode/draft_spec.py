@@ -126,10 +126,9 @@ class DraftSpec:
             )
         if self.kind == "model" and _kind(self.model.name) != "model":  # would not read back
             raise _bad_draft(str(self.model), f"a model's name reads as {_kind(self.model.name)}")
-        if self.ngram is not None and not 1 <= self.ngram[0] <= self.ngram[1]:
-            raise _bad_draft(str(self), "n-gram sizes need 1 <= min <= max")
-        if self.depth is not None and self.depth < 1:
-            raise _bad_draft(str(self), "an early-exit draft needs a depth >= 1")
+        problem = _number_problem(self.ngram, self.depth)
+        if problem:
+            raise _bad_draft(str(self), problem)
 
     @property
     def distilled_dir(self) -> str | None:
@@ -189,10 +188,24 @@ class DraftSpec:
             low, dash, high = rest.partition("-")
             if not (dash and _NUMBER.fullmatch(low) and _NUMBER.fullmatch(high)):
                 raise _bad_draft(text, "an n-gram draft is ngram or ngram:MIN-MAX")
-            return cls("ngram", ngram=(int(low), int(high)))
+            ngram = (int(low), int(high))
+            if problem := _number_problem(ngram, None):  # the error quotes the text as typed
+                raise _bad_draft(text, problem)
+            return cls("ngram", ngram=ngram)
         if text.partition(":")[0] != "early-exit" or not _NUMBER.fullmatch(rest):
             raise _bad_draft(text, "an early-exit draft needs a depth, early-exit:N")
+        if problem := _number_problem(None, int(rest)):
+            raise _bad_draft(text, problem)
         return cls("early-exit", depth=int(rest))
+
+
+def _number_problem(ngram: tuple[int, int] | None, depth: int | None) -> str | None:
+    """What is wrong with an n-gram draft's sizes or an early-exit draft's depth, or None."""
+    if ngram is not None and not 1 <= ngram[0] <= ngram[1]:
+        return "n-gram sizes need 1 <= min <= max"
+    if depth is not None and depth < 1:
+        return "an early-exit draft needs a depth >= 1"
+    return None
 
 
 def _bad_draft(text: str, why: str) -> ValueError:
