@@ -33,7 +33,7 @@ def resolve_draft(
     `None` -> None (autoregressive); `early-exit:N` -> an EarlyExitDrafter over `target` (a
     LoadedModel); `ngram` or `ngram:MIN-MAX` -> prompt lookup (default 1-3); a model is loaded
     with `load_model`, and `MODEL:int8` / `MODEL:int4` then runs its linears on int8 / 4-bit
-    weights (bfloat16 on a CPU with AVX2 only; models/quantized.py), its bfloat16 weights kept.
+    weights (bfloat16 on a CPU with AVX2 only; models/quantized.py), its bfloat16 weights freed.
     `distilled:DIR[:int8|:int4]` loads the base draft DIR/distill.json names with DIR's adapter
     merged (then quantized, where asked), checked against `target`'s tokenizer.
     `eagle:DIR[:int8|:int4]` -> an EagleDrafter: DIR's head over `target`'s features
@@ -58,9 +58,7 @@ def resolve_draft(
         return _load_distilled(spec, target, dtype, device, vocab)
     if spec.kind == "eagle":
         return _load_eagle(spec, target, vocab)
-    return load_model(
-        spec.model, dtype=dtype, device=device, keep_weights=True, role="draft", draft_vocab=vocab
-    )
+    return load_model(spec.model, dtype=dtype, device=device, role="draft", draft_vocab=vocab)
 
 
 def _load_distilled(spec: DraftSpec, target: Any, dtype: Any, device: Any, vocab: int | None):
@@ -76,7 +74,6 @@ def _load_distilled(spec: DraftSpec, target: Any, dtype: Any, device: Any, vocab
         base,
         dtype=dtype,
         device=device,
-        keep_weights=True,
         role="draft",
         adapter=folder,
         draft_vocab=vocab,

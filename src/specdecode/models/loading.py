@@ -129,7 +129,7 @@ def load_model(
     else "auto") puts a bfloat16 model's linear layers on the CPU kernels (`specdecode.kernels`).
     `MODEL:int8` / `MODEL:int4` runs them on int8 / 4-bit weights (bfloat16 on an AVX2 CPU only,
     kernel not off: ValueError before loading otherwise) and names the model `MODEL:int4`; its
-    bfloat16 weights are freed unless `keep_weights` (a draft's; models/quantized.py). `role`
+    bfloat16 weights are freed unless `keep_weights` (a draft in training; models/quantized.py). `role`
     ("target", "draft") names the model in error messages. `adapter`: a distillation's folder
     (`specdecode distill --out DIR`) whose adapter is merged into the weights first, so that the
     kernel and the quantization take the trained weights (distill/result.py). `draft_vocab`:
@@ -168,7 +168,7 @@ def own_memory(model: torch.nn.Module) -> None:
     mapping; a page of it written to (the bfloat16 panels, packed in place) or read stays in the
     process as long as any view lives. Once a quantized target's bfloat16 weights are freed,
     its embedding and norms are the views left: copied out, the whole mapping goes, and the
-    process holds what the model holds (docs/benchmarks.md, "Loading a 4-bit target")."""
+    process holds what the model holds (docs/benchmarks.md, "Loading a 4-bit model")."""
     with torch.no_grad():
         for param in model.parameters():  # each once, tied ones too
             if not param.is_meta:

@@ -7,7 +7,8 @@ model never falls back to its bfloat16 weights in silence.
 
 A quantized target is the model speculation reproduces (lossless to it, not to its bfloat16
 original): its name carries the suffix (`LoadedModel.name`, the bench's records), and its bfloat16
-weights are freed (`keep_weights=False`) but for an output layer tied to the embedding.
+weights are freed (`keep_weights=False`) but for an output layer tied to the embedding; a
+draft's too, as nothing in decoding reads them.
 
 `:int4` of a GGUF-made model (a preset, a `.gguf` path) takes the file's own 4-bit codes where it
 has them (models/gguf_int4.py), its Q6_K grid for Q6_K linears and int8 for its linears of other
@@ -73,9 +74,9 @@ def quantize_loaded(loaded: Any, spec: ModelSpec, *, keep_weights: bool, role: s
     """`loaded` (a LoadedModel) with its linears on the weights `spec.quantization` asks for
     (int8 or int4), its kernel and name saying so (`name:int4`); the same LoadedModel.
 
-    `keep_weights=False` frees the bfloat16 weights of the quantized layers (targets: nothing
-    restores them; a draft keeps them, as it always has). ValueError where that cannot run, or
-    where too little of the model is in nn.Linear layers for the suffix to mean anything."""
+    `keep_weights=False` frees the bfloat16 weights of the quantized layers (nothing in decoding
+    reads them; a distillation keeps its draft's). ValueError where that cannot run, or where
+    too little of the model is in nn.Linear layers for the suffix to mean anything."""
     from specdecode.kernels.build import KernelUnavailable
     from specdecode.kernels.quantize import quant_name, quantize_linears
 
