@@ -24,6 +24,9 @@ _PACKED = "_specdecode_packed"  # set where the weight's own storage holds its p
 _HOOKS = "_specdecode_hooks"  # state-dict hook handles of a packed-in-place weight
 
 
+_PAIR = {2: torch.int32, 4: torch.int64}  # element size -> a number as wide as two elements
+
+
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] (K even) -> panels [ceil(N / 16), K / 2, 16, 2]: the layout the kernel's
     `linear_packed` reads (16 output rows side by side, each row's weights at k and k + 1 in
@@ -31,7 +34,14 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
     pad = -n % PANEL
     rows = F.pad(weight, (0, 0, 0, pad)) if pad else weight
-    return rows.reshape(-1, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    pair = _PAIR.get(weight.element_size())
+    if pair is None:
+        return rows.reshape(-1, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    # each pair (k, k + 1) as one number twice as wide, so the copy moves whole lanes: several
+    # times faster than permuting the pairs' halves, and the same bytes
+    lanes = rows.contiguous().view(pair).view(-1, PANEL, k // 2)  # [N / 16, 16, K / 2]
+    panels = lanes.transpose(1, 2).contiguous()  # [N / 16, K / 2, 16]
+    return panels.view(weight.dtype).view(-1, k // 2, PANEL, 2)
 
 
 def unpack_panels(panels: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -41,7 +51,7 @@ def unpack_panels(panels: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 def module_panels(module: torch.nn.Linear) -> torch.Tensor | None:
     """The panels `module` runs on, or None (odd K: the row-major kernel)."""
-    if getattr(module, _PACKED, False):
+    if packed_in_place(module):
         return module.weight
     return module._buffers.get(PANELS_BUFFER)
 
@@ -50,7 +60,7 @@ def row_major(module: torch.nn.Linear) -> torch.Tensor:
     """`module`'s weight [N, K] in its usual layout, also while it is packed in place (then a
     copy, differentiable with respect to the packed parameter)."""
     weight = module.weight
-    if getattr(module, _PACKED, False):
+    if packed_in_place(module):
         return unpack_panels(weight, *weight.shape)
     return weight
 
@@ -100,7 +110,11 @@ def shared_storages(model: torch.nn.Module) -> set[int]:
 def pack(module: torch.nn.Linear, shared: set[int]) -> None:
     """Give `module` panels: in its weight's own storage (no extra memory) when nothing else
     uses that storage and N is a multiple of 16, else as a separate buffer (a tied output
-    layer: its embedding still reads the usual layout). Odd K keeps the row-major kernel."""
+    layer: its embedding still reads the usual layout). Odd K keeps the row-major kernel.
+
+    (A weight loaded from safetensors is a view of the file, mapped copy-on-write: written in
+    place, each page becomes the process's own in place of the file's, so the peak memory stays
+    the model's; a new tensor would hold a second copy while the file's pages stay mapped.)"""
     weight = module.weight
     n, k = weight.shape
     if k % 2:
@@ -135,10 +149,15 @@ def _load_packed(module, state_dict, prefix, *args) -> None:
         state_dict[key] = pack_panels(state_dict[key]).view(module.weight.shape)
 
 
+def packed_in_place(module: torch.nn.Module) -> bool:
+    """Whether `module`'s weight holds its panels (`pack`)."""
+    return getattr(module, _PACKED, False)
+
+
 def unpack(module: torch.nn.Linear) -> None:
     """Undo `pack`: the weight in its usual layout again, the panels buffer dropped."""
     module._buffers.pop(PANELS_BUFFER, None)
-    if getattr(module, _PACKED, False):
+    if packed_in_place(module):
         with torch.no_grad():
             module.weight.copy_(row_major(module))
         for handle in getattr(module, _HOOKS):

@@ -164,11 +164,12 @@ def load_model(
 def own_memory(model: torch.nn.Module) -> None:
     """Give each parameter that holds data its own copy of it.
 
-    transformers maps a safetensors file into memory and makes the parameters views of that
-    mapping; a page of it written to (the bfloat16 panels, packed in place) or read stays in the
-    process as long as any view lives. Once a quantized target's bfloat16 weights are freed,
-    its embedding and norms are the views left: copied out, the whole mapping goes, and the
-    process holds what the model holds (docs/benchmarks.md, "Loading a 4-bit model")."""
+    transformers maps a safetensors file into memory (copy-on-write) and makes the parameters
+    views of that mapping; a page of it read or written stays in the process as long as any
+    view lives. Once a quantized model's bfloat16 weights are freed, its embedding, norms and
+    biases are the views left: copied out, the whole mapping goes, and the process holds what
+    the model holds (docs/benchmarks.md, "Loading a model"). (A bfloat16 model keeps its
+    mapping: the kernel's panels are written into its pages, kernels/panels.py `pack`.)"""
     with torch.no_grad():
         for param in model.parameters():  # each once, tied ones too
             if not param.is_meta:
