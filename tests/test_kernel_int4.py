@@ -95,6 +95,22 @@ def test_quantize_int4_round_trip_and_its_codes():
         quantize_int4(torch.randn(4, 48))
     with pytest.raises(ValueError, match="float16's range"):
         quantize_int4(torch.full((1, 32), 1e6))
+    # rows are independent: done a few at a time (a large output layer), the codes are the same
+    for got, whole in zip(quantize_int4(w, rows=7), codes, strict=True):
+        assert torch.equal(got, whole)
+
+
+def test_a_freed_weights_pages_go_back_and_the_layer_computes_the_same():
+    # 1 MiB of bfloat16 weights: past drop_pages' 16 pages; nothing reads them once freed
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(1024, 512, bias=False).to(torch.bfloat16) for _ in range(2)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    x = torch.randn(3, 1024).to(torch.bfloat16)
+    quantize_linears(layers[0], bits=4, keep_weights=False)
+    quantize_linears(layers[1], bits=4, keep_weights=False, release_pages=True)
+    with torch.inference_mode():
+        assert torch.equal(layers[0](x), layers[1](x))
+    assert layers[1].weight.is_meta
 
 
 def test_int4_panels_decode_back_to_the_codes_weights():

@@ -11,6 +11,9 @@ bfloat16 weights.
 
 from __future__ import annotations
 
+import ctypes
+import os
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -34,6 +37,7 @@ _INT4_GROUP = 32  # k per scale and min (kInt4Group in the C++)
 _Q4 = ("_specdecode_q4", "_specdecode_q4_codes", "_specdecode_q4_steps")
 # the 6-bit panels' buffers: low 4 bits, top 2 bits, sc per 16 k, d per 256 k
 _Q6 = ("_specdecode_q6", "_specdecode_q6_high", "_specdecode_q6_scale", "_specdecode_q6_d")
+_MADV_DONTNEED = 4  # Linux's madvise advice: drop the pages
 _Q6_SUB, _Q6_BLOCK = 16, 256  # k per sc, per d (kQ6Sub, kQ6Block in q6_tile.h)
 
 
@@ -115,7 +119,7 @@ def _per_group(t: torch.Tensor, groups: int) -> torch.Tensor:
     return t.repeat_interleave(1 << _INT4_BLOCK_SHIFT, dim=1)[:, :groups]
 
 
-def quantize_int4(weight: torch.Tensor) -> Int4Codes:
+def quantize_int4(weight: torch.Tensor, rows: int = 4096) -> Int4Codes:
     """Asymmetric 4-bit per row and group of 32 k, on Q4_K's kind of grid: weight [N, K] ~=
     q * scale + min per group, q in 0..15, scale = d * sc and min = dl * ml with 8-bit codes
     (sc uint8, ml int8) per group and float16 steps d, dl per block of 8 groups (`Int4Codes`).
@@ -123,8 +127,12 @@ def quantize_int4(weight: torch.Tensor) -> Int4Codes:
     Per group its min and step (max - min) / 15 are fitted, then coded on their block's steps
     (dl = max |min| / 127, d = max step / 255, rounded to nearest), and q is chosen on the coded
     grid. The codes cost about 0.03% of RMS error against float16 scales and mins per group
-    (random and heavy-tailed weights), for 4.625 bits a weight read instead of 5."""
+    (random and heavy-tailed weights), for 4.625 bits a weight read instead of 5. Rows are
+    independent: done `rows` at a time, so a large output layer needs no full float32 copy."""
     n, k = weight.shape
+    if n > rows:
+        parts = [quantize_int4(weight[start : start + rows], rows) for start in range(0, n, rows)]
+        return tuple(torch.cat(codes) for codes in zip(*parts, strict=True))  # type: ignore[return-value]
     if k % _INT4_GROUP:
         raise ValueError(f"int4 needs K a multiple of {_INT4_GROUP} (got {k})")
     g = k // _INT4_GROUP
@@ -330,6 +338,7 @@ def quantize_linears(
     int4_codes: Mapping[str, Int4Codes] | None = None,
     tied_bits: int = 8,
     q6_codes: Mapping[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+    release_pages: bool = False,
 ) -> int:
     """Run every bfloat16 CPU `nn.Linear` of `model` on quantized copies of its weights for the
     AVX2 kernels; returns how many.
@@ -350,7 +359,9 @@ def quantize_linears(
     the model holds 1.5 (int8) or about 2.6 (4-bit) bytes per linear weight. `keep_weights=False`
     (targets) frees the bfloat16 weight of every quantized layer whose storage nothing else shares
     (`free_weight`; an output layer tied to the embedding keeps it, the embedding reads it): the
-    layers keep their shapes and compute as before, but cannot be restored. Builds the kernel
+    layers keep their shapes and compute as before, but cannot be restored; `release_pages`
+    also hands their memory pages back at once (`free_weight`: only for a model whose tensors
+    nothing outside it shares, as `load_model`'s own). Builds the kernel
     first (KernelUnavailable when it cannot). Idempotent: a quantized layer stays as it is (its
     weight is freed if asked now). `quant_name(bits)` is the kernel name of the model it leaves.
     """
@@ -389,7 +400,7 @@ def quantize_linears(
                 else:
                     _quantize_int8(module)
             if not keep_weights and _untied(module.weight, shared):
-                free_weight(module)  # a tied weight stays: its embedding reads it
+                free_weight(module, release_pages)  # a tied weight stays: its embedding reads it
             count += 1
     return count
 
@@ -403,16 +414,40 @@ def is_quantized(module: torch.nn.Module) -> bool:
     return any(name in module._buffers for name in (_QWEIGHT, _Q4[0], _Q6[0]))
 
 
-def free_weight(module: torch.nn.Linear) -> None:
+def free_weight(module: torch.nn.Linear, release_pages: bool = False) -> None:
     """Drop a quantized layer's bfloat16 weight: it becomes a tensor of the same shape and dtype
     on the meta device (no storage), so whatever reads its shape still works, whatever would
     compute with it fails loudly, and the layer computes from its quantized copies (the kernel,
-    or the PyTorch fall-back from `int4_weights` / `int8_weights`)."""
+    or the PyTorch fall-back from `int4_weights` / `int8_weights`). `release_pages`: its pages
+    are handed back to the system now (`_drop_pages`), for a weight nothing else can read (not
+    one a `prune.shared_copy` shares with its reference)."""
     if not is_quantized(module):
         raise ValueError("only a quantized layer's weight can be freed (it computes without it)")
     weight = module.weight
     if not weight.is_meta:
         module.weight = torch.nn.Parameter(weight.to("meta"), requires_grad=False)
+        if release_pages:
+            drop_pages(weight)
+
+
+def drop_pages(weight: torch.Tensor) -> None:
+    """Hand the memory pages wholly inside a freed weight's storage back to the system now
+    (Linux's madvise MADV_DONTNEED; elsewhere nothing is done).
+
+    A weight loaded from safetensors is a view of the file, which transformers maps into memory:
+    its pages, once read, stay in the process while any other view of the file lives (the
+    embedding does), freed or not. Only a storage nothing else reads comes here (`free_weight`
+    of a weight nothing else reads), so no one reads those pages again: a file's pages are
+    read from the file again if touched, anonymous ones come back as zeros."""
+    if sys.platform != "linux" or weight.device.type != "cpu":
+        return
+    storage = weight.untyped_storage()
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = -(-storage.data_ptr() // page) * page  # the first whole page inside
+    end = (storage.data_ptr() + storage.nbytes()) // page * page
+    if end - start >= 16 * page:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
 
 
 def weight_freed(module: torch.nn.Module) -> bool:

@@ -155,7 +155,7 @@ def load_model(
         return quantize_loaded(loaded, model_spec, keep_weights=keep_weights, role=role)
     # bfloat16 weights about to be freed: quantized first, so that none is packed into the
     # bfloat16 kernel's panels (a written copy of it) only to be dropped
-    quantize_loaded(loaded, model_spec, keep_weights=False, role=role)
+    quantize_loaded(loaded, model_spec, keep_weights=False, role=role, release_pages=True)
     apply_kernel(loaded.model, mode)  # the attention kernel, and any linear left in bfloat16
     own_memory(loaded.model)
     return loaded
@@ -169,11 +169,16 @@ def own_memory(model: torch.nn.Module) -> None:
     view lives. Once a quantized model's bfloat16 weights are freed, its embedding, norms and
     biases are the views left: copied out, the whole mapping goes, and the process holds what
     the model holds (docs/benchmarks.md, "Loading a model"). (A bfloat16 model keeps its
-    mapping: the kernel's panels are written into its pages, kernels/panels.py `pack`.)"""
+    mapping: the kernel's panels are written into its pages, kernels/panels.py `pack`.) For a
+    model just loaded: nothing outside it may share its tensors."""
+    from specdecode.kernels.quantize import drop_pages
+
     with torch.no_grad():
         for param in model.parameters():  # each once, tied ones too
             if not param.is_meta:
-                param.data = param.data.clone()
+                loaded = param.data
+                param.data = loaded.clone()
+                drop_pages(loaded)  # not held twice until the mapping goes
 
 
 def _load(

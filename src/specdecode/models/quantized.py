@@ -70,13 +70,21 @@ def check_quantizable(
         raise _cannot_run(spec, role, *problem)
 
 
-def quantize_loaded(loaded: Any, spec: ModelSpec, *, keep_weights: bool, role: str = "model"):
+def quantize_loaded(
+    loaded: Any,
+    spec: ModelSpec,
+    *,
+    keep_weights: bool,
+    role: str = "model",
+    release_pages: bool = False,
+):
     """`loaded` (a LoadedModel) with its linears on the weights `spec.quantization` asks for
     (int8 or int4), its kernel and name saying so (`name:int4`); the same LoadedModel.
 
     `keep_weights=False` frees the bfloat16 weights of the quantized layers (nothing in decoding
     reads them; a distillation keeps its draft's). ValueError where that cannot run, or where
-    too little of the model is in nn.Linear layers for the suffix to mean anything."""
+    too little of the model is in nn.Linear layers for the suffix to mean anything.
+    `release_pages` (`kernels.quantize.free_weight`): for a model nothing outside shares."""
     from specdecode.kernels.build import KernelUnavailable
     from specdecode.kernels.quantize import quant_name, quantize_linears
 
@@ -108,6 +116,7 @@ def quantize_loaded(loaded: Any, spec: ModelSpec, *, keep_weights: bool, role: s
             int4_codes=codes,
             tied_bits=tied_bits,
             q6_codes=codes.q6 if codes is not None else None,
+            release_pages=release_pages,
         )
     except KernelUnavailable as err:
         raise _cannot_run(
