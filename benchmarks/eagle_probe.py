@@ -6,6 +6,9 @@ target's own greedy token as the reference: teacher forcing up to the position, 
 drafter's own chain). The head's chain feeds its own predicted features, as decoding does.
 
     python benchmarks/eagle_probe.py runs/eagle-data --seconds 1200 --out runs/eagle-probe
+
+`--extra DIR` adds another distillation's answers to the training (never the held-out prompts'):
+text the draft model wrote, say, labelled by the target's own features and distributions.
 """
 
 from __future__ import annotations
@@ -69,6 +72,18 @@ def head_chains(head, embed, seq, greedy_next, k) -> list[int]:
     return accepted
 
 
+def cached_answers(folder: Path, tag: str = "") -> tuple[list, dict]:
+    """Every answer cached in a distillation's folder (keys prefixed by `tag`: answers of
+    another folder keep their own features), and the settings they were made with."""
+    data_dir = folder / "data"
+    settings = load_json(data_dir / "config.json")["settings"]
+    store = AnswerStore(data_dir, settings)
+    answers = store.load([key for held in store.shards.values() for key in held])
+    for a in answers:
+        a.key = f"{tag}:{a.key}" if tag else a.key
+    return answers, settings
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("distill_dir")
@@ -88,18 +103,23 @@ def main() -> None:
         action="store_true",
         help="train on the prompts' positions too (held-out scoring stays on answers)",
     )
+    parser.add_argument(
+        "--extra",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="another distillation's cached answers (e.g. written by the draft model), trained "
+        "on too, but for the held-out prompts'; the target's features are computed for them",
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
-    data_dir = Path(args.distill_dir) / "data"
-    settings = load_json(data_dir / "config.json")["settings"]
+    answers, settings = cached_answers(Path(args.distill_dir))
     target_name = args.target or settings["target"]
-    store = AnswerStore(data_dir, settings)
-    keys = [key for held in store.shards.values() for key in held]
-    answers = store.load(keys)
-    print(f"{len(answers)} answers, target {target_name}", flush=True)
+    extra = [a for folder in args.extra for a in cached_answers(Path(folder), folder)[0]]
+    print(f"{len(answers)} answers (+ {len(extra)} extra), target {target_name}", flush=True)
 
     loaded = load_model(target_name, role="target")
     target = loaded.model
@@ -108,13 +128,17 @@ def main() -> None:
     seqs, by_prompt = [], {}
     cached_path = out / "features.pt"
     cached = torch.load(cached_path) if cached_path.exists() else {}
-    for a in answers:
+    extra_seqs = []
+    for i, a in enumerate([*answers, *extra]):
         tokens = torch.cat([a.prompt_ids, a.answer_ids]).long()
         if a.key not in cached:
             cached[a.key] = target_features(target, target_cache, tokens)
         seq = FeatureAnswer(tokens, cached[a.key], int(a.prompt_ids.numel()), a.key)
         seqs.append(seq)
-        by_prompt.setdefault(a.prompt_id, []).append((a, seq))
+        if i >= len(answers):
+            extra_seqs.append((a, seq))
+        else:
+            by_prompt.setdefault(a.prompt_id, []).append((a, seq))
     torch.save(cached, cached_path)
     feature_s = time.perf_counter() - started
     n_tok = sum(int(s.ids.shape[0]) for s in seqs)
@@ -125,6 +149,7 @@ def main() -> None:
     n_held = max(1, int(len(prompts) * args.held_out))
     held = set(prompts[:n_held])
     train_items = [s for p in prompts[n_held:] for _, s in by_prompt[p]]
+    train_items += [s for a, s in extra_seqs if a.prompt_id not in held]
     if args.prompt_positions:  # every position scored: start 1 makes `first` 0
         train_items = [FeatureAnswer(s.ids, s.features, 1, s.key) for s in train_items]
     # greedy answers only: their tokens are the target's own greedy chain

@@ -129,6 +129,7 @@ def quantize_int4(weight: torch.Tensor, rows: int = 4096) -> Int4Codes:
     grid. The codes cost about 0.03% of RMS error against float16 scales and mins per group
     (random and heavy-tailed weights), for 4.625 bits a weight read instead of 5. Rows are
     independent: done `rows` at a time, so a large output layer needs no full float32 copy."""
+    weight = weight.detach()  # the codes are not differentiable
     n, k = weight.shape
     if n > rows:
         parts = [quantize_int4(weight[start : start + rows], rows) for start in range(0, n, rows)]
