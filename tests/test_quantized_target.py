@@ -238,3 +238,20 @@ def test_bench_names_the_quantized_target_as_the_reference(tiny_folders, tmp_pat
     report = (out / "report.md").read_text()
     assert f"Target `{target}` (4-bit weights: `ar` and the identity checks are this" in report
     assert json.loads((out / "run.json").read_text())["kernel"].startswith("int4")
+
+
+def test_own_memory_copies_each_parameter_but_keeps_a_shared_storage_shared():
+    from specdecode.models.loading import own_memory
+
+    model = tiny_llama(seed=3, tie_word_embeddings=True)
+    embedding = model.get_input_embeddings().weight
+    norm = model.model.norm.weight
+    model.register_buffer("rows", embedding[:4], persistent=False)  # a second view of it
+    expected = {name: t.clone() for name, t in model.state_dict().items()}
+    norm_at = norm.untyped_storage().data_ptr()
+    own_memory(model)
+    assert norm.untyped_storage().data_ptr() != norm_at  # its own copy now
+    assert model.rows.untyped_storage().data_ptr() == embedding.untyped_storage().data_ptr()
+    assert model.lm_head.weight is embedding  # still tied
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, expected[name]), name

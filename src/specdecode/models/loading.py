@@ -171,11 +171,18 @@ def own_memory(model: torch.nn.Module) -> None:
     the model holds (docs/benchmarks.md, "Loading a model"). (A bfloat16 model keeps its
     mapping: the kernel's panels are written into its pages, kernels/panels.py `pack`.) For a
     model just loaded: nothing outside it may share its tensors."""
+    from collections import Counter
+
     from specdecode.kernels.quantize import drop_pages
 
+    # a storage that two tensors view stays as it is (copying each would untie them); a tied
+    # Parameter is one tensor under two names
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if not t.is_meta}
+    views = Counter(t.untyped_storage().data_ptr() for t in tensors.values())
+    shared = {ptr for ptr, count in views.items() if count > 1}
     with torch.no_grad():
-        for param in model.parameters():  # each once, tied ones too
-            if not param.is_meta:
+        for param in model.parameters():  # each once (a tied Parameter is one object)
+            if not param.is_meta and param.untyped_storage().data_ptr() not in shared:
                 loaded = param.data
                 param.data = loaded.clone()
                 drop_pages(loaded)  # not held twice until the mapping goes
