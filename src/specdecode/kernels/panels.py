@@ -22,8 +22,6 @@ PANELS_BUFFER = "_specdecode_panels"  # the panels of a weight that cannot be pa
 _FLAG = "_specdecode_kernel"  # set on modules that run on a kernel
 _PACKED = "_specdecode_packed"  # set where the weight's own storage holds its panels
 _HOOKS = "_specdecode_hooks"  # state-dict hook handles of a packed-in-place weight
-
-
 _PAIR = {2: torch.int32, 4: torch.int64}  # element size -> a number as wide as two elements
 
 

@@ -420,7 +420,7 @@ def free_weight(module: torch.nn.Linear, release_pages: bool = False) -> None:
     on the meta device (no storage), so whatever reads its shape still works, whatever would
     compute with it fails loudly, and the layer computes from its quantized copies (the kernel,
     or the PyTorch fall-back from `int4_weights` / `int8_weights`). `release_pages`: its pages
-    are handed back to the system now (`_drop_pages`), for a weight nothing else can read (not
+    are handed back to the system now (`drop_pages`), for a weight nothing else can read (not
     one a `prune.shared_copy` shares with its reference)."""
     if not is_quantized(module):
         raise ValueError("only a quantized layer's weight can be freed (it computes without it)")
@@ -432,20 +432,21 @@ def free_weight(module: torch.nn.Linear, release_pages: bool = False) -> None:
 
 
 def drop_pages(weight: torch.Tensor) -> None:
-    """Hand the memory pages wholly inside a freed weight's storage back to the system now
-    (Linux's madvise MADV_DONTNEED; elsewhere nothing is done).
+    """Hand the memory pages wholly inside `weight`'s bytes back to the system now (Linux's
+    madvise MADV_DONTNEED; elsewhere, or for a tensor not contiguous, nothing is done).
 
     A weight loaded from safetensors is a view of the file, which transformers maps into memory:
     its pages, once read, stay in the process while any other view of the file lives (the
-    embedding does), freed or not. Only a storage nothing else reads comes here (`free_weight`
-    of a weight nothing else reads), so no one reads those pages again: a file's pages are
-    read from the file again if touched, anonymous ones come back as zeros."""
-    if sys.platform != "linux" or weight.device.type != "cpu":
+    embedding does), freed or not. Callers pass only a tensor whose bytes nothing else reads
+    (`free_weight(release_pages=True)` for a model just loaded; a parameter `own_memory` has
+    copied): a file's pages would be read from the file again if touched, anonymous ones would
+    come back as zeros. Only its own bytes go, never the rest of a storage it shares."""
+    if sys.platform != "linux" or weight.device.type != "cpu" or not weight.is_contiguous():
         return
-    storage = weight.untyped_storage()
     page = os.sysconf("SC_PAGE_SIZE")
-    start = -(-storage.data_ptr() // page) * page  # the first whole page inside
-    end = (storage.data_ptr() + storage.nbytes()) // page * page
+    first, nbytes = weight.data_ptr(), weight.numel() * weight.element_size()
+    start = -(-first // page) * page  # the first whole page inside
+    end = (first + nbytes) // page * page
     if end - start >= 16 * page:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
