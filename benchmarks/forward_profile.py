@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=200, help="cached tokens before")
     parser.add_argument("--repeats", type=int, default=60)
     args = parser.parse_args()
-    model = load_model(args.model, role=args.role, keep_weights=args.role == "draft").model
+    model = load_model(args.model, role=args.role).model
     residual = target_residual(model) if args.role == "target" else None
     cache = LeanCache(model, residual=residual)
     if cache._fused is None:

@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=6, help="forwards per size, side, round")
     args = parser.parse_args()
     target = load_model(args.target, device="cpu", role="target").model
-    draft = load_model(args.draft, device="cpu", role="draft", keep_weights=True).model
+    draft = load_model(args.draft, device="cpu", role="draft").model
     caches = {
         args.target: (
             LeanCache(target, lean.VERIFY_TOKENS, residual=target_residual(target)),
