@@ -65,7 +65,7 @@ def test_speculation_over_a_quantized_target_is_that_target_alone(pairs, arch, b
 def test_a_target_frees_its_bfloat16_weights_and_computes_the_same(tmp_path):
     model = tiny_llama(seed=3, tie_word_embeddings=True).to(torch.bfloat16)
     model.save_pretrained(tmp_path / "tied")
-    kept = load_model(f"{tmp_path / 'tied'}:int4", keep_weights=True)  # as a draft loads it
+    kept = load_model(f"{tmp_path / 'tied'}:int4", keep_weights=True)  # a draft in training
     freed = load_model(f"{tmp_path / 'tied'}:int4")  # as a target
     assert weights_bytes(freed.model) < 0.6 * weights_bytes(kept.model)
     ids = torch.tensor([PROMPT])
@@ -113,13 +113,16 @@ def test_a_quantized_model_lets_go_of_its_weights_file(tmp_path, suffix):
 def test_a_drafts_tied_output_layer_takes_4_bits_a_targets_keeps_int8(tmp_path):
     model = tiny_llama(seed=3, tie_word_embeddings=True).to(torch.bfloat16)
     model.save_pretrained(tmp_path / "tied")
-    draft = load_model(f"{tmp_path / 'tied'}:int4", keep_weights=True, role="draft")
     target = load_model(f"{tmp_path / 'tied'}:int4", role="target")
+    draft = resolve_draft(f"{tmp_path / 'tied'}:int4", target)
     assert hasattr(draft.model.lm_head, "_specdecode_q4")
     assert hasattr(target.model.lm_head, "_specdecode_qweight")
     for loaded in (draft, target):  # the embedding still reads the bfloat16 weight
         head, embed = loaded.model.lm_head, loaded.model.get_input_embeddings()
         assert head.weight is embed.weight and not weight_freed(head)
+        # every other linear's bfloat16 weight is freed, the draft's as the target's
+        others = [m for m in loaded.model.modules() if isinstance(m, torch.nn.Linear)]
+        assert sum(weight_freed(m) for m in others) == len(others) - 1
     with torch.inference_mode():
         logits = draft.model(torch.tensor([PROMPT])).logits
     assert torch.isfinite(logits).all()
