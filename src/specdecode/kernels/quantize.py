@@ -133,7 +133,8 @@ def quantize_int4(weight: torch.Tensor, rows: int = 4096) -> Int4Codes:
     n, k = weight.shape
     if n > rows:
         parts = [quantize_int4(weight[start : start + rows], rows) for start in range(0, n, rows)]
-        return tuple(torch.cat(codes) for codes in zip(*parts, strict=True))  # type: ignore[return-value]
+        joined = (torch.cat(codes) for codes in zip(*parts, strict=True))
+        return tuple(joined)  # type: ignore[return-value]
     if k % _INT4_GROUP:
         raise ValueError(f"int4 needs K a multiple of {_INT4_GROUP} (got {k})")
     g = k // _INT4_GROUP

@@ -129,8 +129,8 @@ def load_model(
     else "auto") puts a bfloat16 model's linear layers on the CPU kernels (`specdecode.kernels`).
     `MODEL:int8` / `MODEL:int4` runs them on int8 / 4-bit weights (bfloat16 on an AVX2 CPU only,
     kernel not off: ValueError before loading otherwise) and names the model `MODEL:int4`; its
-    bfloat16 weights are freed unless `keep_weights` (a draft in training; models/quantized.py). `role`
-    ("target", "draft") names the model in error messages. `adapter`: a distillation's folder
+    bfloat16 weights are freed unless `keep_weights` (a draft in training; models/quantized.py).
+    `role` ("target", "draft") names the model in error messages. `adapter`: a distillation's folder
     (`specdecode distill --out DIR`) whose adapter is merged into the weights first, so that the
     kernel and the quantization take the trained weights (distill/result.py). `draft_vocab`:
     a draft's output layer keeps only that many ids (and the special ones) where it has more
