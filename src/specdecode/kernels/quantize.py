@@ -442,12 +442,18 @@ def drop_pages(weight: torch.Tensor) -> None:
     (`free_weight(release_pages=True)` for a model just loaded; a parameter `own_memory` has
     copied): a file's pages would be read from the file again if touched, anonymous ones would
     come back as zeros. Only its own bytes go, never the rest of a storage it shares."""
-    if sys.platform != "linux" or weight.device.type != "cpu" or not weight.is_contiguous():
+    if weight.device.type == "cpu" and weight.is_contiguous():
+        drop_range(weight.data_ptr(), weight.numel() * weight.element_size())
+
+
+def drop_range(address: int, nbytes: int) -> None:
+    """madvise(MADV_DONTNEED) over the whole pages inside [address, address + nbytes), on Linux
+    and for 16 pages or more (`drop_pages`; a memory-mapped file's bytes once read)."""
+    if sys.platform != "linux":
         return
     page = os.sysconf("SC_PAGE_SIZE")
-    first, nbytes = weight.data_ptr(), weight.numel() * weight.element_size()
-    start = -(-first // page) * page  # the first whole page inside
-    end = (first + nbytes) // page * page
+    start = -(-address // page) * page  # the first whole page inside
+    end = (address + nbytes) // page * page
     if end - start >= 16 * page:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)

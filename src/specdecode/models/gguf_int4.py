@@ -183,6 +183,17 @@ def _reordered(codes: tuple[torch.Tensor, ...], order: torch.Tensor | None) -> t
     return codes if order is None else tuple(t[order].contiguous() for t in codes)
 
 
+def _let_go(data: np.ndarray) -> None:
+    """Hand back the pages of a tensor read from the file (gguf-py maps it read-only): they would
+    stay in the process while the reader lives, a whole file's worth by the last tensor. The
+    decoded codes are copies; the file stays in the page cache (kernels/quantize.py
+    `drop_range`)."""
+    from specdecode.kernels.quantize import drop_range
+
+    if isinstance(data, np.memmap):
+        drop_range(data.ctypes.data, data.nbytes)
+
+
 @dataclass
 class Q6Tensors(Mapping[str, Q6Codes]):
     """Module name -> its `Q6Codes`, decoded from the file when asked for."""
@@ -191,7 +202,9 @@ class Q6Tensors(Mapping[str, Q6Codes]):
 
     def __getitem__(self, name: str) -> Q6Codes:
         tensor, order = self.tensors[name]
-        return _reordered(decode_q6(tensor.data), order)
+        codes = decode_q6(tensor.data)
+        _let_go(tensor.data)
+        return _reordered(codes, order)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.tensors)
@@ -214,7 +227,9 @@ class GgufCodes(Mapping[str, Int4Codes]):
 
     def __getitem__(self, name: str) -> Int4Codes:
         tensor, order = self.tensors[name]
-        return _reordered(decode_int4(tensor.data, tensor.tensor_type.name), order)
+        codes = decode_int4(tensor.data, tensor.tensor_type.name)
+        _let_go(tensor.data)
+        return _reordered(codes, order)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.tensors)
@@ -272,6 +287,7 @@ def gguf_codes(model: torch.nn.Module, path: str | Path) -> tuple[GgufCodes | No
             expected = torch.from_numpy(np.ascontiguousarray(values)).float().to(weight.dtype)
             with torch.no_grad():  # the weight may sit in the kernel's panels: its usual rows
                 loaded = row_major(module)[rows].cpu()
+            _let_go(tensor.data)
             if not torch.equal(expected, loaded):
                 return None, f"its {tensor.name} is not {name}'s weights (another model's file?)"
         codes.types[name] = qtype
