@@ -5,8 +5,8 @@ output row, or 4-bit with a scale and a min per row and group of 32 k. A GGUF-ma
 tensors keep the file's 6-bit grid (`q6` panels: `pack_q6_panels`). A quantized draft reads half
 (int8) or about a third (4-bit) of the bytes per forward (its acceptance may change; measure it)
 and the output stays the target's own. A quantized target is a different model: speculation over
-it reproduces the quantized target, not its bfloat16 original; `keep_weights=False` frees its
-bfloat16 weights.
+it reproduces the quantized target, not its bfloat16 original. `keep_weights=False` frees the
+bfloat16 weights (what `load_model` does for targets and drafts alike).
 """
 
 from __future__ import annotations
@@ -357,14 +357,14 @@ def quantize_linears(
     int8, d [N, K / 256] float16), a file's Q6_K tensors) others their 6-bit ones
     (`pack_q6_panels`); every other layer then runs on int8 (their source grid is not 4-bit).
 
-    With `keep_weights` (drafts) the bfloat16 weights stay (`restore_linears` undoes it), so
-    the model holds 1.5 (int8) or about 2.6 (4-bit) bytes per linear weight. `keep_weights=False`
-    (targets) frees the bfloat16 weight of every quantized layer whose storage nothing else shares
-    (`free_weight`; an output layer tied to the embedding keeps it, the embedding reads it): the
-    layers keep their shapes and compute as before, but cannot be restored; `release_pages`
-    also hands their memory pages back at once (`free_weight`: only for a model whose tensors
-    nothing outside it shares, as `load_model`'s own). Builds the kernel
-    first (KernelUnavailable when it cannot). Idempotent: a quantized layer stays as it is (its
+    With `keep_weights` (a draft in training) the bfloat16 weights stay (`restore_linears`
+    undoes it), so the model holds 1.5 (int8) or about 2.6 (4-bit) bytes per linear weight.
+    `keep_weights=False` (targets and drafts that `load_model` quantizes) frees the bfloat16
+    weight of every quantized layer whose storage nothing else shares (`free_weight`; an output
+    layer tied to the embedding keeps it, the embedding reads it): the layers keep their shapes
+    and compute as before, but cannot be restored; `release_pages` also hands their memory pages
+    back at once (`free_weight`: only for a model whose tensors nothing outside it shares, as
+    `load_model`'s own). Builds the kernel first (KernelUnavailable when it cannot). Idempotent: a quantized layer stays as it is (its
     weight is freed if asked now). `quant_name(bits)` is the kernel name of the model it leaves.
     """
     if bits not in (4, 8):

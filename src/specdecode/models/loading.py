@@ -8,6 +8,7 @@ A spec is resolved in this order: an offline preset name, a `.gguf` file, a loca
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -171,8 +172,6 @@ def own_memory(model: torch.nn.Module) -> None:
     the model holds (docs/benchmarks.md, "Loading a model"). (A bfloat16 model keeps its
     mapping: the kernel's panels are written into its pages, kernels/panels.py `pack`.) For a
     model just loaded: nothing outside it may share its tensors."""
-    from collections import Counter
-
     from specdecode.kernels.quantize import drop_pages
 
     # a storage that two tensors view stays as it is (copying each would untie them); a tied
