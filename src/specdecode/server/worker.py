@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from specdecode.batch_session import Generation
 from specdecode.engine import SpeculativeDecoder
+from specdecode.kernels.openmp import release_pool
 from specdecode.models.compat import context_length
 from specdecode.request import GenerationRequest
 from specdecode.sampling import SamplingParams
@@ -169,6 +170,10 @@ class GenerationWorker:
             return not self._running and not self._waiting
 
     def start(self) -> None:
+        """Start the worker thread. The calling thread (the one that loaded the models and made
+        the store) lets go of its OpenMP threads first: two pools on the same CPUs slow every
+        parallel region of the worker's forwards (kernels/openmp.py)."""
+        release_pool()
         self._thread = threading.Thread(target=self._loop, name="specdecode-worker", daemon=True)
         self._thread.start()
 
