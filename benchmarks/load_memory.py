@@ -1,8 +1,8 @@
 """What loading a model costs the process: wall time, the weights it holds, and its memory.
 
 Each spec loads in a fresh Python process (a process's peak memory only grows), as a target
-(`load_model(spec)`) or as a draft (`--role draft`: `resolve_draft`, which keeps a quantized
-draft's bfloat16 weights), and prints one row: seconds to load, the weights and buffers the model
+(`load_model(spec)`) or as a draft (`--role draft`: `resolve_draft`, which frees a quantized
+draft's bfloat16 weights too), and prints one row: seconds to load, the weights and buffers the model
 holds (`bench.memory.weights_bytes`), the process's resident memory after loading (VmRSS, and
 RssAnon / RssFile: its own pages and pages mapped from files) and its peak (VmHWM, loading
 included), all in GiB, beside the process's resident memory before loading. Not a timing
