@@ -221,6 +221,25 @@ def test_cost_policy_explores_only_a_k_that_could_pay_fully_accepted():
     assert [cheap.next_k(100) for _ in range(6)] == [0, 1, 0, 1, 0, 1]
 
 
+def test_a_batch_stops_exploring_a_k_that_cannot_pay_without_one_row_or_every_size_measured():
+    # 6 and 8 rows, each measured TRUSTED_SAMPLES times: a k = 1 step costs 2.5 k = 0 steps
+    # (arithmetic-bound) plus a draft forward, and its drafts are rejected. Even fully accepted,
+    # k = 1 could not pay. The batch never ran one row (T(1), which cancels out of the
+    # comparison), and 7 rows were never measured (interpolated between trusted 6 and 8): no
+    # exploration step should pay the drafts' prefills and catch-up for nothing.
+    policy = CostK(1, explore_every=2)
+    for rows, step_s in ((6, 0.030), (8, 0.037)):
+        for _ in range(TRUSTED_SAMPLES):
+            policy.observe_step([(0, 0)] * rows, None, step_s, rows)
+            policy.observe_step([(1, 0)] * rows, 0.030, 2.5 * step_s, 2 * rows)
+    for rows in (6, 7, 8):
+        assert [policy.next_batch_k(100, rows) for _ in range(8)] == [0] * 8
+    # one sample at a size is not trusted: 5 rows (extrapolated) and 4 still explore
+    policy.observe_step([(0, 0)] * 4, None, 0.025, 4)
+    assert 1 in [policy.next_batch_k(100, 4) for _ in range(4)]
+    assert 1 in [policy.next_batch_k(100, 5) for _ in range(4)]
+
+
 def test_one_slow_forward_does_not_keep_the_cost_policy_from_drafting():
     # one row 10 ms, a draft forward 1 ms (c = 0.1), 2-4 rows barely more, every draft accepted:
     # k = 3 pays. But the first 2-row forward took 200 ms (a hiccup): judged on that one sample,

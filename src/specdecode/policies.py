@@ -158,9 +158,9 @@ class CostK:
     Every `explore_every`-th step drafts a neighbour of the best k instead (alternately one
     more and one fewer) so the estimates of other ks do not go stale; when the best k is 0
     it explores k = 1, because a k = 0 step teaches nothing about acceptance. A neighbour whose
-    costs at this batch size are measured (`TRUSTED_SAMPLES` forwards each) and which would not
-    beat the best k even with every drafted token accepted is not explored (its step could only
-    lose time). 0 disables it.
+    costs at this batch size are measured (`TRUSTED_SAMPLES` forwards each, or interpolated
+    between sizes that are) and which would not beat the best k even with every drafted token
+    accepted is not explored (its step could only lose time). 0 disables it.
     """
 
     name = "cost"
@@ -260,19 +260,22 @@ class CostK:
                 options = [1]
             elif not up and len(options) == 2:
                 options.reverse()
-            options = [n for n in options if self._worth_trying(n, rows, rates[best])]
+            options = [n for n in options if self._worth_trying(n, rows, best, rates[best])]
             best = options[0] if options else best
         self._last = best
         return best
 
-    def _worth_trying(self, k: int, rows: int, best_rate: float) -> bool:
-        """Whether a step at k can teach something that changes a choice: its costs at this
-        batch size were never measured, or it would beat the best rate even if every drafted
-        token were accepted. A neighbour that cannot pay at full acceptance (a large batch on
-        arithmetic-bound forwards) is not explored: the step would only cost."""
-        if not _trusted(self._target, 1) or not _trusted(self._target, rows * (k + 1)):
+    def _worth_trying(self, k: int, rows: int, best: int, best_rate: float) -> bool:
+        """Whether a step at k can teach something that changes a choice: the times that
+        compare it with the best k at this batch size are not trusted yet (`_trusted`), or it
+        would beat the best rate even if every drafted token were accepted. A neighbour that
+        cannot pay at full acceptance (a large batch on arithmetic-bound forwards) is not
+        explored: the step would only cost. (The one-row time T(1) that rates are measured in
+        cancels out of the comparison: a batch that never runs one row must not wait for it.)"""
+        compared = (rows * (k + 1), rows * (best + 1))
+        if not all(_trusted(self._target, n) for n in compared):
             return True
-        if k and not _trusted(self._draft, rows):
+        if (k or best) and not _trusted(self._draft, rows):
             return True
         c, v = self.costs(rows)
         return rows * (k + 1) / (k * c + v[k]) > best_rate
@@ -305,7 +308,18 @@ class CostK:
 
 
 def _trusted(seen: dict[int, _Median], n: int) -> bool:
-    return n in seen and seen[n].n >= TRUSTED_SAMPLES
+    """Whether the time `_estimate` gives at n rests on trusted measurements: n's own
+    (`TRUSTED_SAMPLES` of them), or, for an n never measured, both neighbours it is interpolated
+    between. (A batch's size moves as rows come and go: with a size's own samples required,
+    every new size was explored before its neighbours could rule it out, each exploration
+    paying the drafts' prefills and catch-up.)"""
+    if n in seen:
+        return seen[n].n >= TRUSTED_SAMPLES
+    below = [i for i in seen if i < n]
+    above = [i for i in seen if i > n]
+    if not below or not above:  # extrapolated: one side only
+        return False
+    return seen[max(below)].n >= TRUSTED_SAMPLES and seen[min(above)].n >= TRUSTED_SAMPLES
 
 
 def _estimate(seen_times: dict[int, _Median], n: int, prior_slope: float) -> float | None:
