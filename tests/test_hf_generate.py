@@ -12,6 +12,8 @@ from specdecode.hf_generate import CUSTOM_GENERATE, speculative
 PROMPT = torch.tensor([[3, 14, 15, 9, 26, 5]])  # [1, 6]
 
 
+# the config's default max_length is exercised on purpose (the last case): HF warns about it
+@pytest.mark.filterwarnings("ignore:Using the model-agnostic default `max_length`:UserWarning")
 def test_callable_equals_greedy_generate(llama_pair):
     target, draft = llama_pair
     for max_new in (1, 7, 40):
