@@ -58,3 +58,16 @@ def test_the_worker_releases_the_pool_of_the_thread_that_starts_it(monkeypatch):
         assert callers == [threading.current_thread()]
     finally:
         worker.stop()
+
+
+def test_serving_in_a_thread_releases_the_pool_of_the_calling_thread(monkeypatch):
+    import specdecode.kernels.openmp as openmp
+    from specdecode.server.app import create_app
+    from specdecode.server.background import serve_in_thread
+
+    callers = []
+    monkeypatch.setattr(openmp, "release_pool", lambda: callers.append(threading.current_thread()))
+    monkeypatch.setattr(worker_module, "release_pool", lambda: None)  # the worker's own start
+    app = create_app(make_engine(tiny_models()), "tiny", max_batch=2, max_len=64)
+    with serve_in_thread(app):
+        assert callers == [threading.current_thread()]

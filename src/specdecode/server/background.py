@@ -14,8 +14,14 @@ from typing import Any
 def serve_in_thread(
     app: Any, host: str = "127.0.0.1", startup_timeout_s: float = 60.0
 ) -> Iterator[str]:
-    """Serve `app` on a free port of `host` until the block ends; yield its base URL."""
+    """Serve `app` on a free port of `host` until the block ends; yield its base URL.
+
+    The calling thread (which loaded the models, typically) lets go of its OpenMP threads first,
+    as `specdecode serve` does (kernels/openmp.py); PyTorch work it runs while the server serves
+    takes them back, and slows the server's forwards as long as it holds them."""
     import uvicorn
+
+    from specdecode.kernels.openmp import release_pool
 
     sock = socket.socket()
     sock.bind((host, 0))  # the port is ours from here on: no race with another process
@@ -24,6 +30,7 @@ def serve_in_thread(
     server = uvicorn.Server(config)
     # uvicorn installs signal handlers only on the main thread, so this thread is safe to use
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    release_pool()  # before the worker's pool exists (the app's start-up makes it)
     thread.start()
     deadline = time.monotonic() + startup_timeout_s
     while not server.started:
