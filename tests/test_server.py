@@ -558,6 +558,11 @@ def test_metrics_add_up(models):
     assert values["vllm:generation_tokens_total"] == total["completion_tokens"]
     steps = sum(u["speculative"]["steps"] for u in usages)
     assert values["specdecode_speculative_steps_total"] == steps
+    # one k per batched step, never above the engine's fixed k = 3
+    batched = values["specdecode_batch_size_count"]
+    assert batched >= 1 and values["specdecode_step_k_count"] == batched
+    assert values['specdecode_step_k_bucket{le="3.0"}'] == batched
+    assert 0 < values["specdecode_step_k_sum"] <= 3 * batched
     drafted = sum(u["speculative"]["drafted"] for u in usages)
     assert values["vllm:spec_decode_num_draft_tokens_total"] == drafted
     accepted = sum(u["speculative"]["accepted"] for u in usages)

@@ -114,6 +114,7 @@ class Batch:
         self.meter = meter if meter is not None else ForwardMeter()
         self.new_cache = new_cache
         self.rows: list[Row] = []
+        self.last_k = 0  # the k the last step asked every row to draft (0: no drafting)
         self._policy_started = False
 
     def __len__(self) -> int:
@@ -206,7 +207,7 @@ class Batch:
         if not stepped:
             return []
         spent = forward_seconds(self.meter)
-        k = self._next_k(stepped)
+        k = self.last_k = self._next_k(stepped)
         rows = self._begin_drafts(stepped, k)
         if not rows:
             return stepped

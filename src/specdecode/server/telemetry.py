@@ -31,6 +31,8 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300, 600)
 # tokens per request, 1-2-5 steps as vLLM's
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+# tokens a step asks every row to draft (the k policy's choice; 0: no drafting)
+K_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
 TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
 
 # vLLM's finished_reason values; specdecode's other outcomes (timeout, cancelled by the client,
@@ -64,6 +66,11 @@ class ServerMetrics:
         )
         self.batch_size = self._histogram(
             "specdecode_batch_size", "generations in the batch at each step", BATCH_BUCKETS
+        )
+        self.step_k = self._histogram(
+            "specdecode_step_k",
+            "tokens each batched step asked every row to draft (the k policy's choice; 0: none)",
+            K_BUCKETS,
         )
         self.waiting = self._gauge(
             "vllm:num_requests_waiting", "requests waiting for the generation worker", queue_depth

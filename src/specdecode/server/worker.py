@@ -314,6 +314,8 @@ class GenerationWorker:
             for job, running in list(self._running.items()):
                 self._fail(job, running)
             return
+        if self.metrics is not None:
+            self.metrics.step_k.observe(self.session.batch.last_k)
         for job, running in list(self._running.items()):
             self._news(job, running)
 
