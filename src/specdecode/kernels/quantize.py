@@ -12,6 +12,7 @@ bfloat16 weights (what `load_model` does for targets and drafts alike).
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -364,8 +365,9 @@ def quantize_linears(
     layer tied to the embedding keeps it, the embedding reads it): the layers keep their shapes
     and compute as before, but cannot be restored; `release_pages` also hands their memory pages
     back at once (`free_weight`: only for a model whose tensors nothing outside it shares, as
-    `load_model`'s own). Builds the kernel first (KernelUnavailable when it cannot). Idempotent: a quantized layer stays as it is (its
-    weight is freed if asked now). `quant_name(bits)` is the kernel name of the model it leaves.
+    `load_model`'s own). Builds the kernel first (KernelUnavailable when it cannot).
+    Idempotent: a quantized layer stays as it is (its weight is freed if asked now).
+    `quant_name(bits)` is the kernel name of the model it leaves.
     """
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8 (got {bits})")
@@ -455,8 +457,13 @@ def drop_range(address: int, nbytes: int) -> None:
     start = -(-address // page) * page  # the first whole page inside
     end = (address + nbytes) // page * page
     if end - start >= 16 * page:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
+        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """The C library already in the process (one handle for every weight a load drops)."""
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def weight_freed(module: torch.nn.Module) -> bool:
