@@ -258,6 +258,34 @@ def test_one_slow_forward_does_not_keep_the_cost_policy_from_drafting():
     assert 0.200 in policy._target[2].samples and policy._target_time(2) < 0.011
 
 
+def test_the_cost_policy_judges_sizes_measured_before_and_after_the_machine_slowed_alike():
+    # A server's policy learns one row (k = 0..3: 1-4 rows verified), then, minutes later, two
+    # rows drafting 3 most steps (8 rows verified, 2-6 now and then); meanwhile the VM's load
+    # made every forward 1.5x slower. Sizes 2 and 4 keep their many fast samples, 6 and 8 have
+    # slow ones only: compared as measured, k = 1 looks cheap beside k = 3, and the policy
+    # drafted less than it should (in one process: k = 1 at 134 of 816 two-row steps, below
+    # fixed k = 3). Judged through the machine's speed, costs and choice are those of a
+    # machine that never slowed.
+    def shape(n: int) -> float:  # seconds of a forward over n rows at the first speed
+        return 0.010 * (1 + 0.02 * (n - 1))
+
+    def learn(slower: float) -> CostK:
+        policy = CostK(3, prior_acceptance=0.7, prior_weight=1e9, explore_every=0)
+        for _ in range(12):
+            for k in range(4):
+                policy.observe_step([(k, k)], 0.001 * k or None, shape(k + 1), k + 1)
+        for _ in range(4):
+            for k in (0, 1, 2, 3, 3, 3):
+                times = (slower * 0.0015 * k or None, slower * shape(2 * (k + 1)))
+                policy.observe_step([(k, k)] * 2, *times, 2 * (k + 1))
+        return policy
+
+    steady, drifted = learn(1.0), learn(1.5)
+    c, v = steady.costs(2)
+    assert drifted.costs(2) == (pytest.approx(c, rel=0.01), pytest.approx(v, rel=0.01))
+    assert drifted.next_batch_k(100, 2) == steady.next_batch_k(100, 2) == 3
+
+
 def test_make_k_policy_and_bad_names():
     assert isinstance(make_k_policy("fixed", 3), FixedK)
     heuristic = make_k_policy("heuristic", 3)

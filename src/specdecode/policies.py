@@ -29,6 +29,9 @@ K_POLICIES = ("fixed", "heuristic", "cost")
 # forward times a size needs before the cost policy trusts them to rule out exploring it: one
 # slow forward (a VM's hiccup, a first call's warm-up) must not keep a k from ever being tried
 TRUSTED_SAMPLES = 3
+# recent forwards whose time against their size's own estimate gives the machine's speed: a
+# shared VM's speed drifts, and every size's time moves with it (`CostK`, speed)
+SPEED_WINDOW = 3
 
 
 @runtime_checkable
@@ -146,6 +149,12 @@ class CostK:
       seen ones. v(k) = T(B(k+1)) / T(1): at B = 1 the verify cost of the glossary.
     - draft time per depth D(B) (one forward of the draft model over the batch's B rows); c =
       D(B) / T(1).
+    - the machine's speed: the median, over the last `SPEED_WINDOW` timed steps of a size
+      measured `TRUSTED_SAMPLES` times before, of the forward's time over that size's estimate. Times are stored divided
+      by it, so that a size measured while the machine ran fast (a shared VM's load moves every
+      forward's time together) is not judged cheaper than one measured since: a server's
+      policy learns one batch size for minutes, then another. Rates, ratios of times, do not
+      depend on it.
     Costs are properties of the models and the machine, so they carry over between sequences.
     Without a clock (untimed forwards) the priors stand in: T(n) / T(1) = 1 + `verify_slope`·(n -
     1) and c = `cost_ratio` (the engine passes the draft/target parameter ratio), times the same
@@ -188,6 +197,9 @@ class CostK:
         self.memory, self.explore_every = memory, explore_every
         self._target: dict[int, _Median] = {}  # rows verified -> seconds of the forward
         self._draft: dict[int, _Median] = {}  # batch rows -> seconds per drafted depth
+        # times above are stored divided by the speed at the time: the machine's speed now
+        self._speed_ratios: deque[float] = deque(maxlen=SPEED_WINDOW)
+        self._speed = 1.0
         self.begin()
 
     def begin(self) -> None:
@@ -301,10 +313,15 @@ class CostK:
                 self._accept[j].add(1.0 if j < accepted else 0.0)
         depth = max(drafted for drafted, _ in rows)
         if target_s is not None and verified <= len(rows) * (self.k_max + 1):
-            self._target.setdefault(verified, _Median(self.memory)).add(target_s)
+            seen = self._target.get(verified)
+            if seen is not None and seen.n >= TRUSTED_SAMPLES and seen.value > 0:
+                self._speed_ratios.append(target_s / seen.value)
+                self._speed = statistics.median(self._speed_ratios)
+            self._target.setdefault(verified, _Median(self.memory)).add(target_s / self._speed)
         # per drafted depth: with confidence stops the one unused forward is charged to them
         if draft_s is not None and depth:
-            self._draft.setdefault(len(rows), _Median(self.memory)).add(draft_s / depth)
+            per_depth = draft_s / depth / self._speed
+            self._draft.setdefault(len(rows), _Median(self.memory)).add(per_depth)
 
 
 def _trusted(seen: dict[int, _Median], n: int) -> bool:
