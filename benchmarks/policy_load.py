@@ -9,6 +9,13 @@ a server does. Run it alone (docs/benchmarks.md, "The cost policy under load").
 
 A configuration NAME@B keeps B requests in flight instead of --rows (cost4@1,ar@8,k2@8: what
 `--max-batch 1` and `--max-batch 8` servers could reach at concurrency 1 and 8, without HTTP).
+As a `--max-batch 8` server measured at concurrency 1 and then 2 (its policy learns one row
+first, in a session of 8 rows):
+
+    python benchmarks/policy_load.py --rows 2 --store-rows 8 --first-level 20 \
+        --configs k3,cost4 --requests 6 --rounds 4
+
+"target ms" is the mean time of the target's batched forward (its verified rows beside it).
 """
 
 from __future__ import annotations
@@ -65,6 +72,15 @@ def one_round(session, prompts, request: GenerationRequest, requests: int, rows:
     return tokens, seconds, steps, started
 
 
+def target_forwards(meter) -> tuple[float, int, int]:
+    """(seconds, calls, rows) of the target's batched forwards so far (prefills apart)."""
+    return (
+        meter.seconds.get("target", 0.0),
+        meter.calls.get("target", 0),
+        meter.tokens.get("target", 0),
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
@@ -75,6 +91,10 @@ def main() -> None:
         "--requests", type=int, default=6, help="finished requests per round, per row in flight"
     )
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--store-rows", type=int, help="rows of each session (default: in flight)")
+    p.add_argument(
+        "--first-level", type=int, default=0, help="requests one at a time before the rounds"
+    )
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--categories", default=CATEGORIES)
     args = p.parse_args()
@@ -84,31 +104,48 @@ def main() -> None:
     names = args.configs.split(",")
     rows = {n: int(n.split("@")[1]) if "@" in n else args.rows for n in names}
     sessions = {
-        n: engine_for(n.split("@")[0], target, draft).batch_session(rows[n], 1024) for n in names
+        n: engine_for(n.split("@")[0], target, draft).batch_session(
+            max(rows[n], args.store_rows or 0), 1024
+        )
+        for n in names
     }
     suite = [q.turns[0] for q in load_suite(None, args.categories.split(","), 4)]
     request = GenerationRequest(args.max_new_tokens, SamplingParams(), 0, None, [], True)
-    for n in names:  # warm-up: one request each
-        one_round(sessions[n], itertools.cycle(suite), request, 1, 1)
+    for n in names:  # warm-up: one request each, or a first level of one at a time
+        first = one_round(sessions[n], itertools.cycle(suite), request, args.first_level or 1, 1)
+        if args.first_level:
+            print(f"first level  {n:8} {first[0] / first[1]:7.2f} tok/s", flush=True)
     rates: dict[str, list[float]] = {n: [] for n in names}
+    forwards: dict[str, list[float]] = {n: [0.0, 0, 0] for n in names}  # seconds, calls, rows
     ks: dict[str, Counter] = {n: Counter() for n in names}
     for rnd in range(args.rounds):
         for n in names:  # every configuration decodes the same prompts in the same order
             count = args.requests * rows[n]
             prompts = itertools.cycle(suite[rnd * count % len(suite) :] + suite)
+            meter = sessions[n].batch.meter
+            before = target_forwards(meter)
             tokens, seconds, steps, _ = one_round(sessions[n], prompts, request, count, rows[n])
+            forwards[n] = [
+                a + b - c
+                for a, b, c in zip(forwards[n], target_forwards(meter), before, strict=True)
+            ]
             rate = tokens / seconds
             rates[n].append(rate)
             ks[n].update(steps)
             print(f"round {rnd}  {n:8} {rate:7.2f} tok/s", flush=True)
     print(f"\n{args.target} + {args.draft}; {args.rounds} rounds of {args.requests} requests a row")
-    print("| configuration | in flight | tok/s per round | mean | steps by (batch size, k) |")
-    print("|---|---:|---|---:|---|")
+    print(
+        "| configuration | in flight | tok/s per round | mean | target ms (rows) |"
+        " steps by (batch size, k) |"
+    )
+    print("|---|---:|---|---:|---:|---|")
     for n in names:
         mean = sum(rates[n]) / len(rates[n])
         per = ", ".join(f"{r:.1f}" for r in rates[n])
+        spent, calls, verified = forwards[n]
+        forward = f"{1e3 * spent / calls:.1f} ({verified / calls:.1f})" if calls else "-"
         hist = ", ".join(f"{b}/{k}: {c}" for (b, k), c in sorted(ks[n].items()))
-        print(f"| {n} | {rows[n]} | {per} | {mean:.1f} | {hist} |")
+        print(f"| {n} | {rows[n]} | {per} | {mean:.1f} | {forward} | {hist} |")
     for n in names:
         policy = sessions[n].batch.policy
         if not hasattr(policy, "rates"):
