@@ -3,7 +3,7 @@ one is replaced at once by the next prompt, as `serve --max-batch B` under concu
 batched decoding, fixed k and the cost policy, in alternating rounds so that the machine's drift
 falls on all of them alike. Tokens/s counts every token committed in the round (rows still
 running at its end included); each configuration keeps its one batch session across rounds, as
-a server does. Run it alone (docs/benchmarks.md, "The cost policy under load").
+a server does. Run it alone (docs/benchmarks.md, "Where batching stops on 2 cores").
 
     python benchmarks/policy_load.py --rows 2 --configs ar,k3,cost4 --requests 6 --rounds 3
 

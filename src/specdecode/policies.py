@@ -150,11 +150,11 @@ class CostK:
     - draft time per depth D(B) (one forward of the draft model over the batch's B rows); c =
       D(B) / T(1).
     - the machine's speed: the median, over the last `SPEED_WINDOW` timed steps of a size
-      measured `TRUSTED_SAMPLES` times before, of the forward's time over that size's estimate. Times are stored divided
-      by it, so that a size measured while the machine ran fast (a shared VM's load moves every
-      forward's time together) is not judged cheaper than one measured since: a server's
-      policy learns one batch size for minutes, then another. Rates, ratios of times, do not
-      depend on it.
+      measured `TRUSTED_SAMPLES` times before, of the forward's time over that size's
+      estimate. Times are stored divided by it, so that a size measured while the machine ran
+      fast (a shared VM's load moves every forward's time together) is not judged cheaper than
+      one measured since: a server's policy learns one batch size for minutes, then another.
+      Rates, ratios of times, do not depend on it.
     Costs are properties of the models and the machine, so they carry over between sequences.
     Without a clock (untimed forwards) the priors stand in: T(n) / T(1) = 1 + `verify_slope`·(n -
     1) and c = `cost_ratio` (the engine passes the draft/target parameter ratio), times the same
