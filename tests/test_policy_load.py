@@ -31,8 +31,7 @@ def test_a_round_keeps_its_rows_in_flight_and_counts_every_committed_token():
     session = policy_load.engine_for("cost3", target, draft).batch_session(3, 128)
     prompts = itertools.cycle([[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14]])
     request = GenerationRequest(12, SamplingParams(), 0, None, [], False)
-    tokens, seconds, steps, started = policy_load.one_round(session, prompts, request, 7, 3)
-    assert seconds > 0
+    tokens, _, steps, started = policy_load.one_round(session, prompts, request, 7, 3)
     assert sum(g.finished and g.finish_reason in ("length", "stop") for g in started) >= 7
     assert max(size for size, _ in steps) == 3  # three in flight
     assert tokens == sum(len(g.token_ids) for g in started)  # prefill's first tokens included
