@@ -276,6 +276,30 @@ def test_an_interrupted_answering_resumes_where_it_stopped(
         assert torch.equal(mine.top_ids, theirs.top_ids)
 
 
+def test_batched_answers_are_the_answers_made_one_at_a_time():
+    from specdecode.distill.data import JobError, generate_each
+    from specdecode.request import GenerationRequest
+    from specdecode.sampling import SamplingParams
+
+    engine = SpeculativeDecoder(tiny_llama(seed=3), None, generation_config="none")
+    prompts = [[1 + i, 5 + 2 * i, 9, 4 + i][: 2 + i % 3] for i in range(7)]
+    jobs = [
+        (ids, GenerationRequest(8 + i, SamplingParams(temperature=0.7 * (i % 2)), seed=i))
+        for i, ids in enumerate(prompts)
+    ]
+    alone = dict(generate_each(engine, jobs, rows=1))
+    batched = list(generate_each(engine, jobs, rows=3))
+    assert sorted(i for i, _ in batched) == list(range(7))  # each job once, as it finished
+    for index, result in batched:
+        assert result.token_ids == alone[index].token_ids, index
+        assert len(result.token_ids) == 8 + index  # no EOS in the tiny model's ids
+    too_long = [jobs[0], ([1] * 4096, GenerationRequest(4))]
+    for rows in (1, 3):
+        with pytest.raises(JobError) as caught:
+            list(generate_each(engine, too_long, rows))
+        assert caught.value.index == 1
+
+
 def test_the_target_writes_prompts_when_asked(pair, tmp_path):
     out = tmp_path / "run"
     args = distill_args(pair, out, "--temperatures", "0", budget="30")

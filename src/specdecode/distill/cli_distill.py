@@ -62,6 +62,13 @@ def add_distill_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     parser.add_argument("--top-k", type=int, default=32, help="target tokens kept per position")
     parser.add_argument("--no-chat", dest="chat", action="store_false", help="raw prompts")
     parser.add_argument(
+        "--rows",
+        type=int,
+        default=8,
+        help="answers (and self-written prompts) made at once by batched decoding of the "
+        "target alone (default 8); 1: one at a time, sped up by --draft",
+    )
+    parser.add_argument(
         "--budget",
         default="30m",
         help="training time (90s, 30m, 1.5h) or trained tokens (200k, "
@@ -120,6 +127,7 @@ def settings_from_args(args: argparse.Namespace):
         max_new_tokens=args.max_new_tokens,
         top_k=args.top_k,
         chat=args.chat,
+        rows=args.rows,
         budget=Budget.parse(args.budget),
         loss=args.loss,
         lora_rank=args.lora_rank,

@@ -2,8 +2,10 @@
 position, the target's next-token distribution, cached in DIR/data as it is made.
 
 Each prompt is answered greedily (temperature 0) and `samples` times at each temperature above 0,
-by speculative decoding with the untrained draft (lossless: the answers are the target's own, in
-less time), then the target runs one plain forward over prompt + answer. Per position it keeps the
+`rows` answers at a time by batched decoding of the target alone (`generate_each`: a
+`BatchSession`, each answer with its own seed), or with `rows` = 1 one at a time by speculative
+decoding with the untrained draft (lossless either way: the answers are the target's own); then
+the target runs one plain forward over prompt + answer. Per position it keeps the
 `top_k` most probable tokens' log-probabilities (float16; the logits minus their log-sum-exp, so
 they need no normaliser), their ids (int32) and the probability mass of all other tokens (float32,
 the tail bucket), all at temperature 1: a draft that matches the raw distribution matches it at
@@ -19,7 +21,7 @@ next run answers only what is missing. DIR/data/config.json holds what makes the
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,8 @@ import torch
 
 from specdecode.distill.prompts import DistillPrompt
 from specdecode.distill.store import load_json, load_tensors, save_json, save_tensors
+from specdecode.request import GenerationRequest
+from specdecode.types import GenerationResult
 
 SHARD_ANSWERS = 16
 CONFIG, MANIFEST = "config.json", "manifest.json"
@@ -182,6 +186,58 @@ def target_distributions(
     return top.values.half().cpu(), top.indices.int().cpu(), tail.cpu()
 
 
+def generate_each(
+    engine: Any, jobs: Sequence[tuple[list[int], GenerationRequest]], rows: int
+) -> Iterator[tuple[int, GenerationResult]]:
+    """Each job's generation (prompt ids, request) as (its index in `jobs`, the result), in the
+    order they finish: one at a time through `engine` (a SpeculativeDecoder) when `rows` is 1,
+    else `rows` at a time in a `BatchSession` over it (a finished row's place goes to the next
+    job). ValueError for a job that cannot run (a prompt too long for the context) names its
+    index: `JobError`."""
+    if rows <= 1:
+        for index, (prompt_ids, request) in enumerate(jobs):
+            try:
+                yield index, engine.generate_request(prompt_ids, request)
+            except ValueError as err:
+                raise JobError(index, err) from None
+        return
+    from specdecode.batch_session import DEFAULT_MAX_LEN, BatchSession
+
+    # a row holds the longest prompt and its answer, no more (the store is rows x max_len)
+    longest = max((len(ids) + r.max_new_tokens for ids, r in jobs), default=1)
+    session = BatchSession(engine, max_rows=rows, max_len=max(longest, DEFAULT_MAX_LEN // 8))
+    pending = list(enumerate(jobs))
+    index_of: dict[int, int] = {}
+    try:
+        while pending or session.generations:
+            while pending and session.free_rows:
+                index, (prompt_ids, request) = pending.pop(0)
+                try:
+                    generation = session.add(prompt_ids, request)
+                except ValueError as err:
+                    raise JobError(index, err) from None
+                if generation.finished:  # one token was all it could take (an EOS first)
+                    yield index, generation.result()
+                else:
+                    index_of[id(generation)] = index
+            for generation in session.step():
+                if generation.error is not None:
+                    raise generation.error
+                if generation.finished:
+                    yield index_of.pop(id(generation)), generation.result()
+    finally:
+        for generation in list(session.generations):
+            session.cancel(generation)
+
+
+class JobError(ValueError):
+    """A generation that could not run: `index` in the jobs, and why."""
+
+    def __init__(self, index: int, err: ValueError) -> None:
+        super().__init__(str(err))
+        self.index = index
+
+
 def make_answers(
     engine: Any,
     planned: Sequence[Planned],
@@ -191,28 +247,31 @@ def make_answers(
     max_new_tokens: int,
     chat: bool,
     progress: bool = True,
+    rows: int = 1,
 ) -> int:
     """Answer every planned item the store lacks (the target's answers, through `engine`, a
-    SpeculativeDecoder); returns how many were made. An interrupt or error flushes what was made
-    first, so the next run continues after it."""
+    SpeculativeDecoder, `rows` at a time: `generate_each`); returns how many were made. An
+    interrupt or error flushes what was made first, so the next run continues after it."""
     from tqdm import tqdm
 
     done = store.done()
     todo = [p for p in planned if p.key not in done]
-    bar = tqdm(todo, desc="answers", unit="answer", disable=not progress or not todo)
+    jobs = [
+        (
+            engine.encode_prompt(item.prompt.text, chat=chat),
+            GenerationRequest(
+                max_new_tokens,
+                engine.sampling_params(temperature=item.temperature),
+                seed=item.seed,
+            ),
+        )
+        for item in todo
+    ]
+    bar = tqdm(total=len(todo), desc="answers", unit="answer", disable=not progress or not todo)
     made = tokens = 0
     try:
-        for item in bar:
-            try:
-                prompt_ids = engine.encode_prompt(item.prompt.text, chat=chat)
-                result = engine.generate(
-                    prompt_ids,
-                    max_new_tokens=max_new_tokens,
-                    temperature=item.temperature,
-                    seed=item.seed,
-                )
-            except ValueError as err:  # a prompt too long for the context, ...
-                raise ValueError(f"prompt {item.prompt.id!r}: {err}") from None
+        for index, result in _named(generate_each(engine, jobs, rows), todo):
+            item, prompt_ids = todo[index], jobs[index][0]
             answer_ids = list(result.token_ids)
             values, ids, tail = target_distributions(
                 engine.target.model, prompt_ids, answer_ids, vocab, top_k
@@ -233,7 +292,18 @@ def make_answers(
             made += 1
             tokens += len(answer_ids)
             bar.set_postfix(tokens=tokens, refresh=False)
+            bar.update()
     finally:
         bar.close()
         store.flush()
     return made
+
+
+def _named(
+    results: Iterator[tuple[int, GenerationResult]], todo: Sequence[Planned]
+) -> Iterator[tuple[int, GenerationResult]]:
+    """`results`, with a job that cannot run named by its prompt's id."""
+    try:
+        yield from results
+    except JobError as err:  # a prompt too long for the context, ...
+        raise ValueError(f"prompt {todo[err.index].prompt.id!r}: {err}") from None

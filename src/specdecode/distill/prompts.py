@@ -9,7 +9,7 @@ them. For the built-in suite at the default share 0.25 that is 2 of the 8 prompt
 (`tests/test_distill.py` pins the list; docs/benchmarks.md shows it).
 
 Self-written prompts (`--self-prompts N`, with the built-in suite only): for each category, N
-prompts the target writes when asked for one user request about a seed topic (four topics per
+prompts the target writes when asked for one user request about a seed topic (eight topics per
 category, taken in turn), sampled at temperature 1.0, top-p 0.95, one seed per attempt, as long
 as an answer may be (`--max-new-tokens`); empty and
 duplicate answers are dropped and up to 2N attempts made. They are trained on (with the suite's
@@ -32,39 +32,120 @@ from specdecode.distill.store import write_atomic
 SEED_TOPICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "code_generation": (
         "a request to a coding assistant for a short function or script",
-        ("parsing dates", "a small command-line tool", "reading a CSV file", "a retry helper"),
+        (
+            "parsing dates",
+            "a small command-line tool",
+            "reading a CSV file",
+            "a retry helper",
+            "a web request",
+            "sorting records",
+            "a unit test",
+            "a text search",
+        ),
     ),
     "code_editing": (
         "a request to improve a short piece of code, with the code included",
-        ("a slow loop", "missing error handling", "unclear variable names", "duplicated code"),
+        (
+            "a slow loop",
+            "missing error handling",
+            "unclear variable names",
+            "duplicated code",
+            "a long function",
+            "global state",
+            "a missing type check",
+            "an off-by-one bug",
+        ),
     ),
     "chat": (
         "a question someone might ask a friendly assistant in a conversation",
-        ("cooking at home", "planning a trip", "learning a language", "keeping fit"),
+        (
+            "cooking at home",
+            "planning a trip",
+            "learning a language",
+            "keeping fit",
+            "choosing a book",
+            "a new job",
+            "gardening",
+            "saving money",
+        ),
     ),
     "creative_writing": (
         "a request for a short poem, story or dialogue",
-        ("the sea at night", "a robot learning to paint", "an old bookshop", "the first snow"),
+        (
+            "the sea at night",
+            "a robot learning to paint",
+            "an old bookshop",
+            "the first snow",
+            "a lost letter",
+            "a city in the rain",
+            "two rival chefs",
+            "a lighthouse keeper",
+        ),
     ),
     "summarization": (
         "a request to summarize a short passage, with the passage of a few sentences included",
-        ("a company announcement", "a science news item", "a meeting's notes", "a book review"),
+        (
+            "a company announcement",
+            "a science news item",
+            "a meeting's notes",
+            "a book review",
+            "a product recall",
+            "a sports report",
+            "a school newsletter",
+            "a travel blog post",
+        ),
     ),
     "translation": (
         "a request to translate two or three sentences, with the sentences included",
-        ("English to French", "German to English", "English to Spanish", "Italian to English"),
+        (
+            "English to French",
+            "German to English",
+            "English to Spanish",
+            "Italian to English",
+            "French to English",
+            "English to German",
+            "Spanish to English",
+            "English to Italian",
+        ),
     ),
     "question_answering": (
         "a factual question with a short answer",
-        ("history", "geography", "biology", "everyday physics"),
+        (
+            "history",
+            "geography",
+            "biology",
+            "everyday physics",
+            "chemistry",
+            "astronomy",
+            "music",
+            "the human body",
+        ),
     ),
     "math_reasoning": (
         "a short word problem in arithmetic or algebra",
-        ("shopping and prices", "travel times", "sharing things fairly", "percentages"),
+        (
+            "shopping and prices",
+            "travel times",
+            "sharing things fairly",
+            "percentages",
+            "ages",
+            "areas and lengths",
+            "work rates",
+            "interest on savings",
+        ),
     ),
     "extraction_rag": (
         "a request to pull facts out of a short text, with the text included",
-        ("an invoice", "a job advert", "a product page", "an event announcement"),
+        (
+            "an invoice",
+            "a job advert",
+            "a product page",
+            "an event announcement",
+            "a hotel booking",
+            "a medical leaflet",
+            "a rental listing",
+            "a flight itinerary",
+        ),
     ),
 }
 SELF_PROMPTS_FILE = "self_prompts.jsonl"
@@ -154,6 +235,13 @@ def cached_self_prompts(
     return _chosen(kept, categories, per_category)
 
 
+def _instruction(ask: str, topics: Sequence[str], attempt: int) -> str:
+    return (
+        f"Write {ask}, about {topics[attempt % len(topics)]}. Reply with the request alone, as "
+        "the user would write it, and nothing else."
+    )
+
+
 def check_self_prompt_categories(categories: Sequence[str]) -> None:
     unknown = [c for c in categories if c not in SEED_TOPICS]
     if unknown:
@@ -170,12 +258,20 @@ def self_prompts(
     chat: bool,
     max_new_tokens: int,
     progress: bool = True,
+    batch_rows: int = 1,
 ) -> tuple[list[DistillPrompt], dict[str, Any]]:
-    """`per_category` prompts per category written by the target (`engine`, a SpeculativeDecoder;
-    each at most `max_new_tokens` long, the answers' length),
-    cached in data_dir/self_prompts.jsonl (a category already there is not asked again); and
-    what it took this run (attempts, dropped)."""
+    """`per_category` prompts per category written by the target (`engine`, a SpeculativeDecoder,
+    `batch_rows` at a time: `data.generate_each`; each at most `max_new_tokens` long, the
+    answers' length), cached in data_dir/self_prompts.jsonl (a category already there is not
+    asked again); and what it took this run (attempts, dropped)."""
     from tqdm import tqdm
+
+    from specdecode.distill.data import generate_each
+    from specdecode.request import GenerationRequest
+
+    def request(seed: int) -> GenerationRequest:
+        params = engine.sampling_params(SELF_TEMPERATURE, top_p=SELF_TOP_P)
+        return GenerationRequest(max_new_tokens, params, seed=seed)
 
     check_self_prompt_categories(categories)
     path = data_dir / SELF_PROMPTS_FILE
@@ -189,38 +285,34 @@ def self_prompts(
             continue
         ask, topics = SEED_TOPICS[category]
         seen = {r["prompt"] for r in rows}
-        for attempt in range(len(rows), 2 * per_category):
-            if len(rows) >= per_category:
-                break
-            topic = topics[attempt % len(topics)]
-            instruction = (
-                f"Write {ask}, about {topic}. Reply with the request alone, as the user would "
-                "write it, and nothing else."
-            )
-            result = engine.generate(
-                instruction,
-                max_new_tokens=max_new_tokens,
-                temperature=SELF_TEMPERATURE,
-                top_p=SELF_TOP_P,
-                seed=attempt,
-                chat=chat,
-            )
-            report["attempts"] += 1
-            text = (result.text or "").strip()
-            if not text or text in seen:
-                report["dropped"] += 1
-                continue
-            seen.add(text)
-            bar.update()
-            rows.append(
-                {
-                    "id": f"self-{category}-{len(rows) + 1:03d}",
-                    "category": category,
-                    "prompt": text,
-                    "topic": topic,
-                    "seed": attempt,
-                }
-            )
+        attempt = len(rows)
+        # in waves of as many attempts as prompts are missing, `rows` at a time, each kept in
+        # the order of its attempt (its seed): the prompts do not depend on `rows`
+        while len(rows) < per_category and attempt < 2 * per_category:
+            wave = range(attempt, min(2 * per_category, attempt + per_category - len(rows)))
+            attempt = wave.stop
+            jobs = [
+                (engine.encode_prompt(_instruction(ask, topics, a), chat=chat), request(a))
+                for a in wave
+            ]
+            texts = dict(generate_each(engine, jobs, batch_rows))
+            for index, seed in enumerate(wave):
+                report["attempts"] += 1
+                text = (texts[index].text or "").strip()
+                if not text or text in seen or len(rows) >= per_category:
+                    report["dropped"] += 1
+                    continue
+                seen.add(text)
+                bar.update()
+                rows.append(
+                    {
+                        "id": f"self-{category}-{len(rows) + 1:03d}",
+                        "category": category,
+                        "prompt": text,
+                        "topic": topics[seed % len(topics)],
+                        "seed": seed,
+                    }
+                )
         body = "".join(json.dumps(r) + "\n" for c in kept for r in kept[c])
         write_atomic(path, "the self-written prompts", lambda p, body=body: p.write_text(body))
     bar.close()

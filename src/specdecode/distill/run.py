@@ -46,7 +46,7 @@ from specdecode.distill.train import (
 )
 from specdecode.draft_spec import ModelSpec
 
-GENERATION_K = 4  # the chain the untrained draft speeds the target's answers up with
+GENERATION_K = 4  # the chain the untrained draft speeds one answer at a time up with
 
 
 def portable(name: str) -> str:
@@ -190,7 +190,10 @@ def _answer(
     )
     vocab = _vocab(target, helper)
     store.set_models({"vocab": vocab, "tokenizer": vocab_digest(target.tokenizer)})
-    engine = SpeculativeDecoder(target, helper, k=GENERATION_K, generation_config="none")
+    # rows > 1: the answers are batched, by the target alone (a batch's target forward over
+    # many rows costs little more than over one; a draft would add its forwards to each step)
+    drafter = helper if settings.rows == 1 else None
+    engine = SpeculativeDecoder(target, drafter, k=GENERATION_K, generation_config="none")
     report = None
     try:
         if settings.self_prompts:
@@ -202,6 +205,7 @@ def _answer(
                 settings.chat,
                 settings.max_new_tokens,
                 progress,
+                settings.rows,
             )
             planned = plan_answers(train_prompts + written, temperatures, samples)
         made = make_answers(
@@ -213,6 +217,7 @@ def _answer(
             settings.max_new_tokens,
             settings.chat,
             progress,
+            settings.rows,
         )
     except KeyboardInterrupt:
         have = len({p.key for p in planned} & store.done())
@@ -267,6 +272,7 @@ def _data_record(settings, train_prompts, held_out, answers, self_report, made) 
         "top_k": settings.top_k,
         "max_new_tokens": settings.max_new_tokens,
         "chat": settings.chat,
+        "rows": settings.rows,
         "answers": len(answers),
         "tokens": sum(a.tokens for a in answers),
         "made_this_run": made,

@@ -86,6 +86,7 @@ class DistillSettings:
     max_new_tokens: int = 128
     top_k: int = 32  # the target's most probable tokens kept per position
     chat: bool = True
+    rows: int = 8  # answers made at once (batched decoding of the target); 1: speculative
     budget: Budget = field(default_factory=lambda: Budget.parse("30m"))
     loss: str = "kl"
     lora_rank: int = 16
@@ -117,7 +118,7 @@ class DistillSettings:
             raise ValueError(f"--self-prompts must be >= 1 (got {self.self_prompts})")
         if not 0 <= self.holdout < 1:
             raise ValueError(f"--holdout is a share from 0 to below 1 (got {self.holdout})")
-        for name in ("samples", "max_new_tokens", "top_k", "lora_rank", "batch_size"):
+        for name in ("samples", "max_new_tokens", "top_k", "rows", "lora_rank", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be >= 1 (got {getattr(self, name)})"
