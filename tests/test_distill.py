@@ -347,6 +347,31 @@ def test_bfloat16_autocast_is_chosen_where_measured_faster_and_trains(monkeypatc
     assert all(p.dtype == torch.float32 for p in model.parameters())  # float32 master weights
 
 
+def test_a_padded_batch_loses_what_its_answers_lose_one_at_a_time():
+    cpu, vocab = torch.device("cpu"), 96
+    model = train_module.add_lora(tiny_llama(seed=0), 4, 8.0)
+    gen = torch.Generator().manual_seed(1)
+
+    def answer(prompt: int, tokens: int) -> data_module.Answer:
+        top = torch.log_softmax(torch.randn(tokens, vocab, generator=gen), -1).topk(8)
+        return data_module.Answer(
+            "k", "p", "c", 0.0,
+            prompt_ids=torch.randint(1, vocab, (prompt,), generator=gen, dtype=torch.int32),
+            answer_ids=torch.randint(1, vocab, (tokens,), generator=gen, dtype=torch.int32),
+            top_logprobs=top.values.half(),
+            top_ids=top.indices.int(),
+            tail=(1 - top.values.exp().sum(-1)).clamp(min=0),
+        )  # fmt: skip
+
+    batch = [answer(3, 5), answer(7, 2), answer(1, 9)]  # ragged prompts and answers
+    alone = sum(train_module.answer_loss(model, a, vocab, "kl", cpu, None) for a in batch)
+    together = train_module.batch_loss(model, batch, vocab, "kl", cpu, None)
+    assert float(alone.detach()) > 0
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)
+    together.backward()  # gradients reach the adapters
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
 # -- what is refused --------------------------------------------------------------------------
 
 

@@ -4,8 +4,8 @@ bfloat16 and it is faster (a GPU that has it; a CPU where a measured linear laye
 backward say so: on AVX2 CPUs PyTorch's bfloat16 matrix products are many times slower than
 float32 ones, docs/benchmarks.md "Distilled draft"), AdamW.
 
-One step = `batch_size` answers (gradients accumulated one answer at a time, so no padding and
-little memory), the loss (loss.py) averaged over their tokens, gradients clipped to norm 1, a
+One step = `batch_size` answers in one forward (`batch_loss`: right-padded, which a causal
+model's real positions never see), the loss (loss.py) averaged over their tokens, gradients clipped to norm 1, a
 learning rate warmed up over the first `WARMUP_STEPS` steps. The answers are visited in a seeded
 order, reshuffled per pass: step s always trains on the same answers, so a resumed run is the
 run that was interrupted.
@@ -153,25 +153,49 @@ def step_indices(step: int, n: int, batch_size: int, seed: int) -> list[int]:
     return out
 
 
-def _input(answer: Answer, device: torch.device) -> torch.Tensor:
-    ids = torch.cat([answer.prompt_ids, answer.answer_ids[:-1]]).long()  # [P + T - 1]
-    return ids[None].to(device)
-
-
 def answer_loss(
     model: Any, answer: Answer, vocab: int, kind: str, device: torch.device, dtype: Any
 ) -> torch.Tensor:
     """The summed loss over one answer's positions (a 0-d tensor with its graph)."""
+    return batch_loss(model, [answer], vocab, kind, device, dtype)
+
+
+def batch_loss(
+    model: Any,
+    batch: Sequence[Answer],
+    vocab: int,
+    kind: str,
+    device: torch.device,
+    dtype: Any,
+) -> torch.Tensor:
+    """`answer_loss` summed over `batch`, from one forward over all of it: each answer's input
+    (prompt + answer but its last token) right-padded to the longest, so every real position
+    sees what it would alone (a causal model attends only to what comes before); the logits
+    kept from the first position of any row that predicts an answer token."""
+    inputs = [torch.cat([a.prompt_ids, a.answer_ids[:-1]]).long() for a in batch]  # [P + T - 1]
+    width = max(len(x) for x in inputs)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)  # [B, width], padded with id 0
+    for row, x in enumerate(inputs):
+        ids[row, : len(x)] = x
+    # answer a's positions are [P_a - 1, P_a - 1 + T_a): each predicts its next answer token
+    first = min(len(a.prompt_ids) for a in batch) - 1
     with autocast_context(device, dtype):
-        logits = model(input_ids=_input(answer, device), logits_to_keep=answer.tokens).logits
-    logits = logits[0, :, :vocab].float()  # [T, vocab]
-    return distill_loss(
-        logits,
-        answer.top_logprobs.to(device),
-        answer.top_ids.to(device),
-        answer.tail.to(device),
-        kind,
-    ).sum()
+        logits = model(input_ids=ids.to(device), logits_to_keep=width - first).logits
+    total = torch.zeros((), device=device)
+    for row, answer in enumerate(batch):
+        start = len(answer.prompt_ids) - 1 - first
+        kept = logits[row, start : start + answer.tokens, :vocab].float()  # [T, vocab]
+        total = (
+            total
+            + distill_loss(
+                kept,
+                answer.top_logprobs.to(device),
+                answer.top_ids.to(device),
+                answer.tail.to(device),
+                kind,
+            ).sum()
+        )
+    return total
 
 
 @torch.no_grad()
@@ -195,15 +219,12 @@ def _one_step(
     """One optimizer step on `batch`; its loss per token."""
     optimizer.zero_grad(set_to_none=True)
     tokens = sum(a.tokens for a in batch)
-    total = 0.0
-    for answer in batch:
-        loss = answer_loss(model, answer, vocab, kind, device, dtype) / tokens
-        loss.backward()
-        total += float(loss.detach())
+    loss = batch_loss(model, batch, vocab, kind, device, dtype) / tokens
+    loss.backward()
     params = [p for p in model.parameters() if p.requires_grad]
     torch.nn.utils.clip_grad_norm_(params, 1.0)
     optimizer.step()
-    return total
+    return float(loss.detach())
 
 
 class Checkpoints:
