@@ -203,9 +203,10 @@ def generate_each(
         return
     from specdecode.batch_session import DEFAULT_MAX_LEN, BatchSession
 
-    # a row holds the longest prompt and its answer, no more (the store is rows x max_len)
+    # a row holds the longest prompt and its answer, no more (the store is rows x max_len); a
+    # job longer than the model's context is refused by `add`
     longest = max((len(ids) + r.max_new_tokens for ids, r in jobs), default=1)
-    session = BatchSession(engine, max_rows=rows, max_len=max(longest, DEFAULT_MAX_LEN // 8))
+    session = BatchSession(engine, max_rows=rows, max_len=min(longest, DEFAULT_MAX_LEN))
     pending = list(enumerate(jobs))
     index_of: dict[int, int] = {}
     try:
