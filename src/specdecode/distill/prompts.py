@@ -29,125 +29,73 @@ from specdecode.bench.suites import BenchPrompt, load_suite
 from specdecode.distill.store import write_atomic
 
 # category -> (what to ask for, seed topics)
+# fmt: off
 SEED_TOPICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "code_generation": (
         "a request to a coding assistant for a short function or script",
         (
-            "parsing dates",
-            "a small command-line tool",
-            "reading a CSV file",
-            "a retry helper",
-            "a web request",
-            "sorting records",
-            "a unit test",
-            "a text search",
+            "parsing dates", "a small command-line tool", "reading a CSV file", "a retry helper",
+            "a web request", "sorting records", "a unit test", "a text search",
         ),
     ),
     "code_editing": (
         "a request to improve a short piece of code, with the code included",
         (
-            "a slow loop",
-            "missing error handling",
-            "unclear variable names",
-            "duplicated code",
-            "a long function",
-            "global state",
-            "a missing type check",
-            "an off-by-one bug",
+            "a slow loop", "missing error handling", "unclear variable names", "duplicated code",
+            "a long function", "global state", "a missing type check", "an off-by-one bug",
         ),
     ),
     "chat": (
         "a question someone might ask a friendly assistant in a conversation",
         (
-            "cooking at home",
-            "planning a trip",
-            "learning a language",
-            "keeping fit",
-            "choosing a book",
-            "a new job",
-            "gardening",
-            "saving money",
+            "cooking at home", "planning a trip", "learning a language", "keeping fit",
+            "choosing a book", "a new job", "gardening", "saving money",
         ),
     ),
     "creative_writing": (
         "a request for a short poem, story or dialogue",
         (
-            "the sea at night",
-            "a robot learning to paint",
-            "an old bookshop",
-            "the first snow",
-            "a lost letter",
-            "a city in the rain",
-            "two rival chefs",
-            "a lighthouse keeper",
+            "the sea at night", "a robot learning to paint", "an old bookshop", "the first snow",
+            "a lost letter", "a city in the rain", "two rival chefs", "a lighthouse keeper",
         ),
     ),
     "summarization": (
         "a request to summarize a short passage, with the passage of a few sentences included",
         (
-            "a company announcement",
-            "a science news item",
-            "a meeting's notes",
-            "a book review",
-            "a product recall",
-            "a sports report",
-            "a school newsletter",
-            "a travel blog post",
+            "a company announcement", "a science news item", "a meeting's notes", "a book review",
+            "a product recall", "a sports report", "a school newsletter", "a travel blog post",
         ),
     ),
     "translation": (
         "a request to translate two or three sentences, with the sentences included",
         (
-            "English to French",
-            "German to English",
-            "English to Spanish",
-            "Italian to English",
-            "French to English",
-            "English to German",
-            "Spanish to English",
-            "English to Italian",
+            "English to French", "German to English", "English to Spanish", "Italian to English",
+            "French to English", "English to German", "Spanish to English", "English to Italian",
         ),
     ),
     "question_answering": (
         "a factual question with a short answer",
         (
-            "history",
-            "geography",
-            "biology",
-            "everyday physics",
-            "chemistry",
-            "astronomy",
-            "music",
-            "the human body",
+            "history", "geography", "biology", "everyday physics",
+            "chemistry", "astronomy", "music", "the human body",
         ),
     ),
     "math_reasoning": (
         "a short word problem in arithmetic or algebra",
         (
-            "shopping and prices",
-            "travel times",
-            "sharing things fairly",
-            "percentages",
-            "ages",
-            "areas and lengths",
-            "work rates",
-            "interest on savings",
+            "shopping and prices", "travel times", "sharing things fairly", "percentages",
+            "ages", "areas and lengths", "work rates", "interest on savings",
         ),
     ),
     "extraction_rag": (
         "a request to pull facts out of a short text, with the text included",
         (
-            "an invoice",
-            "a job advert",
-            "a product page",
-            "an event announcement",
-            "a hotel booking",
-            "a medical leaflet",
-            "a rental listing",
-            "a flight itinerary",
+            "an invoice", "a job advert", "a product page", "an event announcement",
+            "a hotel booking", "a medical leaflet", "a rental listing", "a flight itinerary",
         ),
     ),
 }
+# fmt: on
 SELF_PROMPTS_FILE = "self_prompts.jsonl"
 SELF_TEMPERATURE, SELF_TOP_P = 1.0, 0.95
 
@@ -286,8 +234,8 @@ def self_prompts(
         ask, topics = SEED_TOPICS[category]
         seen = {r["prompt"] for r in rows}
         attempt = len(rows)
-        # in waves of as many attempts as prompts are missing, `rows` at a time, each kept in
-        # the order of its attempt (its seed): the prompts do not depend on `rows`
+        # in waves of as many attempts as prompts are missing, `batch_rows` at a time, each
+        # kept in the order of its attempt (its seed), as when they are written one at a time
         while len(rows) < per_category and attempt < 2 * per_category:
             wave = range(attempt, min(2 * per_category, attempt + per_category - len(rows)))
             attempt = wave.stop
@@ -299,7 +247,7 @@ def self_prompts(
             for index, seed in enumerate(wave):
                 report["attempts"] += 1
                 text = (texts[index].text or "").strip()
-                if not text or text in seen or len(rows) >= per_category:
+                if not text or text in seen:
                     report["dropped"] += 1
                     continue
                 seen.add(text)
