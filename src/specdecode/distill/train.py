@@ -5,10 +5,10 @@ backward say so: on AVX2 CPUs PyTorch's bfloat16 matrix products are many times 
 float32 ones, docs/benchmarks.md "Distilled draft"), AdamW.
 
 One step = `batch_size` answers in one forward (`batch_loss`: right-padded, which a causal
-model's real positions never see), the loss (loss.py) averaged over their tokens, gradients clipped to norm 1, a
-learning rate warmed up over the first `WARMUP_STEPS` steps. The answers are visited in a seeded
-order, reshuffled per pass: step s always trains on the same answers, so a resumed run is the
-run that was interrupted.
+model's real positions never see), the loss (loss.py) averaged over their tokens, gradients
+clipped to norm 1, a learning rate warmed up over the first `WARMUP_STEPS` steps. The answers
+are visited in a seeded order, reshuffled per pass: step s always trains on the same answers,
+so a resumed run is the run that was interrupted.
 
 A budget (settings.Budget) bounds it: trained tokens (a step that would pass it is not run), or
 seconds of training summed over resumed runs (no step starts that the mean step time says would
@@ -185,16 +185,14 @@ def batch_loss(
     for row, answer in enumerate(batch):
         start = len(answer.prompt_ids) - 1 - first
         kept = logits[row, start : start + answer.tokens, :vocab].float()  # [T, vocab]
-        total = (
-            total
-            + distill_loss(
-                kept,
-                answer.top_logprobs.to(device),
-                answer.top_ids.to(device),
-                answer.tail.to(device),
-                kind,
-            ).sum()
+        losses = distill_loss(  # [T]
+            kept,
+            answer.top_logprobs.to(device),
+            answer.top_ids.to(device),
+            answer.tail.to(device),
+            kind,
         )
+        total = total + losses.sum()
     return total
 
 
