@@ -19,7 +19,7 @@ a running one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +42,14 @@ def make_store(target: Any, rows: int, max_len: int) -> LeanStore | StaticStore:
     if isinstance(target_cache(target), LeanCache):
         return LeanStore(target, rows, max_len)
     return StaticStore(target, rows, max_len)
+
+
+class JobError(ValueError):
+    """A job of `BatchSession.generate_each` that could not start: its `index`, and why."""
+
+    def __init__(self, index: int, err: ValueError) -> None:
+        super().__init__(str(err))
+        self.index = index
 
 
 @dataclass(eq=False)
@@ -209,18 +217,38 @@ class BatchSession:
 
     def generate_all(self, prompts: Sequence[Any], request: GenerationRequest) -> list[Generation]:
         """Every prompt with the same request, `max_rows` at a time, in order."""
-        pending = list(prompts)
-        done: list[Generation] = []
-        order: dict[int, int] = {}
-        while pending or self.generations:
-            while pending and self.store.free_rows:
-                generation = self.add(pending.pop(0), request)
-                order[id(generation)] = len(order)
-                done.append(generation)
-            for generation in self.step():
-                if generation.error is not None:
-                    raise generation.error
-        return sorted(done, key=lambda g: order[id(g)])
+        done = dict(self.generate_each([(prompt, request) for prompt in prompts]))
+        return [done[index] for index in range(len(prompts))]
+
+    def generate_each(
+        self, jobs: Sequence[tuple[Any, GenerationRequest]]
+    ) -> Iterator[tuple[int, Generation]]:
+        """Each job (a prompt, its request), `max_rows` at a time (a finished row's place goes
+        to the next job), as (its index in `jobs`, its finished generation) in the order they
+        finish. `JobError` names a job `add` refuses; a row whose draft failed raises its
+        error. Left early, the jobs still running are cancelled."""
+        pending = list(enumerate(jobs))
+        running: dict[int, tuple[int, Generation]] = {}  # id(generation) -> (index, generation)
+        try:
+            while pending or running:
+                while pending and self.store.free_rows:
+                    index, (prompt, request) = pending.pop(0)
+                    try:
+                        generation = self.add(prompt, request)
+                    except ValueError as err:
+                        raise JobError(index, err) from None
+                    if generation.finished:  # one token was all it could take (an EOS first)
+                        yield index, generation
+                    else:
+                        running[id(generation)] = (index, generation)
+                for generation in self.step():
+                    if generation.error is not None:
+                        raise generation.error
+                    if generation.finished and id(generation) in running:
+                        yield running.pop(id(generation))
+        finally:
+            for _, generation in running.values():
+                self.cancel(generation)
 
     # -- inside a step ------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from specdecode.batch_session import DEFAULT_MAX_LEN, BatchSession, JobError
 from specdecode.distill.prompts import DistillPrompt
 from specdecode.distill.store import load_json, load_tensors, save_json, save_tensors
 from specdecode.request import GenerationRequest
@@ -191,9 +192,8 @@ def generate_each(
 ) -> Iterator[tuple[int, GenerationResult]]:
     """Each job's generation (prompt ids, request) as (its index in `jobs`, the result), in the
     order they finish: one at a time through `engine` (a SpeculativeDecoder) when `rows` is 1,
-    else `rows` at a time in a `BatchSession` over it (a finished row's place goes to the next
-    job). ValueError for a job that cannot run (a prompt too long for the context) names its
-    index: `JobError`."""
+    else `rows` at a time (`BatchSession.generate_each`). `JobError` (a ValueError) names the
+    index of a job that cannot run (a prompt too long for the context)."""
     if rows <= 1:
         for index, (prompt_ids, request) in enumerate(jobs):
             try:
@@ -201,42 +201,12 @@ def generate_each(
             except ValueError as err:
                 raise JobError(index, err) from None
         return
-    from specdecode.batch_session import DEFAULT_MAX_LEN, BatchSession
-
     # a row holds the longest prompt and its answer, no more (the store is rows x max_len); a
     # job longer than the model's context is refused by `add`
     longest = max((len(ids) + r.max_new_tokens for ids, r in jobs), default=1)
     session = BatchSession(engine, max_rows=rows, max_len=min(longest, DEFAULT_MAX_LEN))
-    pending = list(enumerate(jobs))
-    index_of: dict[int, int] = {}
-    try:
-        while pending or session.generations:
-            while pending and session.free_rows:
-                index, (prompt_ids, request) = pending.pop(0)
-                try:
-                    generation = session.add(prompt_ids, request)
-                except ValueError as err:
-                    raise JobError(index, err) from None
-                if generation.finished:  # one token was all it could take (an EOS first)
-                    yield index, generation.result()
-                else:
-                    index_of[id(generation)] = index
-            for generation in session.step():
-                if generation.error is not None:
-                    raise generation.error
-                if generation.finished:
-                    yield index_of.pop(id(generation)), generation.result()
-    finally:
-        for generation in list(session.generations):
-            session.cancel(generation)
-
-
-class JobError(ValueError):
-    """A generation that could not run: `index` in the jobs, and why."""
-
-    def __init__(self, index: int, err: ValueError) -> None:
-        super().__init__(str(err))
-        self.index = index
+    for index, generation in session.generate_each(jobs):
+        yield index, generation.result()
 
 
 def make_answers(
@@ -271,7 +241,7 @@ def make_answers(
     bar = tqdm(total=len(todo), desc="answers", unit="answer", disable=not progress or not todo)
     made = tokens = 0
     try:
-        for index, result in _named(generate_each(engine, jobs, rows), todo):
+        for index, result in generate_each(engine, jobs, rows):
             item, prompt_ids = todo[index], jobs[index][0]
             answer_ids = list(result.token_ids)
             values, ids, tail = target_distributions(
@@ -294,17 +264,9 @@ def make_answers(
             tokens += len(answer_ids)
             bar.set_postfix(tokens=tokens, refresh=False)
             bar.update()
+    except JobError as err:  # a prompt too long for the context, ...
+        raise ValueError(f"prompt {todo[err.index].prompt.id!r}: {err}") from None
     finally:
         bar.close()
         store.flush()
     return made
-
-
-def _named(
-    results: Iterator[tuple[int, GenerationResult]], todo: Sequence[Planned]
-) -> Iterator[tuple[int, GenerationResult]]:
-    """`results`, with a job that cannot run named by its prompt's id."""
-    try:
-        yield from results
-    except JobError as err:  # a prompt too long for the context, ...
-        raise ValueError(f"prompt {todo[err.index].prompt.id!r}: {err}") from None
