@@ -22,7 +22,7 @@ from specdecode.distill import store as store_module
 from specdecode.distill import train as train_module
 from specdecode.distill.data import AnswerStore
 from specdecode.distill.loss import distill_loss
-from specdecode.distill.prompts import held_out_count, split_heldout
+from specdecode.distill.prompts import DistillPrompt, held_out_count, split_heldout
 from specdecode.distill.result import read_result
 from specdecode.distill.settings import Budget, DistillSettings, parse_temperatures
 from specdecode.draft_spec import DraftSpec, ModelSpec
@@ -53,7 +53,8 @@ def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("distill-models")
     tokenizer = char_tokenizer()
     tokenizer.chat_template = CHAT
-    target = tiny_llama(seed=0, vocab=len(tokenizer))
+    # a context long enough for an instruction to write a prompt from three examples
+    target = tiny_llama(seed=0, vocab=len(tokenizer), max_position_embeddings=1024)
     for name, model in (("target", target), ("draft", noisy_copy(target, 0.3))):
         model.save_pretrained(root / name)
         tokenizer.save_pretrained(root / name)
@@ -310,8 +311,71 @@ def test_the_target_writes_prompts_when_asked(pair, tmp_path):
     assert record["data"]["self_prompts"]["written"] == 1
     assert len(record["data"]["train_prompt_ids"]) == 6  # the suite's chat prompts, 2 held out
     assert not set(record["data"]["heldout_prompt_ids"]) & set(record["data"]["train_prompt_ids"])
-    rows = (out / "data" / "self_prompts.jsonl").read_text().splitlines()
-    assert [json.loads(r)["category"] for r in rows] == ["chat"]
+    rows = [json.loads(r) for r in (out / "data" / "self_prompts.jsonl").read_text().splitlines()]
+    assert [r["category"] for r in rows] == ["chat"]
+    assert len(rows[0]["examples"]) == 3  # written from three of the training prompts
+    assert set(rows[0]["examples"]) <= set(record["data"]["train_prompt_ids"])
+
+
+def test_the_target_writes_prompts_like_a_users_own(pair, tmp_path):
+    out = tmp_path / "run"
+    args = distill_args(pair, out, "--temperatures", "0", "--self-prompts", "2", budget="30")
+    assert main(args) == 0
+    data = read_result(out)["data"]
+    ids = ["self-qa-001", "self-qa-002", "self-writing-001", "self-writing-002"]
+    assert data["self_prompt_ids"] == ids
+    rows = [json.loads(r) for r in (out / "data" / "self_prompts.jsonl").read_text().splitlines()]
+    shown = {e for r in rows for e in r["examples"]}
+    # the categories' training prompts (2 of 3 each: one held out), never a held-out one
+    assert shown == set(data["train_prompt_ids"]) and len(shown) == 4
+    assert not shown & set(data["heldout_prompt_ids"])
+
+
+def test_self_written_prompts_follow_their_examples_in_turn():
+    from specdecode.distill.prompts import (
+        EXAMPLES_SHOWN,
+        _clean,
+        examples_for,
+        fitting_instruction,
+        instruction,
+    )
+
+    pool = [DistillPrompt(f"chat-{i}", "chat", f"question {i}?") for i in range(5)]
+    shown = [examples_for(pool, attempt) for attempt in range(5)]
+    assert all(len(s) == EXAMPLES_SHOWN for s in shown)
+    assert [s[0].id for s in shown] == [p.id for p in pool]  # each prompt leads once in turn
+    assert [p.id for p in examples_for(pool[:2], 0)] == ["chat-0", "chat-1"]  # no repeats
+    text = instruction("chat", shown[0], 0)
+    assert all(p.text in text for p in shown[0]) and "question 3?" not in text
+    assert "about cooking at home" in text  # a built-in category's first seed topic
+    own = instruction("tickets", [DistillPrompt("t-1", "tickets", "x" * 4000)], 0)
+    assert "about" not in own and len(own) < 2000  # no topic; a long example is cut
+    assert _clean(' Request 4: "Write a haiku about rain."\n') == "Write a haiku about rain."
+
+    def encode(text: str) -> list[int]:
+        return list(text.encode())
+
+    ids, fits = fitting_instruction(encode, "chat", pool, 0, room=len(encode(text)) - 1)
+    assert [p.id for p in fits] == ["chat-0", "chat-1"]  # three would leave too little room
+    assert ids == encode(instruction("chat", fits, 0))
+    ids, fits = fitting_instruction(encode, "chat", pool, 0, room=1)
+    assert len(fits) == 1  # and one is kept, to be refused with the prompt's length named
+
+
+def test_cached_self_written_prompts_from_a_held_out_example_are_written_again(tmp_path):
+    from specdecode.distill.prompts import PROMPT_FORM, SELF_PROMPTS_FILE, cached_self_prompts
+
+    train = [DistillPrompt("chat-1", "chat", "a"), DistillPrompt("chat-2", "chat", "b")]
+    rows = [
+        {"id": "self-chat-001", "category": "chat", "prompt": "c", "form": PROMPT_FORM,
+         "examples": ["chat-1", "chat-2"]},
+        {"id": "self-chat-002", "category": "chat", "prompt": "d", "form": PROMPT_FORM,
+         "examples": ["chat-2", "chat-3"]},  # chat-3 is held out now
+        {"id": "self-chat-003", "category": "chat", "prompt": "e", "topic": "gardening"},
+    ]  # fmt: skip
+    (tmp_path / SELF_PROMPTS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [p.id for p in cached_self_prompts(tmp_path, train, 1)] == ["self-chat-001"]
+    assert cached_self_prompts(tmp_path, train, 2) is None  # the other two are written again
 
 
 def test_bfloat16_autocast_is_chosen_where_measured_faster_and_trains(monkeypatch):
@@ -429,7 +493,6 @@ def test_a_distilled_draft_checks_its_target(pair, distilled, capsys):
     [
         (["--budget", "soon"], "bad --budget 'soon'"),
         (["--temperatures", "warm"], "bad --temperatures"),
-        (["--self-prompts", "2"], "--self-prompts writes prompts when there is no --prompts"),
         (["--draft", "ngram"], "distill trains a draft model"),
         (["--holdout", "1"], "--holdout is a share"),
         (["--categories", "poetry"], "no prompts to distil on: .*unknown category 'poetry'"),
@@ -457,6 +520,9 @@ def test_bad_input_is_one_clear_line(pair, distilled, tmp_path, monkeypatch, cap
     args = distill_args(pair, tmp_path / "b")
     args[args.index("--draft") + 1] = str(pair / "foreign")
     fails(args, 2, "cannot draft for target, so it cannot be distilled for it: incompatible tokenizers")  # fmt: skip
+    # no room in the context for a prompt written from even one example, and its answer
+    args = distill_args(pair, tmp_path / "f", "--self-prompts", "1", "--max-new-tokens", "1000")
+    fails(args, 2, "--self-prompts, writing from prompt 'qa-")
     # budgets too small for one step: nothing is trained and no adapter written
     fails(distill_args(pair, with_data(distilled, tmp_path / "c"), budget="5"), 2, "--budget 5 is too small for one training step (its first step trains")  # fmt: skip
     fails(distill_args(pair, with_data(distilled, tmp_path / "d"), budget="1ms"), 2, "--budget 1ms is too small for one training step (the first step took")  # fmt: skip

@@ -41,8 +41,8 @@ def add_distill_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
         type=int,
         default=None,
         metavar="N",
-        help="also train on N prompts "
-        "per category that the target writes itself from seed topics (built-in suite only)",
+        help="also train on N prompts per category that the target writes itself, shown "
+        "the category's training prompts as examples (and a seed topic, built-in categories)",
     )
     parser.add_argument(
         "--holdout",

@@ -8,19 +8,24 @@ prompts are never answered here, so never trained on: `benchmarks/distill_gain.p
 them. For the built-in suite at the default share 0.25 that is 2 of the 8 prompts per category
 (`tests/test_distill.py` pins the list; docs/benchmarks.md shows it).
 
-Self-written prompts (`--self-prompts N`, with the built-in suite only): for each category, N
-prompts the target writes when asked for one user request about a seed topic (eight topics per
-category, taken in turn), sampled at temperature 1.0, top-p 0.95, one seed per attempt, as long
-as an answer may be (`--max-new-tokens`); empty and
-duplicate answers are dropped and up to 2N attempts made. They are trained on (with the suite's
-training prompts); the held-out prompts stay the suite's. Cached in DIR/data/self_prompts.jsonl.
+Self-written prompts (`--self-prompts N`): for each category, N prompts the target writes when
+shown up to three of the category's training prompts (first turns, in turn; each cut at
+MAX_EXAMPLE_CHARS) and asked for one new request of the same kind, about a seed topic where the
+category is a built-in one (eight per category, in turn). So they follow the prompts given (the
+built-in suite's or a user's `--prompts FILE`), never a held-out one: a cached prompt written from
+an example that is now held out, or written another way (PROMPT_FORM), is written again. Sampled
+at temperature 1.0, top-p 0.95, one seed per attempt, as long as an answer may be
+(`--max-new-tokens`); empty ones, duplicates and copies of an example are dropped and up to 2N
+attempts made. They are trained on (with the suite's training prompts); the held-out prompts stay
+the suite's. Cached in DIR/data/self_prompts.jsonl.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,6 +103,9 @@ SEED_TOPICS: dict[str, tuple[str, tuple[str, ...]]] = {
 # fmt: on
 SELF_PROMPTS_FILE = "self_prompts.jsonl"
 SELF_TEMPERATURE, SELF_TOP_P = 1.0, 0.95
+PROMPT_FORM = "examples"  # how a row was asked for; a cached row of another form is not reused
+EXAMPLES_SHOWN = 3  # training prompts shown per request for a new one
+MAX_EXAMPLE_CHARS = 1500  # an example longer than this is cut (a user's prompt may hold a document)
 
 
 @dataclass(frozen=True)
@@ -156,14 +164,17 @@ def suite_prompts(
     return [DistillPrompt(p.id, p.category, p.turns[0]) for p in train], held
 
 
-def _cached_self_prompts(data_dir: Path) -> dict[str, list[dict[str, Any]]]:
+def _cached_self_prompts(data_dir: Path, train_ids: set[str]) -> dict[str, list[dict[str, Any]]]:
+    """The cached rows by category that may be reused: written the current way, from examples
+    that are all still training prompts (never from one now held out)."""
     path = data_dir / SELF_PROMPTS_FILE
     kept: dict[str, list[dict[str, Any]]] = {}
     if path.exists():
         for line in path.read_text().splitlines():
             if line.strip():
                 row = json.loads(line)
-                kept.setdefault(row["category"], []).append(row)
+                if row.get("form") == PROMPT_FORM and set(row.get("examples", ())) <= train_ids:
+                    kept.setdefault(row["category"], []).append(row)
     return kept
 
 
@@ -172,35 +183,91 @@ def _chosen(kept: dict[str, list[dict[str, Any]]], categories: Sequence[str], n:
     return [DistillPrompt(r["id"], r["category"], r["prompt"]) for r in rows]
 
 
+def _categories(train_prompts: Sequence[DistillPrompt]) -> list[str]:
+    return list(dict.fromkeys(p.category for p in train_prompts))
+
+
 def cached_self_prompts(
-    data_dir: Path, categories: Sequence[str], per_category: int
+    data_dir: Path, train_prompts: Sequence[DistillPrompt], per_category: int
 ) -> list[DistillPrompt] | None:
     """The self-written prompts when every category already has what was asked (else None: the
     target must write some)."""
-    kept = _cached_self_prompts(data_dir)
+    kept = _cached_self_prompts(data_dir, {p.id for p in train_prompts})
+    categories = _categories(train_prompts)
     if any(len(kept.get(c, [])) < per_category for c in categories):
         return None
     return _chosen(kept, categories, per_category)
 
 
-def _instruction(ask: str, topics: Sequence[str], attempt: int) -> str:
+def _cut(text: str) -> str:
+    if len(text) <= MAX_EXAMPLE_CHARS:
+        return text
+    return text[:MAX_EXAMPLE_CHARS].rsplit(None, 1)[0] + " ..."
+
+
+def examples_for(pool: Sequence[DistillPrompt], attempt: int) -> list[DistillPrompt]:
+    """The training prompts shown for one attempt: up to EXAMPLES_SHOWN, starting `attempt` places
+    along, so that every prompt of the category is shown in turn."""
+    shown = min(EXAMPLES_SHOWN, len(pool))
+    return [pool[(attempt + j) % len(pool)] for j in range(shown)]
+
+
+def instruction(category: str, examples: Sequence[DistillPrompt], attempt: int) -> str:
+    """What the target is asked, to write one new prompt like `examples`."""
+    shown = "\n\n".join(f"Request {i + 1}:\n{_cut(p.text)}" for i, p in enumerate(examples))
+    kind = ""  # a built-in category: what its requests are, and a topic in turn
+    if category in SEED_TOPICS:
+        what, topics = SEED_TOPICS[category]
+        kind = f" ({what}), about {topics[attempt % len(topics)]}"
     return (
-        f"Write {ask}, about {topics[attempt % len(topics)]}. Reply with the request alone, as "
-        "the user would write it, and nothing else."
+        f"Requests users sent to an assistant:\n\n{shown}\n\nWrite one new request of the "
+        f"same kind{kind}. Reply with the request alone."
     )
 
 
-def check_self_prompt_categories(categories: Sequence[str]) -> None:
-    unknown = [c for c in categories if c not in SEED_TOPICS]
-    if unknown:
-        raise ValueError(
-            f"--self-prompts has seed topics for the built-in categories only, not {unknown[0]!r}"
-        )
+_LABEL = re.compile(r"^\s*request\s*\d*\s*:", re.IGNORECASE)
+
+
+def _clean(text: str) -> str:
+    """The written request without surrounding white space, quotes or a "Request 4:" label
+    (copied from the instruction's)."""
+    text = _LABEL.sub("", text, count=1).strip()
+    for left, right in (('"', '"'), ("\u201c", "\u201d")):
+        if len(text) > 1 and text.startswith(left) and text.endswith(right):
+            text = text[1:-1].strip()
+    return text
+
+
+def fitting_instruction(
+    encode: Callable[[str], list[int]],
+    category: str,
+    pool: Sequence[DistillPrompt],
+    attempt: int,
+    room: int,
+) -> tuple[list[int], list[DistillPrompt]]:
+    """The ids of one attempt's instruction (`encode`: text -> ids) and the examples it shows:
+    fewer than EXAMPLES_SHOWN where they would leave less than `room` tokens for the answer."""
+    shown = examples_for(pool, attempt)
+    while True:
+        ids = encode(instruction(category, shown, attempt))
+        if len(ids) <= room or len(shown) == 1:  # one example too many is refused when run
+            return ids, shown
+        shown = shown[:-1]
+
+
+def _room(engine: Any, max_new_tokens: int) -> int:
+    """How many tokens an instruction may take: the smallest context (the target's, a model
+    draft's, a batch row's) less the answer's length."""
+    from specdecode.batch_session import DEFAULT_MAX_LEN
+    from specdecode.models.compat import context_length
+
+    limits = [n for n in (context_length(m) for _, m in engine.context_models()) if n]
+    return min([DEFAULT_MAX_LEN, *limits]) - max_new_tokens
 
 
 def self_prompts(
     engine: Any,
-    categories: Sequence[str],
+    train_prompts: Sequence[DistillPrompt],
     per_category: int,
     data_dir: Path,
     chat: bool,
@@ -208,22 +275,27 @@ def self_prompts(
     progress: bool = True,
     batch_rows: int = 1,
 ) -> tuple[list[DistillPrompt], dict[str, Any]]:
-    """`per_category` prompts per category written by the target (`engine`, a SpeculativeDecoder,
-    `batch_rows` at a time: `data.generate_each`; each at most `max_new_tokens` long, the
-    answers' length), cached in data_dir/self_prompts.jsonl (a category already there is not
-    asked again); and what it took this run (attempts, dropped)."""
+    """`per_category` prompts for each category of `train_prompts`, written by the target
+    (`engine`, a SpeculativeDecoder, `batch_rows` at a time: `data.generate_each`; each at most
+    `max_new_tokens` long, the answers' length) from the category's training prompts as
+    examples; cached in data_dir/self_prompts.jsonl (a category already there is not asked
+    again); and what it took this run (attempts, dropped)."""
     from tqdm import tqdm
 
-    from specdecode.distill.data import generate_each
+    from specdecode.distill.data import JobError, generate_each
     from specdecode.request import GenerationRequest
 
     def request(seed: int) -> GenerationRequest:
         params = engine.sampling_params(SELF_TEMPERATURE, top_p=SELF_TOP_P)
         return GenerationRequest(max_new_tokens, params, seed=seed)
 
-    check_self_prompt_categories(categories)
+    def encode(text: str) -> list[int]:
+        return engine.encode_prompt(text, chat=chat)
+
+    categories = _categories(train_prompts)
+    room = _room(engine, max_new_tokens)
     path = data_dir / SELF_PROMPTS_FILE
-    kept = _cached_self_prompts(data_dir)
+    kept = _cached_self_prompts(data_dir, {p.id for p in train_prompts})
     report = {"per_category": per_category, "attempts": 0, "dropped": 0}
     missing = sum(max(0, per_category - len(kept.get(c, []))) for c in categories)
     bar = tqdm(total=missing, desc="prompts", unit="prompt", disable=not progress or not missing)
@@ -231,22 +303,27 @@ def self_prompts(
         rows = kept.setdefault(category, [])
         if len(rows) >= per_category:
             continue
-        ask, topics = SEED_TOPICS[category]
-        seen = {r["prompt"] for r in rows}
+        pool = [p for p in train_prompts if p.category == category]
+        seen = {r["prompt"] for r in rows} | {p.text.strip() for p in pool}
         attempt = len(rows)
         # in waves of as many attempts as prompts are missing, `batch_rows` at a time, each
         # kept in the order of its attempt (its seed), as when they are written one at a time
         while len(rows) < per_category and attempt < 2 * per_category:
             wave = range(attempt, min(2 * per_category, attempt + per_category - len(rows)))
             attempt = wave.stop
-            jobs = [
-                (engine.encode_prompt(_instruction(ask, topics, a), chat=chat), request(a))
-                for a in wave
-            ]
-            texts = dict(generate_each(engine, jobs, batch_rows))
+            made = {a: fitting_instruction(encode, category, pool, a, room) for a in wave}
+            shown = {a: examples for a, (_, examples) in made.items()}
+            jobs = [(made[a][0], request(a)) for a in wave]
+            try:
+                texts = dict(generate_each(engine, jobs, batch_rows))
+            except JobError as err:  # even one example leaves no room for the answer
+                example = made[wave[err.index]][1][0].id
+                raise ValueError(
+                    f"--self-prompts, writing from prompt {example!r}: {err}"
+                ) from None
             for index, seed in enumerate(wave):
                 report["attempts"] += 1
-                text = (texts[index].text or "").strip()
+                text = _clean(texts[index].text or "")
                 if not text or text in seen:
                     report["dropped"] += 1
                     continue
@@ -257,7 +334,8 @@ def self_prompts(
                         "id": f"self-{category}-{len(rows) + 1:03d}",
                         "category": category,
                         "prompt": text,
-                        "topic": topics[seed % len(topics)],
+                        "form": PROMPT_FORM,
+                        "examples": [p.id for p in shown[seed]],
                         "seed": seed,
                     }
                 )

@@ -25,7 +25,6 @@ from specdecode.distill.data import AnswerStore, Planned, make_answers, plan_ans
 from specdecode.distill.prompts import (
     DistillPrompt,
     cached_self_prompts,
-    check_self_prompt_categories,
     self_prompts,
     suite_prompts,
 )
@@ -101,8 +100,6 @@ def run_distill(
     out = Path(settings.out).expanduser()
     device = resolve_device(settings.device)
     train_prompts, held_out = suite_prompts(settings.prompts, settings.categories, settings.holdout)
-    if settings.self_prompts:
-        check_self_prompt_categories({p.category for p in train_prompts})
     draft_spec = ModelSpec.parse(settings.draft, "draft")
     store = AnswerStore(out / "data", {**settings.data_key(), "target": portable(settings.target)})
 
@@ -175,9 +172,8 @@ def _answer(
     from specdecode import SpeculativeDecoder
     from specdecode.models.loading import load_model
 
-    categories = list(dict.fromkeys(p.category for p in train_prompts))
     temperatures, samples = settings.temperatures, settings.samples
-    written = cached_self_prompts(store.dir, categories, settings.self_prompts or 0)
+    written = cached_self_prompts(store.dir, train_prompts, settings.self_prompts or 0)
     planned = plan_answers(train_prompts + (written or []), temperatures, samples)
     missing = {p.key for p in planned} - store.done()
     if written is not None and store.models is not None and not missing:
@@ -199,7 +195,7 @@ def _answer(
         if settings.self_prompts:
             written, report = self_prompts(
                 engine,
-                categories,
+                train_prompts,
                 settings.self_prompts,
                 store.dir,
                 settings.chat,

@@ -112,8 +112,6 @@ class DistillSettings:
                 "id); n-gram and early-exit drafts have no weights of their own to train, and a "
                 "distilled draft is distilled again from its base draft"
             )
-        if self.prompts is not None and self.self_prompts is not None:
-            raise ValueError("--self-prompts writes prompts when there is no --prompts: give one")
         if self.self_prompts is not None and self.self_prompts < 1:
             raise ValueError(f"--self-prompts must be >= 1 (got {self.self_prompts})")
         if not 0 <= self.holdout < 1:
