@@ -10,8 +10,9 @@ them. For the built-in suite at the default share 0.25 that is 2 of the 8 prompt
 
 Self-written prompts (`--self-prompts N`): for each category, N prompts the target writes when
 shown up to three of the category's training prompts (first turns, in turn; each cut at
-MAX_EXAMPLE_CHARS; fewer where a short context leaves no room, `fitting_instruction`) and asked for one new request of the same kind, about a seed topic where the
-category is a built-in one (eight per category, in turn). So they follow the prompts given (the
+MAX_EXAMPLE_CHARS; fewer where a short context leaves no room, `fitting_instruction`) and asked
+for one new request of the same kind, about a seed topic where the category is a built-in one
+(eight per category, in turn). So they follow the prompts given (the
 built-in suite's or a user's `--prompts FILE`), never a held-out one: a cached prompt written from
 an example that is now held out, or written another way (PROMPT_FORM), is written again. Sampled
 at temperature 1.0, top-p 0.95, one seed per attempt, as long as an answer may be
