@@ -25,7 +25,6 @@ from typing import Any
 
 from specdecode.batch import Batch, Row, fork_drafter
 from specdecode.lean import LeanCache, LeanStore, PrefixPool, target_cache
-from specdecode.models.compat import context_length
 from specdecode.request import GenerationRequest
 from specdecode.sampling import make_generator
 from specdecode.store import StaticStore, StoreFull
@@ -109,9 +108,8 @@ class BatchSession:
 
         self.decoder = decoder
         target = decoder.target.model
-        limits = [n for n in (context_length(m) for _, m in decoder.context_models()) if n]
         if max_len is None:
-            max_len = min([DEFAULT_MAX_LEN, *limits])
+            max_len = min(DEFAULT_MAX_LEN, decoder.context_limit() or DEFAULT_MAX_LEN)
         self.max_len = max_len
         # a token tree's nodes sit in the cache until the step compacts it to the accepted path
         shape = getattr(decoder.drafter, "shape", None)

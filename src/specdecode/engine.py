@@ -178,6 +178,11 @@ class SpeculativeDecoder:
             models.append(("draft", self.drafter.model))
         return models
 
+    def context_limit(self) -> int | None:
+        """The smallest context of the target and a model drafter, when their configs say."""
+        limits = [n for n in (context_length(m) for _, m in self.context_models()) if n]
+        return min(limits) if limits else None
+
     def _check_length(self, n_prompt: int, max_new_tokens: int) -> None:
         for role, model in self.context_models():
             limit = context_length(model)

@@ -260,10 +260,8 @@ def _room(engine: Any, max_new_tokens: int) -> int:
     """How many tokens an instruction may take: the smallest context (the target's, a model
     draft's, a batch row's) less the answer's length."""
     from specdecode.batch_session import DEFAULT_MAX_LEN
-    from specdecode.models.compat import context_length
 
-    limits = [n for n in (context_length(m) for _, m in engine.context_models()) if n]
-    return min([DEFAULT_MAX_LEN, *limits]) - max_new_tokens
+    return min(DEFAULT_MAX_LEN, engine.context_limit() or DEFAULT_MAX_LEN) - max_new_tokens
 
 
 def self_prompts(
@@ -313,7 +311,6 @@ def self_prompts(
             wave = range(attempt, min(2 * per_category, attempt + per_category - len(rows)))
             attempt = wave.stop
             made = {a: fitting_instruction(encode, category, pool, a, room) for a in wave}
-            shown = {a: examples for a, (_, examples) in made.items()}
             jobs = [(made[a][0], request(a)) for a in wave]
             try:
                 texts = dict(generate_each(engine, jobs, batch_rows))
@@ -336,7 +333,7 @@ def self_prompts(
                         "category": category,
                         "prompt": text,
                         "form": PROMPT_FORM,
-                        "examples": [p.id for p in shown[seed]],
+                        "examples": [p.id for p in made[seed][1]],
                         "seed": seed,
                     }
                 )

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from specdecode.batch_session import Generation
 from specdecode.engine import SpeculativeDecoder
 from specdecode.kernels.openmp import release_pool
-from specdecode.models.compat import context_length
 from specdecode.request import GenerationRequest
 from specdecode.sampling import SamplingParams
 from specdecode.server.errors import APIError
@@ -117,12 +116,6 @@ class Job:
         return self.timeout_s is not None and time.monotonic() - self.arrival > self.timeout_s
 
 
-def context_limit(engine: SpeculativeDecoder) -> int | None:
-    """The smallest context of the target and a model drafter, when their configs say."""
-    limits = [n for n in (context_length(m) for _, m in engine.context_models()) if n is not None]
-    return min(limits) if limits else None
-
-
 class GenerationWorker:
     def __init__(
         self,
@@ -143,7 +136,7 @@ class GenerationWorker:
         self.session = engine.batch_session(max_batch, max_len)
         self.max_batch = max_batch
         # positions a sequence may fill: the models' context and the store's rows
-        limits = [n for n in (context_limit(engine), self.session.max_len) if n is not None]
+        limits = [n for n in (engine.context_limit(), self.session.max_len) if n is not None]
         self.position_limit = min(limits)
         self._waiting: deque[Job] = deque()
         self._running: dict[Job, Running] = {}
