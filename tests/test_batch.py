@@ -389,6 +389,55 @@ def test_tree_rows_mixed_with_rows_without_room_to_draft(llama):
         assert short.stats.k_hist == {}
 
 
+# -- the target's logits before each committed token (on_logits) -----------------------------
+
+
+@pytest.mark.parametrize("kind", ["none", "chain", "tree"])
+def test_on_logits_are_the_targets_own_before_each_committed_token(llama, kind):
+    """Each row's `on_logits` gets, commit by commit, the target's raw logits before every token
+    it committed (prefill's first token, accepted drafts, the recovered or bonus token; not past
+    an EOS): those of one teacher-forced forward over prompt + output, greedy and sampled."""
+    target, draft = llama
+    drafter = {
+        "none": None,
+        "chain": ModelDrafter(draft),
+        "tree": TreeModelDrafter(draft, parse_tree_spec("dynamic:6,3,2")),
+    }[kind]
+    eos = alone(target, RAGGED[0], ModelDrafter(draft)).tokens[6]  # ends row 0 early
+    jobs = [
+        dataclasses.replace(RAGGED[0], eos=(eos,)),
+        dataclasses.replace(RAGGED[1], params=SamplingParams(0.8), seed=3),
+        RAGGED[2],
+    ]
+    _, new_cache = _store(target)
+    batch = Batch(target, policy=FixedK(3), new_cache=new_cache)
+    kept: list[list[torch.Tensor]] = [[] for _ in jobs]
+    rows = [
+        batch.add(
+            job.prompt,
+            job.max_new,
+            drafter=fork_drafter(drafter),
+            params=job.params,
+            generator=_generator(target, job.seed),
+            eos_token_ids=job.eos,
+            on_logits=kept[i].append,
+        )
+        for i, job in enumerate(jobs)
+    ]
+    outputs = [list(row.committed) for row in rows]
+    while batch.running():
+        for row in batch.step():
+            outputs[rows.index(row)].extend(row.committed)
+    assert outputs[0][-1] == eos and len(outputs[0]) < jobs[0].max_new  # cut at the EOS
+    for job, output, chunks in zip(jobs, outputs, kept, strict=True):
+        got = torch.cat(chunks)  # [T, V]
+        ids = torch.tensor([job.prompt + output])
+        with torch.no_grad():
+            want = target(input_ids=ids).logits[0, len(job.prompt) - 1 : -1]  # [T, V]
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 # -- Stats per row and what the policy is told --------------------------------------------------
 
 

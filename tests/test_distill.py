@@ -253,7 +253,7 @@ def test_an_interrupted_answering_resumes_where_it_stopped(
     pair, distilled, tmp_path, monkeypatch, capsys
 ):
     out = tmp_path / "run"
-    real, calls = data_module.target_distributions, []
+    real, calls = data_module.AnswerStore.add, []
 
     def counted(*args, **kwargs):
         calls.append(1)
@@ -261,7 +261,7 @@ def test_an_interrupted_answering_resumes_where_it_stopped(
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(data_module, "target_distributions", counted)
+    monkeypatch.setattr(data_module.AnswerStore, "add", counted)
     args = distill_args(pair, out, "--categories", "qa", budget="50")
     assert main(args) == 130
     err = capsys.readouterr().err
@@ -275,6 +275,32 @@ def test_an_interrupted_answering_resumes_where_it_stopped(
     for mine, theirs in zip(store.load(keys), whole.load(keys), strict=True):
         assert torch.equal(mine.answer_ids, theirs.answer_ids)
         assert torch.equal(mine.top_ids, theirs.top_ids)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_kept_distributions_are_the_targets_on_its_answers(pair, tmp_path, rows):
+    """The distributions kept from the forwards that decoded each answer (one at a time with
+    the draft, or batched) are those of one teacher-forced forward over prompt + answer."""
+    from specdecode.bench.quality import answer_log_probs
+    from specdecode.distill.data import make_answers, plan_answers, top_distributions
+
+    target = load_model(str(pair / "target"), dtype=torch.float32)
+    draft = load_model(str(pair / "draft"), dtype=torch.float32) if rows == 1 else None
+    engine = SpeculativeDecoder(target, draft, k=3, generation_config="none")
+    prompts = [
+        DistillPrompt(f"p{i}", "qa", text) for i, text in enumerate(["tell me", "a cat is", "x"])
+    ]
+    planned = plan_answers(prompts, (0.0, 0.8), 1)
+    store = AnswerStore(tmp_path / "data", {"rows": rows})
+    assert make_answers(engine, planned, store, 40, 5, 10, chat=False, progress=False, rows=rows)
+    for answer in store.load([p.key for p in planned]):
+        prompt_ids, answer_ids = answer.prompt_ids.tolist(), answer.answer_ids.tolist()
+        values, ids, tail = top_distributions(
+            answer_log_probs(target.model, prompt_ids, answer_ids), 40, 5
+        )
+        assert torch.equal(answer.top_ids, ids), answer.key
+        torch.testing.assert_close(answer.top_logprobs, values, atol=2e-3, rtol=0)
+        torch.testing.assert_close(answer.tail, tail, atol=1e-4, rtol=0)
 
 
 def test_batched_answers_are_the_answers_made_one_at_a_time():

@@ -18,7 +18,7 @@ decoding, when speculation no longer pays). Pure data in, data out: no printing,
 from __future__ import annotations
 
 import copy
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +60,9 @@ class Row:
     committed: list[int] = field(default_factory=list)
     drafting: bool = False
     error: BaseException | None = None
+    # called with the target's logits before each token the row commits ([n, V], raw), the
+    # prefill's first token included (`Batch.add`)
+    on_logits: Callable[[torch.Tensor], None] | None = None
 
     @property
     def allowed(self) -> int:
@@ -132,6 +135,7 @@ class Batch:
         stats: Stats | None = None,
         prefilled: Cache | None = None,
         begin_draft: bool = True,
+        on_logits: Callable[[torch.Tensor], None] | None = None,
     ) -> Row:
         """Prefill a new row and add it: its first token is in `row.committed` already (from
         the prefill's logits, step.prefill); it takes part from the next step.
@@ -143,6 +147,10 @@ class Batch:
         `prefilled`: the row's target cache, holding a prefix of the prompt already
         (step.prefill); else `new_cache` makes one. Should the prefill fail, the cache is
         closed (a store row goes back to its store).
+        `on_logits(logits)`: called at each commit with the target's logits [n, V] (raw) before
+        each of the n tokens committed (after EOS and `max_new_tokens` cut them; stop strings are
+        the caller's): what the target thought of every token of the output, from the forwards
+        that made it (distillation's data, without a second forward).
         """
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an integer >= 0 (got {max_new_tokens!r})")
@@ -154,7 +162,16 @@ class Batch:
         cache = prefilled if prefilled is not None else self.new_cache(self.target)
         try:
             state, first = prefill(self.target, prompt_ids, params, generator, stats, cache)
-            row = Row(state, drafter, params, generator, max_new_tokens, eos_token_ids, stats)
+            row = Row(
+                state,
+                drafter,
+                params,
+                generator,
+                max_new_tokens,
+                eos_token_ids,
+                stats,
+                on_logits=on_logits,
+            )
             if max_new_tokens == 0:
                 stats.stop_reason, row.done = "length", True
             else:
@@ -313,6 +330,8 @@ class Batch:
         row.produced += len(committed)
         stats.new_tokens = row.produced
         row.committed = committed
+        if row.on_logits is not None and committed:
+            row.on_logits(result.committed_logits()[: len(committed)])  # type: ignore[index]
         if eos_at is not None:
             stats.stop_reason, row.done = "eos", True
         elif row.produced >= row.max_new_tokens:

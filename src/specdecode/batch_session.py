@@ -19,9 +19,12 @@ a running one.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
+
+import torch
 
 from specdecode.batch import Batch, Row, fork_drafter
 from specdecode.lean import LeanCache, LeanStore, PrefixPool, target_cache
@@ -144,13 +147,20 @@ class BatchSession:
     def __len__(self) -> int:
         return len(self.generations)
 
-    def add(self, prompt: Any, request: GenerationRequest, begin_draft: bool = True) -> Generation:
+    def add(
+        self,
+        prompt: Any,
+        request: GenerationRequest,
+        begin_draft: bool = True,
+        on_logits: Callable[[torch.Tensor], None] | None = None,
+    ) -> Generation:
         """Validate `request` for `prompt` (ValueError on bad input, before anything runs),
         then prefill it into a free row (StoreFull when none is free): its first token is in
         `new_ids` / `new_text` already (it may be finished then: one token asked for, an EOS);
         it takes part from the next `step()`. `begin_draft=False` leaves the draft's prefill to
         the first step that drafts (`Batch.step`): the first token can go out first, and a row
-        that never drafts never pays for it."""
+        that never drafts never pays for it. `on_logits`: the target's logits before each token
+        it commits (`Batch.add`; a stop string may cut the last tokens after)."""
         decoder = self.decoder
         prompt_ids = decoder.encode_prompt(prompt, chat=request.chat)
         decoder._check_length(len(prompt_ids), request.max_new_tokens)
@@ -185,6 +195,7 @@ class BatchSession:
             # again) keeps it: only the rest is prefilled, to the same bits (LeanStore)
             prefilled=self.store.open_row(prompt_ids[:-1]),
             begin_draft=begin_draft,
+            on_logits=on_logits,
         )
         text = decoder.text_stream(request) if decoder.tokenizer is not None else None
         generation = Generation(prompt_ids, request, stats, text, row, started)
@@ -219,12 +230,15 @@ class BatchSession:
         return [done[index] for index in range(len(prompts))]
 
     def generate_each(
-        self, jobs: Sequence[tuple[Any, GenerationRequest]]
+        self,
+        jobs: Sequence[tuple[Any, GenerationRequest]],
+        on_logits: Callable[[int, torch.Tensor], None] | None = None,
     ) -> Iterator[tuple[int, Generation]]:
         """Each job (a prompt, its request), `max_rows` at a time (a finished row's place goes
         to the next job), as (its index in `jobs`, its finished generation) in the order they
         finish. `JobError` names a job `add` refuses; a row whose draft failed raises its
-        error. Left early, the jobs still running are cancelled."""
+        error. Left early, the jobs still running are cancelled. `on_logits(index, logits)`:
+        the target's logits before each token a job commits (`add`)."""
         pending = list(enumerate(jobs))
         running: dict[int, tuple[int, Generation]] = {}  # id(generation) -> (index, generation)
         try:
@@ -232,7 +246,8 @@ class BatchSession:
                 while pending and self.store.free_rows:
                     index, (prompt, request) = pending.pop(0)
                     try:
-                        generation = self.add(prompt, request)
+                        keep = None if on_logits is None else partial(on_logits, index)
+                        generation = self.add(prompt, request, on_logits=keep)
                     except ValueError as err:
                         raise JobError(index, err) from None
                     if generation.finished:  # one token was all it could take (an EOS first)

@@ -131,7 +131,13 @@ def chain_verification(
         cache.rollback(len(state.tokens) - 1)  # keep committed tokens minus the last
         if draft is not None:
             drafter.observe(n_accepted)  # type: ignore[union-attr]
-        return StepResult(committed, depth=len(drafted), nodes=len(drafted), accepted=n_accepted)
+        return StepResult(
+            committed,
+            depth=len(drafted),
+            nodes=len(drafted),
+            accepted=n_accepted,
+            logits=logits,
+        )
 
     return Verification(inputs, None, None, settle)
 

@@ -72,7 +72,14 @@ def tree_verification(
         path_rows = torch.tensor(path, dtype=torch.long) + past + 1
         cache.compact(torch.cat([torch.arange(past + 1), path_rows]))
         drafter.observe_path(path)
-        result = StepResult(committed, depth=tree.max_depth, nodes=len(tree), accepted=len(path))
+        result = StepResult(
+            committed,
+            depth=tree.max_depth,
+            nodes=len(tree),
+            accepted=len(path),
+            logits=logits,
+            path_rows=[0, *(node + 1 for node in path)],  # node i's logits are row i + 1
+        )
         stats.nodes_verified += result.nodes  # a chain's nodes are its depth: trees only
         return result
 

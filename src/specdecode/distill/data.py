@@ -4,8 +4,9 @@ position, the target's next-token distribution, cached in DIR/data as it is made
 Each prompt is answered greedily (temperature 0) and `samples` times at each temperature above 0,
 `rows` answers at a time by batched decoding of the target alone (`generate_each`: a
 `BatchSession`, each answer with its own seed), or with `rows` = 1 one at a time by speculative
-decoding with the untrained draft (lossless either way: the answers are the target's own); then
-the target runs one plain forward over prompt + answer. Per position it keeps the
+decoding with the untrained draft (lossless either way: the answers are the target's own). The
+distributions come from the very forwards that decode the answer (`Batch.add(on_logits=...)`):
+no second forward over prompt + answer. Per position it keeps the
 `top_k` most probable tokens' log-probabilities (float16; the logits minus their log-sum-exp, so
 they need no normaliser), their ids (int32) and the probability mass of all other tokens (float32,
 the tail bucket), all at temperature 1: a draft that matches the raw distribution matches it at
@@ -21,7 +22,8 @@ next run answers only what is missing. DIR/data/config.json holds what makes the
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -169,17 +171,13 @@ class AnswerStore:
         return [found[k] for k in keys]
 
 
-def target_distributions(
-    model: Any, prompt_ids: list[int], answer_ids: list[int], vocab: int, top_k: int
+def top_distributions(
+    logits: torch.Tensor, vocab: int, top_k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(top log-probabilities [T, K] float16, their ids [T, K] int32, tail mass [T] float32) of
-    the target's distribution before each of the T answer tokens, over the first `vocab` ids
-    (the vocabulary target and draft share), from one forward over prompt + answer: the forward
-    the target decodes with (`bench.quality.answer_log_probs`)."""
-    from specdecode.bench.quality import answer_log_probs
-
-    logprobs = answer_log_probs(model, prompt_ids, answer_ids)[:, :vocab]  # [T, V]
-    logprobs = logprobs - logprobs.logsumexp(-1, keepdim=True)  # over the shared ids only
+    the target's raw logits [T, V] over the first `vocab` ids (the vocabulary target and draft
+    share), on the CPU."""
+    logprobs = logits[:, :vocab].float().log_softmax(-1)  # over the shared ids only
     top = logprobs.topk(min(top_k, vocab), dim=-1)
     tail = (1.0 - top.values.exp().sum(-1)).clamp(min=0.0)  # [T]
     if top_k >= vocab:
@@ -188,24 +186,21 @@ def target_distributions(
 
 
 def generate_each(
-    engine: Any, jobs: Sequence[tuple[list[int], GenerationRequest]], rows: int
+    engine: Any,
+    jobs: Sequence[tuple[list[int], GenerationRequest]],
+    rows: int,
+    on_logits: Callable[[int, torch.Tensor], None] | None = None,
 ) -> Iterator[tuple[int, GenerationResult]]:
     """Each job's generation (prompt ids, request) as (its index in `jobs`, the result), in the
-    order they finish: one at a time through `engine` (a SpeculativeDecoder) when `rows` is 1,
-    else `rows` at a time (`BatchSession.generate_each`). `JobError` (a ValueError) names the
-    index of a job that cannot run (a prompt too long for the context)."""
-    if rows <= 1:
-        for index, (prompt_ids, request) in enumerate(jobs):
-            try:
-                yield index, engine.generate_request(prompt_ids, request)
-            except ValueError as err:
-                raise JobError(index, err) from None
-        return
+    order they finish, `rows` at a time through `engine` (a SpeculativeDecoder: its drafter, if
+    any, drafts for each row): `BatchSession.generate_each`, with its `on_logits`. `JobError`
+    (a ValueError) names the index of a job that cannot run (a prompt too long for the
+    context)."""
     # a row holds the longest prompt and its answer, no more (the store is rows x max_len); a
     # job longer than the model's context is refused by `add`
     longest = max((len(ids) + r.max_new_tokens for ids, r in jobs), default=1)
     session = BatchSession(engine, max_rows=rows, max_len=min(longest, DEFAULT_MAX_LEN))
-    for index, generation in session.generate_each(jobs):
+    for index, generation in session.generate_each(jobs, on_logits):
         yield index, generation.result()
 
 
@@ -240,12 +235,18 @@ def make_answers(
     ]
     bar = tqdm(total=len(todo), desc="answers", unit="answer", disable=not progress or not todo)
     made = tokens = 0
+    # each running answer's distributions, kept step by step from the forwards that decode it
+    kept: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = defaultdict(list)
+
+    def keep(index: int, logits: torch.Tensor) -> None:  # logits [n, V]: n committed tokens
+        kept[index].append(top_distributions(logits, vocab, top_k))
+
     try:
-        for index, result in generate_each(engine, jobs, rows):
+        for index, result in generate_each(engine, jobs, rows, on_logits=keep):
             item, prompt_ids = todo[index], jobs[index][0]
             answer_ids = list(result.token_ids)
-            values, ids, tail = target_distributions(
-                engine.target.model, prompt_ids, answer_ids, vocab, top_k
+            values, ids, tail = (
+                torch.cat(part)[: len(answer_ids)] for part in zip(*kept.pop(index), strict=True)
             )
             store.add(
                 Answer(
