@@ -8,8 +8,9 @@ from pathlib import Path
 import torch
 
 from specdecode import SpeculativeDecoder
+from specdecode.bench.quality import answer_log_probs
 from specdecode.bench.suites import load_suite
-from specdecode.distill.data import generate_each, target_distributions
+from specdecode.distill.data import generate_each, top_distributions
 from specdecode.distill.loss import distill_loss
 from specdecode.models.loading import load_model
 from specdecode.request import GenerationRequest
@@ -60,7 +61,9 @@ data = []
 for i, r in generate_each(eng, jobs, 8):
     ids = jobs[i][0]
     ans = list(r.token_ids)
-    v, tid, tail = target_distributions(t.model, ids, ans, vocab, 32)
+    # the scoring forward over prompt + answer (the data phase's before commit 9bc39b9;
+    # the decoding forwards give the same bits since: ../../distill-zen5-decode-logits)
+    v, tid, tail = top_distributions(answer_log_probs(t.model, ids, ans), vocab, 32)
     data.append((prompts[i // 3].category, jobs[i][1].params.temperature, ids, ans, v, tid, tail))
 del eng, t
 print("answers", len(data), "tokens", sum(len(d[3]) for d in data), flush=True)

@@ -70,13 +70,14 @@ else:
             flush=True,
         )
         del s
-    from specdecode.distill.data import target_distributions
+    from specdecode.bench.quality import answer_log_probs
+    from specdecode.distill.data import top_distributions
 
     pid = dec.encode_prompt(prompts[0], chat=True)
     ans = gens[0].token_ids
     for _ in range(3):
         st = time.perf_counter()
-        target_distributions(t.model, pid, ans, 151000, 32)
+        top_distributions(answer_log_probs(t.model, pid, ans), 151000, 32)  # the scoring forward
         sec = time.perf_counter() - st
         print(
             "score positions",
