@@ -78,7 +78,7 @@ def tree_verification(
             nodes=len(tree),
             accepted=len(path),
             logits=logits,
-            path_rows=[0, *(node + 1 for node in path)],  # node i's logits are row i + 1
+            logit_rows=[0, *(node + 1 for node in path)],  # node i's logits are row i + 1
         )
         stats.nodes_verified += result.nodes  # a chain's nodes are its depth: trees only
         return result

@@ -42,15 +42,15 @@ class StepResult:
     # by reference for whoever wants them (`Batch.add(on_logits=...)`: distillation's data),
     # and the rows of the committed path in them (None: the first ones, a chain's)
     logits: torch.Tensor | None = None
-    path_rows: list[int] | None = None
+    logit_rows: list[int] | None = None
 
     def committed_logits(self) -> torch.Tensor | None:
         """[len(committed), V]: the target's logits before each committed token."""
         if self.logits is None:
             return None
-        if self.path_rows is None:
+        if self.logit_rows is None:
             return self.logits[: len(self.committed)]
-        return self.logits[self.path_rows]
+        return self.logits[self.logit_rows]
 
 
 class ForwardMeter:
