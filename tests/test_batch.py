@@ -92,9 +92,12 @@ def alone(target, job: Job, drafter, k: int = 3, new_cache=KVCache) -> Outcome:
     return Outcome([t for chunk in chunks for t in chunk], stats)
 
 
-def batched(target, jobs: list[Job], drafter, *, policy=None, new_cache=KVCache) -> list[Outcome]:
+def batched(
+    target, jobs: list[Job], drafter, *, policy=None, new_cache=KVCache, logits=None
+) -> list[Outcome]:
     """Every job in one Batch (each row with its own fork of `drafter`), joining and leaving
-    when its Job says; each row's committed tokens collected step by step."""
+    when its Job says; each row's committed tokens collected step by step (and, given
+    `logits`, a list per job, the target's logits its `on_logits` was handed)."""
     batch = Batch(target, policy=policy or FixedK(3), new_cache=new_cache)
     outcomes: dict[int, Outcome] = {}
     index: dict[Row, int] = {}
@@ -111,6 +114,7 @@ def batched(target, jobs: list[Job], drafter, *, policy=None, new_cache=KVCache)
                     generator=_generator(target, job.seed),
                     eos_token_ids=job.eos,
                     stats=stats,
+                    on_logits=None if logits is None else logits[i].append,
                 )
                 # the prefill's first token is the row's first committed block
                 outcomes[i], index[row] = Outcome(list(row.committed), stats, row), i
@@ -410,28 +414,12 @@ def test_on_logits_are_the_targets_own_before_each_committed_token(llama, kind):
         RAGGED[2],
     ]
     _, new_cache = _store(target)
-    batch = Batch(target, policy=FixedK(3), new_cache=new_cache)
     kept: list[list[torch.Tensor]] = [[] for _ in jobs]
-    rows = [
-        batch.add(
-            job.prompt,
-            job.max_new,
-            drafter=fork_drafter(drafter),
-            params=job.params,
-            generator=_generator(target, job.seed),
-            eos_token_ids=job.eos,
-            on_logits=kept[i].append,
-        )
-        for i, job in enumerate(jobs)
-    ]
-    outputs = [list(row.committed) for row in rows]
-    while batch.running():
-        for row in batch.step():
-            outputs[rows.index(row)].extend(row.committed)
-    assert outputs[0][-1] == eos and len(outputs[0]) < jobs[0].max_new  # cut at the EOS
-    for job, output, chunks in zip(jobs, outputs, kept, strict=True):
+    outcomes = batched(target, jobs, drafter, new_cache=new_cache, logits=kept)
+    assert outcomes[0].tokens[-1] == eos and len(outcomes[0].tokens) < jobs[0].max_new
+    for job, outcome, chunks in zip(jobs, outcomes, kept, strict=True):
         got = torch.cat(chunks)  # [T, V]
-        ids = torch.tensor([job.prompt + output])
+        ids = torch.tensor([job.prompt + outcome.tokens])
         with torch.no_grad():
             want = target(input_ids=ids).logits[0, len(job.prompt) - 1 : -1]  # [T, V]
         assert got.shape == want.shape
