@@ -17,6 +17,7 @@ from specdecode import SpeculativeDecoder, load_model
 from specdecode.bench.suites import load_suite
 from specdecode.cli import main
 from specdecode.distill import data as data_module
+from specdecode.distill import loss as loss_module
 from specdecode.distill import result as result_module
 from specdecode.distill import store as store_module
 from specdecode.distill import train as train_module
@@ -157,6 +158,43 @@ def test_the_loss_is_zero_at_the_target_and_positive_elsewhere():
     loss = distill_loss(other, full.values.half(), full.indices.int(), torch.zeros(5), "kl")
     loss.sum().backward()
     assert torch.isfinite(loss).all() and torch.isfinite(other.grad).all()
+
+
+def test_the_loss_is_the_exact_distance_on_the_buckets_at_any_tail_mass():
+    """The draft's tail log-mass is 1 - sum(q_top) where float32 keeps its digits and an exact
+    log-sum-exp where it does not (a draft sure of its top tokens): both equal the reference."""
+    gen = torch.Generator().manual_seed(3)
+    vocab, k = 50, 6
+    target = torch.randn(8, vocab, generator=gen) * 2
+    top = torch.log_softmax(target, -1).topk(k, dim=-1)
+    tail = 1 - top.values.exp().sum(-1)
+    exact = 0
+    for scale in (0.5, 4.0, 40.0):  # a flat draft to one with next to no mass outside the top
+        noise = torch.randn(8, vocab, generator=gen, dtype=torch.float64)
+        draft = target.double() * scale + noise  # sure of the target's top tokens as it grows
+        logq = draft.log_softmax(-1)
+        mask = torch.zeros_like(logq, dtype=torch.bool).scatter(-1, top.indices, True)
+        q_tail = logq.masked_fill(mask, float("-inf")).logsumexp(-1).exp()
+        p_top = top.values.half().double().exp()
+        norm = p_top.sum(-1) + tail.double()
+        p_top, p_tail = p_top / norm[:, None], tail.double() / norm
+        q_top = logq.gather(-1, top.indices).exp()
+        kl = (p_top * (p_top / q_top).log()).sum(-1) + p_tail * (p_tail / q_tail).log()
+        exact += int((q_tail < loss_module.EXACT_TAIL).sum())
+        tv = 0.5 * ((p_top - q_top).abs().sum(-1) + (p_tail - q_tail).abs())
+        for kind, want in (("kl", kl), ("tv", tv)):
+            got = distill_loss(draft.float(), top.values.half(), top.indices.int(), tail, kind)
+            torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+    assert 0 < exact < 24  # both ways of taking the tail were used
+
+
+def test_the_output_layer_at_answer_positions_gives_the_whole_forwards_logits():
+    model = train_module.add_lora(tiny_llama(seed=0), 4, 8.0)
+    ids = torch.randint(0, 96, (3, 11), generator=torch.Generator().manual_seed(0))
+    rows, cols = torch.tensor([0, 0, 1, 2, 2, 2]), torch.tensor([3, 4, 10, 0, 5, 6])
+    whole = model(input_ids=ids).logits[rows, cols]  # [6, V]
+    picked = train_module.answer_logits(model, ids, rows, cols)
+    torch.testing.assert_close(picked, whole, rtol=1e-5, atol=1e-5)
 
 
 def test_distilled_draft_specs_parse_and_print_back():

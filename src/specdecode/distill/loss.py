@@ -24,14 +24,11 @@ def distill_loss(
     """Per position loss [T] of the draft's `logits` [T, V] (float32) against the target's
     `top_logprobs` [T, K], `top_ids` [T, K] and `tail` [T] (its mass outside the top K)."""
     ids = top_ids.long()
-    lse = torch.logsumexp(logits, dim=-1)  # [T]
-    logq_top = logits.gather(-1, ids) - lse[:, None]  # [T, K]
-    # a finite "minus infinity": where the top K cover the vocabulary the tail is empty, and
-    # logsumexp over -inf alone has no gradient but NaN
-    outside = logits.scatter(-1, ids, -1e30)
-    logq_tail = torch.logsumexp(outside, dim=-1) - lse  # [T]
-    p_top = top_logprobs.float().exp()
+    logq = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [T, V]: one pass, fused
+    logq_top = logq.gather(-1, ids)  # [T, K]
     covered = ids.shape[-1] >= logits.shape[-1]
+    logq_tail = _log_tail(logq, logq_top, ids, covered)  # [T]
+    p_top = top_logprobs.float().exp()
     p_tail = torch.zeros_like(tail, dtype=torch.float32) if covered else tail.float()
     total = p_top.sum(-1) + p_tail
     p_top, p_tail = p_top / total[:, None], p_tail / total
@@ -42,3 +39,24 @@ def distill_loss(
         q_tail = torch.zeros_like(p_tail) if covered else logq_tail.exp()
         return 0.5 * ((p_top - logq_top.exp()).abs().sum(-1) + (p_tail - q_tail).abs())
     raise ValueError(f"unknown loss {kind!r}: kl or tv")
+
+
+EXACT_TAIL = 1e-3  # below this draft tail mass, 1 - sum(q_top) loses too many digits in float32
+
+
+def _log_tail(
+    logq: torch.Tensor, logq_top: torch.Tensor, ids: torch.Tensor, covered: bool
+) -> torch.Tensor:
+    """log q_draft(outside the top K) [T] from its log-probabilities `logq` [T, V]: as
+    log(1 - sum q_top), which costs nothing over the vocabulary; where that mass is under
+    EXACT_TAIL (float32 keeps too few of its digits), by a log-sum-exp over the tokens outside
+    the top K, for those positions only."""
+    if covered:  # nothing outside: a finite "minus infinity" (-inf alone has NaN gradients)
+        return torch.full_like(logq_top[:, 0], -1e30)
+    tail = 1.0 - logq_top.exp().sum(-1)  # [T]
+    exact = (tail < EXACT_TAIL).nonzero().squeeze(-1)  # [E] positions
+    out = torch.log(tail.clamp(min=EXACT_TAIL))
+    if exact.numel():
+        outside = logq[exact].scatter(-1, ids[exact], -1e30)  # [E, V]
+        out = out.index_put((exact,), torch.logsumexp(outside, dim=-1))
+    return out

@@ -38,6 +38,7 @@ from specdecode.distill.train import (
     answers_digest,
     autocast_dtype,
     autocast_probe,
+    keep_freed_memory,
     mean_loss,
     peft_modules,
     train,
@@ -110,6 +111,7 @@ def run_distill(
     models = store.models or {}
     vocab = int(models["vocab"])
     answers = store.load([p.key for p in planned])
+    keep_freed_memory(device)  # training's speed on a CPU (train.py)
     if settings.kind == "eagle":
         from specdecode.distill.eagle import distill_head
 

@@ -2,7 +2,9 @@
 draft but its output layer, float32 master weights, bfloat16 autocast where the draft serves in
 bfloat16 and it is faster (a GPU that has it; a CPU where a measured linear layer's forward and
 backward say so: on AVX2 CPUs PyTorch's bfloat16 matrix products are many times slower than
-float32 ones, docs/benchmarks.md "Distilled draft"), AdamW.
+float32 ones, docs/benchmarks.md "Distilled draft"), AdamW. The output layer and the loss run at
+the answer positions only (`answer_logits`), and on Linux glibc's malloc keeps the memory a step
+frees for the next (`keep_freed_memory`).
 
 One step = `batch_size` answers in one forward (`batch_loss`: right-padded, which a causal
 model's real positions never see), the loss (loss.py) averaged over their tokens, gradients
@@ -21,9 +23,11 @@ adapter's weights, the optimizer's state, the step, tokens, seconds and the loss
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import hashlib
 import json
+import platform
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -106,6 +110,27 @@ def autocast_dtype(settings: DistillSettings, device: torch.device) -> torch.dty
     return torch.bfloat16
 
 
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
+
+
+@functools.cache
+def keep_freed_memory(device: torch.device) -> bool:
+    """Training on a CPU: make glibc's malloc keep the memory a step frees for the next step
+    (no large allocation served by a fresh mmap, no trimming of the heap). A step allocates and
+    frees tensors of hundreds of MB (the logits over the vocabulary, their float32 copies and
+    gradients); served fresh each time, every page of them faults in again, which costs more
+    than the arithmetic on some machines (docs/benchmarks.md, "Distilled draft"). The resident
+    memory then stays near the run's peak. Once per process; False where this is not glibc on
+    Linux (nothing changed)."""
+    if device.type != "cpu" or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+    except (OSError, AttributeError):
+        return False
+
+
 PROBE_ROWS, PROBE_FEATURES = 64, 1024  # one linear layer [64, 1024] x [1024, 1024]
 
 
@@ -170,30 +195,40 @@ def batch_loss(
 ) -> torch.Tensor:
     """`answer_loss` summed over `batch`, from one forward over all of it: each answer's input
     (prompt + answer but its last token) right-padded to the longest, so every real position
-    sees what it would alone (a causal model attends only to what comes before); the logits
-    kept from the first position of any row that predicts an answer token."""
+    sees what it would alone (a causal model attends only to what comes before); the output
+    layer and the loss run at the answer positions only (`answer_logits`), all rows at once."""
     inputs = [torch.cat([a.prompt_ids, a.answer_ids[:-1]]).long() for a in batch]  # [P + T - 1]
     width = max(len(x) for x in inputs)
     ids = torch.zeros(len(batch), width, dtype=torch.long)  # [B, width], padded with id 0
     for row, x in enumerate(inputs):
         ids[row, : len(x)] = x
     # answer a's positions are [P_a - 1, P_a - 1 + T_a): each predicts its next answer token
-    first = min(len(a.prompt_ids) for a in batch) - 1
+    rows = torch.cat([torch.full((a.tokens,), r) for r, a in enumerate(batch)])  # [N]
+    cols = torch.cat([torch.arange(a.tokens) + len(a.prompt_ids) - 1 for a in batch])  # [N]
     with autocast_context(device, dtype):
-        logits = model(input_ids=ids.to(device), logits_to_keep=width - first).logits
-    total = torch.zeros((), device=device)
-    for row, answer in enumerate(batch):
-        start = len(answer.prompt_ids) - 1 - first
-        kept = logits[row, start : start + answer.tokens, :vocab].float()  # [T, vocab]
-        losses = distill_loss(  # [T]
-            kept,
-            answer.top_logprobs.to(device),
-            answer.top_ids.to(device),
-            answer.tail.to(device),
-            kind,
-        )
-        total = total + losses.sum()
-    return total
+        logits = answer_logits(model, ids.to(device), rows.to(device), cols.to(device))
+    losses = distill_loss(  # [N]
+        logits[:, :vocab],
+        torch.cat([a.top_logprobs for a in batch]).to(device),
+        torch.cat([a.top_ids for a in batch]).to(device),
+        torch.cat([a.tail for a in batch]).to(device),
+        kind,
+    )
+    return losses.sum()
+
+
+def answer_logits(
+    model: Any, ids: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor
+) -> torch.Tensor:
+    """The logits [N, V] of `model` over `ids` [B, W] at positions (rows[n], cols[n]): the body
+    runs over every position, the output layer (the widest layer, whose output and its gradient
+    are a step's largest tensors) at those positions only. Models that change their logits
+    after the output layer (a soft cap, a scale) run whole and are indexed after."""
+    config = getattr(model, "config", None)
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+        return model(input_ids=ids).logits[rows, cols]
+    hidden = model.get_decoder()(input_ids=ids).last_hidden_state  # [B, W, H]
+    return model.get_output_embeddings()(hidden[rows, cols])  # [N, V]
 
 
 @torch.no_grad()
@@ -295,6 +330,7 @@ def training_record(
         "tokens_per_s": round(state.tokens / state.seconds, 1) if state.seconds else None,
         "device": str(device),
         "autocast": str(autocast).removeprefix("torch.") if autocast else None,
+        "malloc_keeps_freed": keep_freed_memory(device),
         "curve": state.curve,
     }
 
