@@ -188,12 +188,15 @@ def test_the_loss_is_the_exact_distance_on_the_buckets_at_any_tail_mass():
     assert 0 < exact < 24  # both ways of taking the tail were used
 
 
-def test_the_output_layer_at_answer_positions_gives_the_whole_forwards_logits():
+def test_the_output_layer_at_answer_positions_gives_the_whole_forwards_logits(monkeypatch):
     model = train_module.add_lora(tiny_llama(seed=0), 4, 8.0)
     ids = torch.randint(0, 96, (3, 11), generator=torch.Generator().manual_seed(0))
     rows, cols = torch.tensor([0, 0, 1, 2, 2, 2]), torch.tensor([3, 4, 10, 0, 5, 6])
     whole = model(input_ids=ids).logits[rows, cols]  # [6, V]
-    picked = train_module.answer_logits(model, ids, rows, cols)
+    monkeypatch.setattr(train_module, "LOSS_PART_BYTES", 4 * 96 * 4)  # parts of 4 positions
+    parts = list(train_module.answer_logits(model, ids, rows, cols))
+    assert [span for span, _ in parts] == [slice(0, 4), slice(4, 8)]
+    picked = torch.cat([logits for _, logits in parts])
     torch.testing.assert_close(picked, whole, rtol=1e-5, atol=1e-5)
 
 

@@ -30,7 +30,7 @@ import json
 import platform
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,23 +110,28 @@ def autocast_dtype(settings: DistillSettings, device: torch.device) -> torch.dty
     return torch.bfloat16
 
 
-M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+MMAP_THRESHOLD = 32 << 20  # glibc's largest: blocks above it still come from (and go back by) mmap
+TRIM_THRESHOLD = 1 << 30  # free memory the heap keeps at its top before giving it back
 
 
 @functools.cache
 def keep_freed_memory(device: torch.device) -> bool:
-    """Training on a CPU: make glibc's malloc keep the memory a step frees for the next step
-    (no large allocation served by a fresh mmap, no trimming of the heap). A step allocates and
-    frees tensors of hundreds of MB (the logits over the vocabulary, their float32 copies and
-    gradients); served fresh each time, every page of them faults in again, which costs more
-    than the arithmetic on some machines (docs/benchmarks.md, "Distilled draft"). The resident
-    memory then stays near the run's peak. Once per process; False where this is not glibc on
-    Linux (nothing changed)."""
+    """Training on a CPU: make glibc's malloc keep the memory a step frees for the next step.
+    A step allocates and frees many tensors of a few to tens of MB (activations, the loss's
+    float32 logits and their gradients); by default glibc maps most of them fresh and gives them
+    back, so every page faults in again at the next step, which costs more than the arithmetic
+    on some machines (docs/benchmarks.md, "Training faster on a CPU"). Here blocks up to MMAP_THRESHOLD
+    come from the heap, which keeps up to TRIM_THRESHOLD free for reuse; larger ones are still
+    mapped and returned, which bounds what the heap's fragmentation can hold (with no mapping at
+    all the resident peak grew by about a third: docs/benchmarks.md). Once per process; False
+    where this is not glibc on Linux (nothing changed)."""
     if device.type != "cpu" or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+        done = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+        return bool(done) and bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     except (OSError, AttributeError):
         return False
 
@@ -205,30 +210,53 @@ def batch_loss(
     # answer a's positions are [P_a - 1, P_a - 1 + T_a): each predicts its next answer token
     rows = torch.cat([torch.full((a.tokens,), r) for r, a in enumerate(batch)])  # [N]
     cols = torch.cat([torch.arange(a.tokens) + len(a.prompt_ids) - 1 for a in batch])  # [N]
+    top_logprobs = torch.cat([a.top_logprobs for a in batch]).to(device)  # [N, K]
+    top_ids = torch.cat([a.top_ids for a in batch]).to(device)  # [N, K]
+    tail = torch.cat([a.tail for a in batch]).to(device)  # [N]
+    total = torch.zeros((), device=device)
     with autocast_context(device, dtype):
-        logits = answer_logits(model, ids.to(device), rows.to(device), cols.to(device))
-    losses = distill_loss(  # [N]
-        logits[:, :vocab],
-        torch.cat([a.top_logprobs for a in batch]).to(device),
-        torch.cat([a.top_ids for a in batch]).to(device),
-        torch.cat([a.tail for a in batch]).to(device),
-        kind,
-    )
-    return losses.sum()
+        for span, logits in answer_logits(model, ids.to(device), rows.to(device), cols.to(device)):
+            losses = distill_loss(  # [n]
+                logits[:, :vocab], top_logprobs[span], top_ids[span], tail[span], kind
+            )
+            total = total + losses.sum()
+    return total
+
+
+LOSS_PART_BYTES = 16 << 20  # a part's float32 logits: under keep_freed_memory's MMAP_THRESHOLD
 
 
 def answer_logits(
     model: Any, ids: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor
-) -> torch.Tensor:
-    """The logits [N, V] of `model` over `ids` [B, W] at positions (rows[n], cols[n]): the body
-    runs over every position, the output layer (the widest layer, whose output and its gradient
-    are a step's largest tensors) at those positions only. Models that change their logits
-    after the output layer (a soft cap, a scale) run whole and are indexed after."""
+) -> Iterator[tuple[slice, torch.Tensor]]:
+    """The logits of `model` over `ids` [B, W] at positions (rows[n], cols[n]), n < N, a part
+    at a time: (which n, their logits [n, V]). The body runs over every position, the output
+    layer only at the picked positions and a few at a time: the logits over the vocabulary,
+    their float32 copies and gradients are a step's largest tensors, and in parts each stays
+    small enough for the C allocator to reuse rather than map fresh pages for at every step
+    (`keep_freed_memory`). Models that change their logits after the output layer (a soft cap,
+    a scale) run whole and are cut after."""
     config = getattr(model, "config", None)
     if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
-        return model(input_ids=ids).logits[rows, cols]
-    hidden = model.get_decoder()(input_ids=ids).last_hidden_state  # [B, W, H]
-    return model.get_output_embeddings()(hidden[rows, cols])  # [N, V]
+        logits = model(input_ids=ids).logits[rows, cols]  # [N, V]
+        for span in _parts(len(rows), logits.shape[-1]):
+            yield span, logits[span]
+        return
+    picked = model.get_decoder()(input_ids=ids).last_hidden_state[rows, cols]  # [N, H]
+    head = model.get_output_embeddings()
+    weight, bias = head.weight, head.bias  # [V, H], [V] or None
+    device = ids.device.type
+    if torch.is_autocast_enabled(device):  # cast the frozen weight once, not once per part
+        dtype = torch.get_autocast_dtype(device)
+        weight, picked = weight.to(dtype), picked.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    for span in _parts(len(rows), weight.shape[0]):
+        yield span, torch.nn.functional.linear(picked[span], weight, bias)
+
+
+def _parts(n: int, vocab: int) -> Iterator[slice]:
+    step = max(1, LOSS_PART_BYTES // (4 * vocab))
+    return (slice(start, start + step) for start in range(0, n, step))
 
 
 @torch.no_grad()

@@ -7,7 +7,10 @@ first 2 not timed; prints answer tokens/s and the peak RSS. Modes: `off` (float3
 (float32 weights under bfloat16 autocast, as train.py does), `bf16w` (the frozen weights held in
 bfloat16, the adapters in float32, under autocast).
 
-    PYTHONPATH=src python docs/results/distill-amx/probes/train_rate.py bf16 4
+    PYTHONPATH=src python docs/results/distill-amx/probes/train_rate.py bf16 4 [keep]
+
+`keep`: glibc's malloc keeps freed memory (`keep_freed_memory`, as `specdecode distill` trains).
+Run against an earlier checkout's src/ to compare the code before and after.
 """
 
 import resource
@@ -21,6 +24,10 @@ from specdecode.distill.train import add_lora, batch_loss
 from specdecode.models.loading import load_model
 
 mode, batch = sys.argv[1], int(sys.argv[2])
+if "keep" in sys.argv[3:]:  # glibc keeps freed memory, as `specdecode distill` now trains
+    from specdecode.distill.train import keep_freed_memory
+
+    assert keep_freed_memory(torch.device("cpu"))
 PROMPT, ANSWER, K, STEPS = 40, 90, 32, 12
 gen = torch.Generator().manual_seed(0)
 base_dtype = "bfloat16" if mode == "bf16w" else "float32"  # bf16w: the frozen weights in bfloat16
