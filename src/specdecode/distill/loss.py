@@ -21,8 +21,9 @@ def distill_loss(
     tail: torch.Tensor,
     kind: str = "kl",
 ) -> torch.Tensor:
-    """Per position loss [T] of the draft's `logits` [T, V] (float32) against the target's
-    `top_logprobs` [T, K], `top_ids` [T, K] and `tail` [T] (its mass outside the top K)."""
+    """Per position loss [T] of the draft's `logits` [T, V] (float32 or bfloat16; computed in
+    float32) against the target's `top_logprobs` [T, K], `top_ids` [T, K] and `tail` [T] (its
+    mass outside the top K)."""
     ids = top_ids.long()
     logq = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [T, V]: one pass, fused
     logq_top = logq.gather(-1, ids)  # [T, K]
