@@ -3,8 +3,8 @@ draft but its output layer, float32 master weights, bfloat16 autocast where the 
 bfloat16 and it is faster (a GPU that has it; a CPU where a measured linear layer's forward and
 backward say so: on AVX2 CPUs PyTorch's bfloat16 matrix products are many times slower than
 float32 ones, docs/benchmarks.md "Distilled draft"), AdamW. The output layer and the loss run at
-the answer positions only (`answer_logits`), and on Linux glibc's malloc keeps the memory a step
-frees for the next (`keep_freed_memory`).
+the answer positions only, a few at a time (`answer_logits`), and on Linux glibc's malloc keeps
+the memory a step frees for the next (`keep_freed_memory`).
 
 One step = `batch_size` answers in one forward (`batch_loss`: right-padded, which a causal
 model's real positions never see), the loss (loss.py) averaged over their tokens, gradients
@@ -121,11 +121,11 @@ def keep_freed_memory(device: torch.device) -> bool:
     A step allocates and frees many tensors of a few to tens of MB (activations, the loss's
     float32 logits and their gradients); by default glibc maps most of them fresh and gives them
     back, so every page faults in again at the next step, which costs more than the arithmetic
-    on some machines (docs/benchmarks.md, "Training faster on a CPU"). Here blocks up to MMAP_THRESHOLD
-    come from the heap, which keeps up to TRIM_THRESHOLD free for reuse; larger ones are still
-    mapped and returned, which bounds what the heap's fragmentation can hold (with no mapping at
-    all the resident peak grew by about a third: docs/benchmarks.md). Once per process; False
-    where this is not glibc on Linux (nothing changed)."""
+    on some machines (docs/benchmarks.md, "Training faster on a CPU"). Here blocks up to
+    MMAP_THRESHOLD come from the heap, which keeps up to TRIM_THRESHOLD free for reuse; larger
+    ones are still mapped and returned, which bounds what the heap's fragmentation can hold
+    (with no mapping at all the resident peak grew by about a third, same section). Once per
+    process; False where this is not glibc on Linux (nothing changed)."""
     if device.type != "cpu" or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     try:
@@ -201,7 +201,8 @@ def batch_loss(
     """`answer_loss` summed over `batch`, from one forward over all of it: each answer's input
     (prompt + answer but its last token) right-padded to the longest, so every real position
     sees what it would alone (a causal model attends only to what comes before); the output
-    layer and the loss run at the answer positions only (`answer_logits`), all rows at once."""
+    layer and the loss run at the answer positions only, all rows together, a few positions at a
+    time (`answer_logits`)."""
     inputs = [torch.cat([a.prompt_ids, a.answer_ids[:-1]]).long() for a in batch]  # [P + T - 1]
     width = max(len(x) for x in inputs)
     ids = torch.zeros(len(batch), width, dtype=torch.long)  # [B, width], padded with id 0
