@@ -200,6 +200,28 @@ def test_the_output_layer_at_answer_positions_gives_the_whole_forwards_logits(mo
     torch.testing.assert_close(picked, whole, rtol=1e-5, atol=1e-5)
 
 
+def test_a_model_that_caps_its_logits_is_cut_from_its_whole_forward(monkeypatch):
+    # Gemma 2 caps its logits after the output layer (cap * tanh(logits / cap)): the output
+    # layer alone would give other logits, so answer_logits runs the model whole, then cuts
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma2Config(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, final_logit_softcapping=0.5,
+    )  # fmt: skip
+    model = Gemma2ForCausalLM(config).eval()
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(0))
+    rows, cols = torch.tensor([0, 0, 1, 1, 1]), torch.tensor([2, 8, 0, 4, 5])
+    whole = model(input_ids=ids).logits[rows, cols]  # [5, V]
+    uncapped = model.lm_head(model.get_decoder()(input_ids=ids).last_hidden_state[rows, cols])
+    assert whole.abs().max() <= 0.5 and not torch.allclose(uncapped, whole, atol=1e-3)
+    monkeypatch.setattr(train_module, "LOSS_PART_BYTES", 2 * 96 * 4)  # parts of 2 positions
+    parts = list(train_module.answer_logits(model, ids, rows, cols))
+    assert [span for span, _ in parts] == [slice(0, 2), slice(2, 4), slice(4, 6)]
+    torch.testing.assert_close(torch.cat([logits for _, logits in parts]), whole)
+
+
 def test_distilled_draft_specs_parse_and_print_back():
     spec = DraftSpec.parse("distilled:runs/d:int4")
     assert spec == DraftSpec("distilled", model=ModelSpec("runs/d", "int4"))
