@@ -153,3 +153,41 @@ def test_the_native_layer_loop_is_the_python_loop_bit_for_bit(arch, bits, monkey
     (native_out, native_kv), (python_out, python_kv) = runs
     assert all(torch.equal(a, b) for a, b in zip(native_out, python_out, strict=True))
     assert torch.equal(native_kv, python_kv)  # the keys and values written, too
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_a_long_prefill_may_take_pytorchs_product_and_the_output_stays_the_targets(
+    bits, monkeypatch
+):
+    from specdecode.kernels.cpu_linear import PREFILL_ENV
+
+    model = _target("llama", bits, seed=7)
+    prompt = _ids(VERIFY_TOKENS + 22, 9)
+    with torch.inference_mode():
+        on_panels = target_cache(model)
+        want = on_panels.forward(prompt)  # [150, V]: the fused path, on the panels
+        monkeypatch.setenv(PREFILL_ENV, "torch")
+        cache = target_cache(model)
+        got = cache.forward(prompt)
+    if bits is not None:  # quantized: no bfloat16 weight to hand PyTorch, the tiles stay
+        assert cache._prefill is None and torch.equal(got, want)
+        return
+    assert cache._prefill is not None and cache.fused_len == 0  # the PyTorch path
+    torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.02)
+    # its keys and values are not the fused path's bits: no prefix of a long prompt is kept
+    assert cache.reusable_prefix(prompt.tolist()) == 0
+    short = LeanCache(model, VERIFY_TOKENS)
+    with torch.inference_mode():
+        short.forward(prompt[:40])  # few rows: still the fused path
+    assert short.fused_len == 40 and short.reusable_prefix(prompt[:40].tolist()) == 40
+    # both the target alone and speculation prefill the prompt this way: the same output
+    draft = on_kernel(noisy_copy(tiny_llama(seed=7, layers=3, **WIDE), 0.05, seed=8), 4)
+    expected = SpeculativeDecoder(model).generate(prompt.tolist(), max_new_tokens=30).token_ids
+    for options in ({"k": 4}, {"tree": "dynamic:6,4,2"}):
+        got_ids = SpeculativeDecoder(model, draft, **options).generate(
+            prompt.tolist(), max_new_tokens=30
+        )
+        assert got_ids.token_ids == expected, options
+    monkeypatch.setenv(PREFILL_ENV, "fast")
+    with pytest.raises(ValueError, match="SPECDECODE_PREFILL_LINEARS must be one of"):
+        target_cache(model)

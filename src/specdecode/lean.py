@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.cache import KVCache, compaction, keeps_features
-from specdecode.kernels.cpu_linear import direct_linear
+from specdecode.kernels.cpu_linear import direct_linear, prefill_linear
 from specdecode.models.draft_vocab import DraftVocabHead
 from specdecode.store import RowPool, StoreFull, kv_shape
 
@@ -220,6 +220,9 @@ class LeanCache:
         # per layer (q, k, v, o, gate, up, down), then the output layer: the kernel calls
         # themselves where the draft's linears run on specdecode's kernels
         self._linears = [_layer_linears(layer) for layer in self.layers]
+        # the same projections for a prefill of more than VERIFY_TOKENS rows where PyTorch's
+        # product beats the panels on this machine (AMX), else None
+        self._prefill = _prefill_linears(self.layers) if self._fused is not None else None
         self._lm_head = _output_layer(model.lm_head)
         # the whole layer loop in one C++ call where every projection is a kernel call
         self._native = _native_layers(self) if self._fused is not None else None
@@ -256,8 +259,9 @@ class LeanCache:
         """How many leading positions a sequence starting with `tokens` may keep from this
         cache, bit for bit what its own prefill would compute: the common prefix of `tokens`
         and the cached ids, within the positions computed on the fused path, and only where
-        the prefill of `tokens` would take that path too (at most PREFILL_CHUNK of them)."""
-        if self._fused is None or len(tokens) > PREFILL_CHUNK:
+        the prefill of `tokens` would take that path too (at most PREFILL_CHUNK of them, and
+        at most VERIFY_TOKENS where a longer prefill takes PyTorch's product: `_prefill`)."""
+        if self._fused is None or len(tokens) > PREFILL_CHUNK or self._on_torch(len(tokens)):
             return 0
         cached = self.ids[: min(self.fused_len, len(tokens))].tolist()
         return next(
@@ -388,10 +392,16 @@ class LeanCache:
         # docs/lab-notes/2026-12-03-prefix-reuse.md), so a prompt's keys and values are the
         # same bits however it was split, and a store row can hand a prefix on to the next
         # prompt (LeanStore)
-        fused_rows = max(sizes) <= self.fused_tokens or max(ends) <= PREFILL_CHUNK
+        # A prefill of more than VERIFY_TOKENS rows (never a verification) takes PyTorch's
+        # product instead where it is the faster here (`_prefill`), and so the PyTorch path.
+        on_torch = self._on_torch(max(sizes))
+        fused_rows = max(sizes) <= self.fused_tokens or (
+            max(ends) <= PREFILL_CHUNK and not on_torch
+        )
         fused = self._fused if fused_rows else None
         bounds = list(itertools.accumulate(sizes, initial=0))
-        x, delta = self._layers(x, caches, pasts, cos, sin, row_masks, bounds, fused)  # [N, D] x 2
+        linears = self._prefill if on_torch else self._linears
+        x, delta = self._layers(x, caches, pasts, cos, sin, row_masks, bounds, fused, linears)
         for cache, past, end, tokens in zip(caches, pasts, ends, inputs, strict=True):
             cache.ids[past:end] = tokens
             cache.length = end
@@ -429,15 +439,17 @@ class LeanCache:
         row_masks: list[torch.Tensor | None],
         bounds: list[int],  # sequence b's rows are bounds[b]:bounds[b + 1]
         fused: Any,
+        linears: list[tuple[Callable[[torch.Tensor], torch.Tensor], ...]],  # per layer
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x through every decoder layer, writing each layer's keys and values -> (x, delta):
-        the residual stream after the last layer and that layer's MLP output, not yet added."""
+        the residual stream after the last layer and that layer's MLP output, not yet added.
+        `linears`: each layer's projections (`layer_projections`' order)."""
         if fused is not None and self._native is not None and len(caches) == 1 and NATIVE_LOOP:
             return self._native.forward(x, self.kv, pasts[0], cos, sin, row_masks[0])
         attend = self._attend_fused if fused is not None else self._attend
         delta = None  # the last block's output, added to x by the next norm
         for index, layer in enumerate(self.layers):
-            q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj = self._linears[index]
+            q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj = linears[index]
             x, h = self._add_norm(x, delta, layer.input_layernorm, fused)
             q, k, v = q_proj(h), k_proj(h), v_proj(h)  # [N, H * d], [N, Hkv * d] x 2
             if len(caches) == 1:
@@ -454,6 +466,10 @@ class LeanCache:
             x, h = self._add_norm(x, o_proj(out), layer.post_attention_layernorm, fused)  # [N, D]
             delta = down_proj(self._silu_mul(gate_proj(h), up_proj(h), fused))
         return x, delta
+
+    def _on_torch(self, rows: int) -> bool:
+        """Whether a forward of `rows` tokens runs its projections on PyTorch's product."""
+        return self._prefill is not None and rows > VERIFY_TOKENS
 
     @staticmethod
     def _silu_mul(gate: torch.Tensor, up: torch.Tensor, fused: Any) -> torch.Tensor:
@@ -651,6 +667,13 @@ def layer_projections(layer: Any) -> tuple[torch.nn.Module, ...]:
 def _layer_linears(layer: Any) -> tuple[Callable[[torch.Tensor], torch.Tensor], ...]:
     """A decoder layer's projections (`layer_projections`) as `direct_linear` calls."""
     return tuple(direct_linear(module) for module in layer_projections(layer))
+
+
+def _prefill_linears(layers: Sequence[Any]) -> list[tuple[Callable, ...]] | None:
+    """Each layer's projections as `prefill_linear` calls, or None unless every one has such a
+    call (PyTorch's product is the faster for many rows on this machine, all on the panels)."""
+    calls = [tuple(prefill_linear(m) for m in layer_projections(layer)) for layer in layers]
+    return None if any(c is None for layer in calls for c in layer) else calls
 
 
 def _norm_eps(norm: torch.nn.Module) -> float:

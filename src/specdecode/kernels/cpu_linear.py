@@ -19,11 +19,14 @@ for few query tokens (`off` switches it back). The kernel name `apply_kernel` re
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
+import time
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from specdecode.kernels.attention import restore_attention, use_decode_attention
 from specdecode.kernels.build import KernelUnavailable, bf16_dot_on, extension
@@ -34,15 +37,24 @@ from specdecode.kernels.panels import (
     kernel_forward,
     on_kernel,
     pack,
+    pack_panels,
     panels_call,
+    row_major,
     set_forward,
     shared_storages,
     unpack,
+    unpack_panels,
 )
-from specdecode.kernels.quantize import drop_quantized, quantized_call, weight_freed
+from specdecode.kernels.quantize import drop_quantized, is_quantized, quantized_call, weight_freed
 
 KERNEL_MODES = ("auto", "on", "off")
 ENV = "SPECDECODE_KERNEL"
+# who computes a prefill's many rows of a bfloat16 linear on the kernel: auto (measured, see
+# prefill_on_torch), kernel (its panels), torch (PyTorch's product on the unpacked weight)
+PREFILL_ENV = "SPECDECODE_PREFILL_LINEARS"
+PREFILL_MODES = ("auto", "kernel", "torch")
+PREFILL_PROBE = (256, 2048, 4096)  # rows, K, N of the product prefill_on_torch times
+PREFILL_MARGIN = 1.25  # PyTorch must be this many times as fast to be chosen
 
 
 def swap_linears(model: torch.nn.Module, panels: bool = True) -> int:
@@ -104,6 +116,56 @@ def direct_linear(module: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Ten
         return module
     ext = extension()
     return quantized_call(module, ext) or panels_call(module, ext)
+
+
+def prefill_linear(module: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """What computes `module(x)` for a prefill's many rows x [M, K] (bfloat16) where PyTorch's
+    own product beats the kernel's panels on this machine (`prefill_on_torch`): `F.linear` on
+    the weight in its usual layout, unpacked for each call (no second copy kept). None where
+    the kernel call serves: PyTorch is not faster, the module is not on the panels, or it is
+    quantized (its bfloat16 weight may be gone; the 4-bit and 8-bit tiles stay)."""
+    if not on_kernel(module) or is_quantized(module) or not prefill_on_torch():
+        return None
+    bias = module.bias
+    return lambda x: F.linear(x, row_major(module), bias)
+
+
+def prefill_on_torch() -> bool:
+    """Whether a prefill's bfloat16 linears run on PyTorch's product rather than the panels:
+    $SPECDECODE_PREFILL_LINEARS = kernel / torch decides; auto (default) measures once per
+    process (`_torch_beats_panels`). The panels compute row by row, so they serve decoding and
+    verification (few rows, batch invariant); PyTorch's product (oneDNN) tiles many rows,
+    with AMX where the CPU has it (docs/benchmarks.md, "vs llama.cpp")."""
+    mode = (os.environ.get(PREFILL_ENV) or "auto").lower()
+    if mode not in PREFILL_MODES:
+        raise ValueError(f"{PREFILL_ENV} must be one of {', '.join(PREFILL_MODES)} (got {mode!r})")
+    return mode == "torch" if mode != "auto" else _torch_beats_panels()
+
+
+@functools.cache
+def _torch_beats_panels() -> bool:
+    """PyTorch's product with the weight unpacked for the call (as `prefill_linear` runs it)
+    against the kernel's panels, over PREFILL_PROBE's rows, the best of three each: True where
+    PyTorch is at least PREFILL_MARGIN times as fast."""
+    rows, k, n = PREFILL_PROBE
+    gen = torch.Generator().manual_seed(0)
+    panels = pack_panels((torch.randn(n, k, generator=gen) * 0.02).bfloat16())
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    ext = extension()
+
+    def best_ms(fn: Callable[[], torch.Tensor]) -> float:
+        fn()  # warm-up
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times) * 1e3
+
+    with torch.inference_mode():
+        on_panels = best_ms(lambda: ext.linear_packed(x, panels, n, None))
+        on_torch = best_ms(lambda: F.linear(x, unpack_panels(panels, n, k)))
+    return on_torch * PREFILL_MARGIN <= on_panels
 
 
 def resolve_mode(mode: str | None) -> str:

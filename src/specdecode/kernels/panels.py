@@ -44,7 +44,13 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
 
 def unpack_panels(panels: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The inverse of `pack_panels` -> [n, k] (a copy; differentiable)."""
-    return panels.reshape(-1, k // 2, PANEL, 2).permute(0, 2, 1, 3).reshape(-1, k)[:n]
+    pair = _PAIR.get(panels.element_size())
+    if pair is None or (panels.requires_grad and torch.is_grad_enabled()):
+        return panels.reshape(-1, k // 2, PANEL, 2).permute(0, 2, 1, 3).reshape(-1, k)[:n]
+    # whole lanes, as pack_panels moves them (a dtype view has no gradient)
+    lanes = panels.reshape(-1, k // 2, PANEL, 2).view(pair).reshape(-1, k // 2, PANEL)
+    rows = lanes.transpose(1, 2).contiguous()  # [N / 16, 16, K / 2]
+    return rows.reshape(-1).view(panels.dtype).reshape(-1, k)[:n]
 
 
 def module_panels(module: torch.nn.Linear) -> torch.Tensor | None:
