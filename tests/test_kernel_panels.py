@@ -49,6 +49,31 @@ def test_layout_round_trips_and_pads_with_zeros():
     assert panels[1, 2, 3].tolist() == [w[19, 4].item(), w[19, 5].item()]
     assert not panels[1, :, 4:].any()  # rows 20..31 do not exist: zeros
     assert torch.equal(unpack_panels(panels, 20, 6), w)
+    for dtype in (torch.bfloat16, torch.float32):  # whole lanes without a gradient, or not
+        weight = torch.randn(33, 10).to(dtype)
+        packed = pack_panels(weight).requires_grad_()
+        with torch.no_grad():
+            assert torch.equal(unpack_panels(packed, 33, 10), weight)
+        assert torch.equal(unpack_panels(packed, 33, 10).detach(), weight)
+
+
+def test_a_prefills_many_rows_go_to_pytorchs_product_where_it_is_chosen(monkeypatch):
+    from specdecode.kernels.panels import PREFILL_ENV, PREFILL_ROWS
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 40, bias=True).to(torch.bfloat16)
+    inputs = {m: torch.randn(1, m, 64, generator=torch.Generator().manual_seed(m)).bfloat16()
+              for m in (5, PREFILL_ROWS + 1)}  # fmt: skip
+    swap_linears(torch.nn.Sequential(linear))
+    with torch.inference_mode():
+        monkeypatch.setenv(PREFILL_ENV, "kernel")
+        on_panels = {m: linear(x) for m, x in inputs.items()}
+        monkeypatch.setenv(PREFILL_ENV, "torch")
+        chosen = {m: linear(x) for m, x in inputs.items()}
+        reference = {m: F.linear(x, row_major(linear), linear.bias) for m, x in inputs.items()}
+    assert torch.equal(chosen[5], on_panels[5])  # few rows stay on the panels
+    assert torch.equal(chosen[PREFILL_ROWS + 1], reference[PREFILL_ROWS + 1])
+    torch.testing.assert_close(chosen[PREFILL_ROWS + 1], on_panels[PREFILL_ROWS + 1])
 
 
 # K even: below a pair of 16-wide lines, ragged, long; N: below, at and across panel edges

@@ -159,7 +159,7 @@ def test_the_native_layer_loop_is_the_python_loop_bit_for_bit(arch, bits, monkey
 def test_a_long_prefill_may_take_pytorchs_product_and_the_output_stays_the_targets(
     bits, monkeypatch
 ):
-    from specdecode.kernels.cpu_linear import PREFILL_ENV
+    from specdecode.kernels.panels import PREFILL_ENV
 
     model = _target("llama", bits, seed=7)
     prompt = _ids(VERIFY_TOKENS + 22, 9)

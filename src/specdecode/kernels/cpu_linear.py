@@ -19,10 +19,8 @@ for few query tokens (`off` switches it back). The kernel name `apply_kernel` re
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
-import time
 from collections.abc import Callable
 
 import torch
@@ -37,24 +35,17 @@ from specdecode.kernels.panels import (
     kernel_forward,
     on_kernel,
     pack,
-    pack_panels,
     panels_call,
+    prefill_on_torch,
     row_major,
     set_forward,
     shared_storages,
     unpack,
-    unpack_panels,
 )
 from specdecode.kernels.quantize import drop_quantized, is_quantized, quantized_call, weight_freed
 
 KERNEL_MODES = ("auto", "on", "off")
 ENV = "SPECDECODE_KERNEL"
-# who computes a prefill's many rows of a bfloat16 linear on the kernel: auto (measured, see
-# prefill_on_torch), kernel (its panels), torch (PyTorch's product on the unpacked weight)
-PREFILL_ENV = "SPECDECODE_PREFILL_LINEARS"
-PREFILL_MODES = ("auto", "kernel", "torch")
-PREFILL_PROBE = (256, 2048, 4096)  # rows, K, N of the product prefill_on_torch times
-PREFILL_MARGIN = 1.25  # PyTorch must be this many times as fast to be chosen
 
 
 def swap_linears(model: torch.nn.Module, panels: bool = True) -> int:
@@ -128,44 +119,6 @@ def prefill_linear(module: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Te
         return None
     bias = module.bias
     return lambda x: F.linear(x, row_major(module), bias)
-
-
-def prefill_on_torch() -> bool:
-    """Whether a prefill's bfloat16 linears run on PyTorch's product rather than the panels:
-    $SPECDECODE_PREFILL_LINEARS = kernel / torch decides; auto (default) measures once per
-    process (`_torch_beats_panels`). The panels compute row by row, so they serve decoding and
-    verification (few rows, batch invariant); PyTorch's product (oneDNN) tiles many rows,
-    with AMX where the CPU has it (docs/benchmarks.md, "vs llama.cpp")."""
-    mode = (os.environ.get(PREFILL_ENV) or "auto").lower()
-    if mode not in PREFILL_MODES:
-        raise ValueError(f"{PREFILL_ENV} must be one of {', '.join(PREFILL_MODES)} (got {mode!r})")
-    return mode == "torch" if mode != "auto" else _torch_beats_panels()
-
-
-@functools.cache
-def _torch_beats_panels() -> bool:
-    """PyTorch's product with the weight unpacked for the call (as `prefill_linear` runs it)
-    against the kernel's panels, over PREFILL_PROBE's rows, the best of three each: True where
-    PyTorch is at least PREFILL_MARGIN times as fast."""
-    rows, k, n = PREFILL_PROBE
-    gen = torch.Generator().manual_seed(0)
-    panels = pack_panels((torch.randn(n, k, generator=gen) * 0.02).bfloat16())
-    x = torch.randn(rows, k, generator=gen).bfloat16()
-    ext = extension()
-
-    def best_ms(fn: Callable[[], torch.Tensor]) -> float:
-        fn()  # warm-up
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return min(times) * 1e3
-
-    with torch.inference_mode():
-        on_panels = best_ms(lambda: ext.linear_packed(x, panels, n, None))
-        on_torch = best_ms(lambda: F.linear(x, unpack_panels(panels, n, k)))
-    return on_torch * PREFILL_MARGIN <= on_panels
 
 
 def resolve_mode(mode: str | None) -> str:

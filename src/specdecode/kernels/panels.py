@@ -8,6 +8,9 @@ embedding still reads the usual layout). The state dict shows and loads the usua
 
 from __future__ import annotations
 
+import functools
+import os
+import time
 import types
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +26,15 @@ _FLAG = "_specdecode_kernel"  # set on modules that run on a kernel
 _PACKED = "_specdecode_packed"  # set where the weight's own storage holds its panels
 _HOOKS = "_specdecode_hooks"  # state-dict hook handles of a packed-in-place weight
 _PAIR = {2: torch.int32, 4: torch.int64}  # element size -> a number as wide as two elements
+# who computes a prefill's many rows of a bfloat16 linear on the kernel: auto (measured, see
+# prefill_on_torch), kernel (its panels), torch (PyTorch's product on the unpacked weight)
+PREFILL_ENV = "SPECDECODE_PREFILL_LINEARS"
+PREFILL_MODES = ("auto", "kernel", "torch")
+PREFILL_PROBE = (256, 2048, 4096)  # rows, K, N of the product prefill_on_torch times
+PREFILL_MARGIN = 1.25  # PyTorch must be this many times as fast to be chosen
+# kernel_forward (Hugging Face's forward) hands a product of more rows than this, a prefill's, to
+# PyTorch where prefill_on_torch; the lean forward draws its own line (lean.VERIFY_TOKENS)
+PREFILL_ROWS = 128
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -79,6 +91,8 @@ def kernel_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         # training, or inputs the kernel does not take
         return F.linear(x, row_major(self), self.bias)
     flat = x.reshape(-1, x.shape[-1]).contiguous()  # [..., K] -> [M, K]
+    if flat.shape[0] > PREFILL_ROWS and prefill_on_torch():
+        return F.linear(x, row_major(self), self.bias)
     panels = module_panels(self)
     if panels is None:
         out = extension().linear(flat, self.weight, self.bias)  # [M, N]
@@ -197,3 +211,41 @@ def clear_forward(module: torch.nn.Module) -> None:
     """Undo `set_forward`: the module's class forward again."""
     del module.forward  # the instance attribute; the class's forward shows again
     delattr(module, _FLAG)
+
+
+def prefill_on_torch() -> bool:
+    """Whether a prefill's bfloat16 linears run on PyTorch's product rather than the panels:
+    $SPECDECODE_PREFILL_LINEARS = kernel / torch decides; auto (default) measures once per
+    process (`_torch_beats_panels`). The panels compute row by row, so they serve decoding and
+    verification (few rows, batch invariant); PyTorch's product (oneDNN) tiles many rows,
+    with AMX where the CPU has it (docs/benchmarks.md, "vs llama.cpp")."""
+    mode = (os.environ.get(PREFILL_ENV) or "auto").lower()
+    if mode not in PREFILL_MODES:
+        raise ValueError(f"{PREFILL_ENV} must be one of {', '.join(PREFILL_MODES)} (got {mode!r})")
+    return mode == "torch" if mode != "auto" else _torch_beats_panels()
+
+
+@functools.cache
+def _torch_beats_panels() -> bool:
+    """PyTorch's product with the weight unpacked for the call (as `prefill_linear` runs it)
+    against the kernel's panels, over PREFILL_PROBE's rows, the best of three each: True where
+    PyTorch is at least PREFILL_MARGIN times as fast."""
+    rows, k, n = PREFILL_PROBE
+    gen = torch.Generator().manual_seed(0)
+    panels = pack_panels((torch.randn(n, k, generator=gen) * 0.02).bfloat16())
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    ext = extension()
+
+    def best_ms(fn: Callable[[], torch.Tensor]) -> float:
+        fn()  # warm-up
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times) * 1e3
+
+    with torch.inference_mode():
+        on_panels = best_ms(lambda: ext.linear_packed(x, panels, n, None))
+        on_torch = best_ms(lambda: F.linear(x, unpack_panels(panels, n, k)))
+    return on_torch * PREFILL_MARGIN <= on_panels
