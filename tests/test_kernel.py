@@ -88,7 +88,7 @@ def test_environment_variable_sets_the_default(monkeypatch):
 
 def _bf16_kernel() -> str:
     """A bfloat16 model's kernel name here: what its panels run on now."""
-    return "bf16-avx512" if panels_isa() == "avx512-bf16" else "bf16-avx2"
+    return {"amx-bf16": "bf16-amx", "avx512-bf16": "bf16-avx512"}.get(panels_isa(), "bf16-avx2")
 
 
 def _top2_margin(model, ids: list[int]) -> float:

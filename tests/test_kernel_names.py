@@ -50,6 +50,7 @@ def test_the_panels_path_is_told_from_the_cpu_flags(monkeypatch, flags, env, exp
 
 def test_names():
     assert (cpu.bf16_name(False), cpu.bf16_name(True)) == ("bf16-avx2", "bf16-avx512")
+    assert cpu.bf16_name(True, amx=True) == "bf16-amx"
     assert (cpu.int4_name(False), cpu.int4_name(True)) == ("int4-avx2", "int4-avx512vnni")
     assert (cpu.int8_name(False), cpu.int8_name(True)) == ("int8-avx2", "int8-avx512")
 

@@ -16,6 +16,7 @@ from specdecode.kernels.build import (
     bf16_dot_prefetch,
     extension,
     panels_isa,
+    use_bf16_amx,
     use_bf16_dot,
 )
 from specdecode.kernels.panels import pack_panels, row_major, unpack_panels
@@ -26,15 +27,20 @@ from conftest import linear_case, needs_kernel, tiny_llama, tiny_qwen2
 pytestmark = needs_kernel()
 
 
-@pytest.fixture(params=["avx2-fma", "avx512-bf16"])
+@pytest.fixture(params=["avx2-fma", "avx512-bf16", "amx-bf16"])
 def isa(request):
     """Run the test with bfloat16 panels on each instruction set this CPU has, then restore."""
-    if use_bf16_dot(request.param == "avx512-bf16") != (request.param == "avx512-bf16"):
+    wanted = request.param
+    dot = use_bf16_dot(wanted != "avx2-fma")
+    amx = use_bf16_amx(wanted == "amx-bf16")
+    if (wanted == "avx512-bf16" and not dot) or (wanted == "amx-bf16" and not amx):
         use_bf16_dot(True)
-        pytest.skip("this CPU has no AVX-512 BF16")
-    assert panels_isa() == request.param
-    yield request.param
-    use_bf16_dot(True)  # the default
+        use_bf16_amx(True)
+        pytest.skip(f"this CPU (or OS) has no {wanted}")
+    assert panels_isa() == wanted
+    yield wanted
+    use_bf16_dot(True)  # the defaults
+    use_bf16_amx(True)
 
 
 def packed_linear(x, w, b):
@@ -103,6 +109,7 @@ def test_batch_invariant_bit_for_bit(m, n, isa):
 
 
 def test_the_two_instruction_sets_agree_up_to_rounding():
+    amx = use_bf16_amx(False)  # K = 1536 would take the AMX tiles
     if not use_bf16_dot(True):
         pytest.skip("this CPU has no AVX-512 BF16")
     x, w, b = linear_case(9, 1536, 200, seed=0, bias=True)
@@ -114,6 +121,10 @@ def test_the_two_instruction_sets_agree_up_to_rounding():
     assert panels_isa() == "avx512-bf16"
     # two float32 sums in different orders, each rounded once to bfloat16
     torch.testing.assert_close(dot.float(), fma.float(), rtol=2**-7, atol=1e-4)
+    if use_bf16_amx(amx):  # the AMX tiles, where this CPU has them: a third order
+        tiles = extension().linear_packed(x, panels, 200, b)
+        assert panels_isa() == "amx-bf16"
+        torch.testing.assert_close(tiles.float(), dot.float(), rtol=2**-7, atol=1e-4)
 
 
 def test_bad_arguments_are_refused():

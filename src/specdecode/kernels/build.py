@@ -21,12 +21,18 @@ from typing import Any
 
 import torch
 
-from specdecode.kernels.cpu import BF16_DOT_ENV
+from specdecode.kernels.cpu import BF16_AMX_ENV, BF16_DOT_ENV
 from specdecode.sampling import use_argmax_rows
 
 _SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("linear_avx2.cpp", "linear_avx512.cpp", "draft_ops.cpp", "lean_layers.cpp")
+    for name in (
+        "linear_avx2.cpp",
+        "linear_avx512.cpp",
+        "linear_amx.cpp",
+        "draft_ops.cpp",
+        "lean_layers.cpp",
+    )
 ]
 _HEADERS = [
     Path(__file__).with_name(name)
@@ -160,6 +166,7 @@ def extension() -> Any:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise KernelUnavailable(f"building it failed: {first}") from err
     ext.set_bf16_dot(os.environ.get(BF16_DOT_ENV, "1") != "0")
+    ext.set_bf16_amx(os.environ.get(BF16_AMX_ENV, "1") != "0")
     use_argmax_rows(ext.argmax_rows)  # greedy decoding's argmax on CPU logits (sampling.py)
     return ext
 
@@ -226,6 +233,21 @@ def bf16_dot_prefetch(elements: int | None = None) -> int:
     return int(extension().bf16_dot_prefetch(elements or 0))
 
 
+def use_bf16_amx(on: bool = True) -> bool:
+    """Run bfloat16 panels whose K is a multiple of 32 on AMX tiles where the CPU and the OS allow
+    it (the default; `$SPECDECODE_BF16_AMX` = 0 turns it off), else on the path `use_bf16_dot`
+    chose. Returns whether AMX is in use now. One switch for the process, as there."""
+    return bool(extension().set_bf16_amx(on))
+
+
+def bf16_amx_on() -> bool:
+    """Whether bfloat16 panels (K a multiple of 32) run on AMX tiles now."""
+    return bool(extension().bf16_amx_on())
+
+
 def panels_isa() -> str:
-    """What bfloat16 panels run on now: "avx512-bf16" or "avx2-fma"."""
+    """What bfloat16 panels run on now: "amx-bf16" (K a multiple of 32; others as without it),
+    "avx512-bf16" or "avx2-fma"."""
+    if bf16_amx_on():
+        return "amx-bf16"
     return "avx512-bf16" if bf16_dot_on() else "avx2-fma"

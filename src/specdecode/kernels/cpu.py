@@ -1,8 +1,10 @@
 """What this CPU runs the kernels on: its instruction sets, and the names that say which path runs.
 
 The extension decides for itself at run time (linear_avx512.cpp, `__builtin_cpu_supports`): the
-bfloat16 panels run on AVX-512 BF16 where the CPU has AVX-512 F, BW and BF16 and
-$SPECDECODE_BF16_DOT is not 0, else on AVX2 FMAs; the 4-bit tile runs on AVX-512 VNNI where the
+bfloat16 panels run on AMX tiles where the CPU has AMX-TILE and AMX-BF16, the OS lets the process
+use them and $SPECDECODE_BF16_AMX is not 0 (linears whose K is a multiple of 32; linear_amx.cpp),
+else on AVX-512 BF16 where the CPU has AVX-512 F, BW and BF16 and $SPECDECODE_BF16_DOT is not 0,
+else on AVX2 FMAs; the 4-bit tile runs on AVX-512 VNNI where the
 CPU has AVX-512 F, VL and VNNI, else on AVX2; the int8 tile on AVX-512 F where the CPU has it,
 else on AVX2; the row-major tiles always run on AVX2.
 What is here reads /proc/cpuinfo to tell in advance, without building anything.
@@ -13,10 +15,14 @@ from __future__ import annotations
 import os
 
 BF16_DOT_ENV = "SPECDECODE_BF16_DOT"  # "0": bfloat16 panels on AVX2 FMAs even where AVX-512 BF16 is
+BF16_AMX_ENV = (
+    "SPECDECODE_BF16_AMX"  # "0": bfloat16 panels off AMX tiles even where the CPU has them
+)
 
 # what LoadedModel.kernel reports: the weights' type and the instruction set their tiles run on
 BF16_AVX2 = "bf16-avx2"  # bfloat16 panels on AVX2 FMAs
 BF16_AVX512 = "bf16-avx512"  # bfloat16 panels on AVX-512 BF16 dot products
+BF16_AMX = "bf16-amx"  # bfloat16 panels on AMX tiles (K a multiple of 32; others as without)
 INT8_AVX2 = "int8-avx2"  # after quantize_linears(bits=8), its tile on AVX2
 INT8_AVX512 = "int8-avx512"  # ... on AVX-512 F
 INT4_AVX2 = "int4-avx2"  # after quantize_linears(bits=4), its tile on AVX2
@@ -47,8 +53,11 @@ def bf16_dot_expected() -> bool:
     return has_avx512_bf16() and os.environ.get(BF16_DOT_ENV, "1") != "0"
 
 
-def bf16_name(avx512_bf16: bool) -> str:
-    """The kernel name of a model whose bfloat16 panels run on AVX-512 BF16 or not."""
+def bf16_name(avx512_bf16: bool, amx: bool = False) -> str:
+    """The kernel name of a model whose bfloat16 panels run on AMX tiles, on AVX-512 BF16, or on
+    neither."""
+    if amx:
+        return BF16_AMX
     return BF16_AVX512 if avx512_bf16 else BF16_AVX2
 
 

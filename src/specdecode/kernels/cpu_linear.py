@@ -14,7 +14,8 @@ Modes (`load_model(kernel=...)`, `--kernel`, or the `SPECDECODE_KERNEL` environm
 
 With the kernel, a model on SDPA attention also switches to `kernels/attention.py`'s attention
 for few query tokens (`off` switches it back). The kernel name `apply_kernel` returns (and
-`LoadedModel.kernel` shows) says which path the panels run on: cpu.BF16_AVX2 or cpu.BF16_AVX512.
+`LoadedModel.kernel` shows) says which path the panels run on: cpu.BF16_AVX2, cpu.BF16_AVX512 or
+cpu.BF16_AMX.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.kernels.attention import restore_attention, use_decode_attention
-from specdecode.kernels.build import KernelUnavailable, bf16_dot_on, extension
+from specdecode.kernels.build import KernelUnavailable, bf16_amx_on, bf16_dot_on, extension
 from specdecode.kernels.cpu import bf16_name, has_avx512_bf16
 from specdecode.kernels.panels import (
     clear_forward,
@@ -134,8 +135,9 @@ _warned: set[str] = set()
 def apply_kernel(model: torch.nn.Module, mode: str | None = None) -> str:
     """Apply the kernel policy `mode` (None: $SPECDECODE_KERNEL, else auto) to a loaded model.
 
-    Returns the kernel its linears now run on: "bf16-avx2" or "bf16-avx512" (the panels on AVX2
-    FMAs or on AVX-512 BF16, as build.use_bf16_dot stands now), or "eager".
+    Returns the kernel its linears now run on: "bf16-avx2", "bf16-avx512" or "bf16-amx" (the
+    panels on AVX2 FMAs, on AVX-512 BF16 or on AMX tiles, as build.use_bf16_dot and use_bf16_amx
+    stand now), or "eager".
     """
     mode = resolve_mode(mode)
     if mode == "off":
@@ -154,7 +156,7 @@ def apply_kernel(model: torch.nn.Module, mode: str | None = None) -> str:
         if not swap_linears(model):
             return "eager"
         use_decode_attention(model)  # the same switch: decoding's other hot spot on CPU
-        return bf16_name(bf16_dot_on())
+        return bf16_name(bf16_dot_on(), bf16_amx_on())
     except KernelUnavailable as err:
         if mode == "on":
             raise ValueError(f"the bfloat16 CPU kernel cannot be used: {err}") from err

@@ -42,6 +42,9 @@ void bf16_dot_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* pa
                      const float* bias, uint16_t* out, int64_t p0, int64_t p1);
 bool int4_vnni_supported();
 bool int8_avx512_supported();
+bool bf16_amx_supported();  // linear_amx.cpp: the bfloat16 panels on AMX tiles
+void bf16_amx_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* panels, int64_t N,
+                     const float* bias, uint16_t* out, int64_t p0, int64_t p1);
 void int8_avx512_tile(int64_t mr, int64_t panels, const int8_t* p, int64_t K, int64_t pstride,
                       const float* x, float* res);
 int64_t int4_vnni_tile_rows();
@@ -60,6 +63,10 @@ namespace {
 // where the CPU has it, unless `set_bf16_dot(false)`. One switch for the whole process, so that
 // decoding one token and verifying several round alike.
 bool g_bf16_dot = specdecode_kernels::bf16_dot_supported();
+// Whether bfloat16 panels whose K is a multiple of 32 run on AMX tiles (linear_amx.cpp), before
+// either of the above: where the CPU and the OS allow it, unless `set_bf16_amx(false)`. One
+// switch for the whole process, for the same reason.
+bool g_bf16_amx = specdecode_kernels::bf16_amx_supported();
 // Whether the int4 and 6-bit tiles run on AVX-512 VNNI (bit-identical to AVX2, fewer
 // instructions): where the CPU has it, unless `set_int4_vnni(false)` (for comparisons).
 bool g_int4_vnni = specdecode_kernels::int4_vnni_supported();
@@ -428,15 +435,23 @@ torch::Tensor linear_packed(torch::Tensor x, torch::Tensor panels, int64_t N,
   TORCH_CHECK(N >= 0 && panels.numel() == (N + kPanel - 1) / kPanel * kPanel * x.size(1),
               "linear_packed: panels must hold ceil(N / 16) * 16 * K weights");
   const auto* p = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
-  if (!g_bf16_dot) return run_panels<Bf16Panels>(x, p, N, nullptr, bias);
   const int64_t M = x.size(0), K = x.size(1);
+  const bool amx = g_bf16_amx && K % 32 == 0;
+  if (!g_bf16_dot && !amx) return run_panels<Bf16Panels>(x, p, N, nullptr, bias);
   const std::vector<float> bias_f = bias_float(bias, N);
   auto out = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   const auto* X = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   auto* O = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const float* B = bias_f.empty() ? nullptr : bias_f.data();
-  const int64_t P = (N + kPanel - 1) / kPanel, width = specdecode_kernels::bf16_dot_width(M);
+  const int64_t P = (N + kPanel - 1) / kPanel;
+  if (amx) {
+    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+      specdecode_kernels::bf16_amx_panels(X, M, K, p, N, B, O, p0, p1);
+    });
+    return out;
+  }
+  const int64_t width = specdecode_kernels::bf16_dot_width(M);
   at::parallel_for(0, (P + width - 1) / width, 1, [&](int64_t u0, int64_t u1) {
     specdecode_kernels::bf16_dot_panels(X, M, K, p, N, B, O, u0 * width,
                                         std::min(P, u1 * width));
@@ -461,6 +476,13 @@ bool set_int4_vnni(bool on) {
 bool set_bf16_dot(bool on) {
   g_bf16_dot = on && specdecode_kernels::bf16_dot_supported();
   return g_bf16_dot;
+}
+
+// Turn AMX for bfloat16 panels on (where the CPU and OS allow it) or off; returns whether it is on
+// now.
+bool set_bf16_amx(bool on) {
+  g_bf16_amx = on && specdecode_kernels::bf16_amx_supported();
+  return g_bf16_amx;
 }
 
 // x: [M, K] bfloat16, panels: contiguous int8 holding ceil(N / 16) panels of [K][16] (rows past
@@ -790,6 +812,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "bfloat16 linear for few tokens (AVX2 + FMA), batch invariant");
   m.def("linear_packed", &linear_packed,
         "bfloat16 linear on weights packed in 16-row panels (AVX2 + FMA), batch invariant");
+  m.def("set_bf16_amx", &set_bf16_amx,
+        "run bfloat16 panels with K a multiple of 32 on AMX tiles where the CPU has them "
+        "(default) or not; returns whether it is on");
+  m.def(
+      "bf16_amx_on", [] { return g_bf16_amx; }, "whether bfloat16 panels run on AMX tiles");
   m.def("set_bf16_dot", &set_bf16_dot,
         "bfloat16 panels on AVX-512 BF16 (where the CPU has it) or on AVX2 FMAs; returns which");
   m.def("set_int8_avx512", &set_int8_avx512,
