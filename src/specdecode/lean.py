@@ -221,7 +221,7 @@ class LeanCache:
         # themselves where the draft's linears run on specdecode's kernels
         self._linears = [_layer_linears(layer) for layer in self.layers]
         # the same projections for a prefill of more than VERIFY_TOKENS rows where PyTorch's
-        # product beats the panels on this machine (AMX), else None
+        # product beats the panels on this machine (measured: `prefill_on_torch`), else None
         self._prefill = _prefill_linears(self.layers) if self._fused is not None else None
         self._lm_head = _output_layer(model.lm_head)
         # the whole layer loop in one C++ call where every projection is a kernel call

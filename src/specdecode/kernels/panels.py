@@ -216,9 +216,9 @@ def clear_forward(module: torch.nn.Module) -> None:
 def prefill_on_torch() -> bool:
     """Whether a prefill's bfloat16 linears run on PyTorch's product rather than the panels:
     $SPECDECODE_PREFILL_LINEARS = kernel / torch decides; auto (default) measures once per
-    process (`_torch_beats_panels`). The panels compute row by row, so they serve decoding and
-    verification (few rows, batch invariant); PyTorch's product (oneDNN) tiles many rows,
-    with AMX where the CPU has it (docs/benchmarks.md, "vs llama.cpp")."""
+    process (`_torch_beats_panels`, against the panels' path as it stands then). On AVX2 and
+    AVX-512 BF16 the panels' work grows with every row, while PyTorch's product (oneDNN) tiles
+    many rows; on AMX tiles the panels tile them too (docs/benchmarks.md, "vs llama.cpp")."""
     mode = (os.environ.get(PREFILL_ENV) or "auto").lower()
     if mode not in PREFILL_MODES:
         raise ValueError(f"{PREFILL_ENV} must be one of {', '.join(PREFILL_MODES)} (got {mode!r})")
