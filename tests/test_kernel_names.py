@@ -67,14 +67,18 @@ def test_quant_names_follow_the_switches(monkeypatch):
 
 
 @needs_kernel()
-@pytest.mark.parametrize(("dot", "name"), [(False, "bf16-avx2"), (True, "bf16-avx512")])
-def test_apply_kernel_names_the_path_of_the_panels(monkeypatch, dot, name):
-    # as on a CPU with AVX-512 BF16 (the switch on) or on an AVX2 one
+@pytest.mark.parametrize(
+    ("dot", "amx", "name"),
+    [(False, False, "bf16-avx2"), (True, False, "bf16-avx512"), (True, True, "bf16-amx")],
+)
+def test_apply_kernel_names_the_path_of_the_panels(monkeypatch, dot, amx, name):
+    # as on a CPU with AMX, with AVX-512 BF16 (the switches on) or on an AVX2 one
     monkeypatch.setattr(
         torch.backends.cpu, "get_cpu_capability", lambda: "AVX512" if dot else "AVX2"
     )
     monkeypatch.setattr(cpu, "cpu_flags", lambda: AVX512_BF16 if dot else AVX2_ONLY)
     monkeypatch.setattr(cpu_linear, "bf16_dot_on", lambda: dot)
+    monkeypatch.setattr(cpu_linear, "bf16_amx_on", lambda: amx)
     model = tiny_llama(seed=1).to(torch.bfloat16)
     assert apply_kernel(model, "on") == name
     assert apply_kernel(model, "auto") == name  # AVX2 or AVX-512 BF16: auto takes it too
