@@ -2,7 +2,7 @@
 kernel's panels, PyTorch's product on a row-major weight, and PyTorch's product on the weight
 unpacked from its panels for the call (what a prefill on PyTorch's product runs). Best of 5.
 
-    PYTHONPATH=src python docs/results/prefill-amx/linear_rows.py
+    SPECDECODE_BF16_AMX=0 PYTHONPATH=src python docs/results/prefill-amx/linear_rows.py
 """
 
 import time

@@ -3,7 +3,7 @@ projections on the kernel's panels against PyTorch's product ($SPECDECODE_PREFIL
 kernel / torch), interleaved, in one process; then one verification of 12 rows after it (the
 panels either way). Best of 3 per setting.
 
-    PYTHONPATH=src python docs/results/prefill-amx/prefill.py
+    SPECDECODE_BF16_AMX=0 PYTHONPATH=src python docs/results/prefill-amx/prefill.py
 """
 
 import os
