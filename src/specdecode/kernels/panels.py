@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from specdecode.kernels.build import extension
+from specdecode.kernels.build import extension, panels_isa
 
 PANEL = 16  # output rows per packed panel (kPanel in the C++)
 PANELS_BUFFER = "_specdecode_panels"  # the panels of a weight that cannot be packed in place
@@ -90,9 +90,9 @@ def kernel_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     ):
         # training, or inputs the kernel does not take
         return F.linear(x, row_major(self), self.bias)
-    flat = x.reshape(-1, x.shape[-1]).contiguous()  # [..., K] -> [M, K]
-    if flat.shape[0] > PREFILL_ROWS and prefill_on_torch():
+    if x.numel() > PREFILL_ROWS * x.shape[-1] and prefill_on_torch():  # more than 128 rows
         return F.linear(x, row_major(self), self.bias)
+    flat = x.reshape(-1, x.shape[-1]).contiguous()  # [..., K] -> [M, K]
     panels = module_panels(self)
     if panels is None:
         out = extension().linear(flat, self.weight, self.bias)  # [M, N]
@@ -216,20 +216,21 @@ def clear_forward(module: torch.nn.Module) -> None:
 def prefill_on_torch() -> bool:
     """Whether a prefill's bfloat16 linears run on PyTorch's product rather than the panels:
     $SPECDECODE_PREFILL_LINEARS = kernel / torch decides; auto (default) measures once per
-    process (`_torch_beats_panels`, against the panels' path as it stands then). On AVX2 and
+    process and panels path (`_torch_beats_panels`). On AVX2 and
     AVX-512 BF16 the panels' work grows with every row, while PyTorch's product (oneDNN) tiles
     many rows; on AMX tiles the panels tile them too (docs/benchmarks.md, "vs llama.cpp")."""
     mode = (os.environ.get(PREFILL_ENV) or "auto").lower()
     if mode not in PREFILL_MODES:
         raise ValueError(f"{PREFILL_ENV} must be one of {', '.join(PREFILL_MODES)} (got {mode!r})")
-    return mode == "torch" if mode != "auto" else _torch_beats_panels()
+    return mode == "torch" if mode != "auto" else _torch_beats_panels(panels_isa())
 
 
 @functools.cache
-def _torch_beats_panels() -> bool:
+def _torch_beats_panels(isa: str) -> bool:
     """PyTorch's product with the weight unpacked for the call (as `prefill_linear` runs it)
-    against the kernel's panels, over PREFILL_PROBE's rows, the best of three each: True where
-    PyTorch is at least PREFILL_MARGIN times as fast."""
+    against the kernel's panels on `isa` (what they run on now: the answer is kept per path,
+    so switching the path measures again), over PREFILL_PROBE's rows, the best of three each:
+    True where PyTorch is at least PREFILL_MARGIN times as fast."""
     rows, k, n = PREFILL_PROBE
     gen = torch.Generator().manual_seed(0)
     panels = pack_panels((torch.randn(n, k, generator=gen) * 0.02).bfloat16())
