@@ -87,7 +87,7 @@ def test_a_prefills_many_rows_go_to_pytorchs_product_where_it_is_chosen(monkeypa
 @pytest.mark.parametrize("n", [1, 8, 16, 40, 72])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_pytorch_up_to_bfloat16_rounding(k, n, bias, isa):
-    for m in (1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 17, 25):
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 17, 25, 32, 40, 49):
         x, w, b = linear_case(m, k, n, seed=k * 100 + n + m, bias=bias)
         out = packed_linear(x, w, b)
         reference = F.linear(x.float(), w.float(), None if b is None else b.float())
@@ -95,11 +95,12 @@ def test_matches_pytorch_up_to_bfloat16_rounding(k, n, bias, isa):
         torch.testing.assert_close(out.float(), reference, rtol=2**-8, atol=1e-5)
 
 
-@pytest.mark.parametrize("m", [2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13, 16, 19, 25])
+@pytest.mark.parametrize("m", [2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13, 16, 19, 25, 32, 33, 50, 70])
 @pytest.mark.parametrize("n", [72, 200])
 def test_batch_invariant_bit_for_bit(m, n, isa):
     # every token count tiles differently (groups of 1, 2 or 4 panels; blocks of 3-12 tokens, or
-    # of 4-6 and a padded row on AVX2); a token's output is the same float whichever
+    # of 4-6 and a padded row on AVX2; on AMX passes of 32 and a last one padded to 16 or 32);
+    # a token's output is the same float whichever
     x, w, b = linear_case(m, 1536, n, seed=m, bias=True)
     panels = pack_panels(w)
     together = extension().linear_packed(x, panels, n, b)

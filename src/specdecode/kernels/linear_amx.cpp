@@ -22,6 +22,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__linux__)
 #include <sys/syscall.h>
@@ -49,16 +50,18 @@ struct alignas(64) TileConfig {  // the `ldtilecfg` operand, palette 1
   uint8_t rows[16];
 };
 
-// C (tiles 0-1): m tokens x 16 float32 for two panels; A (tile 2): m tokens x 32 bfloat16; B
-// (tiles 3-4): 16 pairs x 16 outputs x 2 bfloat16, one per panel. Per thread (tile state is a
-// thread's).
-SD_AMX void configure(int m) {
+// Rows go in blocks of 16 (a tile's most), two blocks per pass: C (tiles 0-3) holds a x 16 and
+// b x 16 float32 sums for each of two panels, A (tiles 4-5) a and b tokens x 32 bfloat16, B
+// (tiles 6-7) 16 pairs x 16 outputs x 2 bfloat16, one per panel. So up to 32 tokens read each
+// panel's weights once, under one configuration per call. Per thread (tile state is a thread's).
+SD_AMX void configure(int a, int b) {
   TileConfig cfg;
   std::memset(&cfg, 0, sizeof(cfg));
   cfg.palette = 1;
-  for (int t = 0; t < 5; ++t) cfg.colsb[t] = 64;
-  cfg.rows[0] = cfg.rows[1] = cfg.rows[2] = uint8_t(m);
-  cfg.rows[3] = cfg.rows[4] = 16;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64;
+  cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = uint8_t(a);
+  cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = uint8_t(b);
+  cfg.rows[6] = cfg.rows[7] = 16;
   // GCC 12's _tile_loadconfig declares a read of 8 bytes only, so the compiler may drop the
   // stores of the rest as dead (its ldtilecfg then faults): the whole struct is the operand
   __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
@@ -66,34 +69,38 @@ SD_AMX void configure(int m) {
 
 SD_AMX void release() { _tile_release(); }
 
-// tokens x[0..m) (row stride K) against two panels (the second `stride` elements on) -> c0, c1
-// [m][16] float32 each. Two accumulators in flight: one panel's chain of tdpbf16ps waits on
-// itself, so a token alone would leave the unit idle between them. Each panel's sums are its
-// own chain over k in order, as with one panel at a time.
-SD_AMX void panel_pair(const uint16_t* x, int64_t K, const uint16_t* panel, int64_t stride,
-                       float* c0, float* c1) {
+// Tokens xa (block a) and, where `both`, xb (block b), row stride K, against two panels (the
+// second `stride` elements on; stride 0 repeats the first) -> c[0], c[1] (block a) and c[2], c[3]
+// (block b), [rows][16] float32 each. Four chains in flight: one panel's chain of tdpbf16ps waits
+// on itself, so a token alone would leave the unit idle. Each output's sum is its own chain over
+// k in order, whatever the block, the pass or the number of tokens.
+template <bool both>
+SD_AMX void panel_pair(const uint16_t* xa, const uint16_t* xb, int64_t K, const uint16_t* panel,
+                       int64_t stride, float (*c)[16 * 16]) {
   _tile_zero(0);
   _tile_zero(1);
-  for (int64_t k = 0; k < K; k += kAmxK) {
-    _tile_loadd(2, x + k, K * 2);
-    _tile_loadd(3, panel + k * 16, 64);
-    _tile_loadd(4, panel + stride + k * 16, 64);
-    _tile_dpbf16ps(0, 2, 3);
-    _tile_dpbf16ps(1, 2, 4);
+  if (both) {
+    _tile_zero(2);
+    _tile_zero(3);
   }
-  _tile_stored(0, c0, 64);
-  _tile_stored(1, c1, 64);
-}
-
-// one panel alone (the last of an odd count): the same chain into c
-SD_AMX void panel_one(const uint16_t* x, int64_t K, const uint16_t* panel, float* c) {
-  _tile_zero(0);
   for (int64_t k = 0; k < K; k += kAmxK) {
-    _tile_loadd(2, x + k, K * 2);
-    _tile_loadd(3, panel + k * 16, 64);
-    _tile_dpbf16ps(0, 2, 3);
+    _tile_loadd(4, xa + k, K * 2);
+    _tile_loadd(6, panel + k * 16, 64);
+    _tile_loadd(7, panel + stride + k * 16, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (both) {
+      _tile_loadd(5, xb + k, K * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
   }
-  _tile_stored(0, c, 64);
+  _tile_stored(0, c[0], 64);
+  _tile_stored(1, c[1], 64);
+  if (both) {
+    _tile_stored(2, c[2], 64);
+    _tile_stored(3, c[3], 64);
+  }
 }
 
 void write_out(const float* c, int m, int64_t m0, int64_t n0, int64_t N, const float* bias,
@@ -126,29 +133,42 @@ bool bf16_amx_supported() {
   return ok;
 }
 
+// Tokens in passes of 32 (two blocks of 16; fewer tokens in all, blocks of min(M, 16) and the
+// rest): every pass under the same configuration. Past 32 tokens, a last pass of fewer than 32
+// runs on a copy of its rows padded to 16 or 32 (rows past M are computed and dropped), so the
+// tiles are configured once per call and the panels stay in cache across a panel's passes.
 SD_AMX void bf16_amx_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* panels,
                             int64_t N, const float* bias, uint16_t* out, int64_t p0, int64_t p1) {
-  alignas(64) float c[2][16 * 16];
+  if (p0 >= p1) return;
+  alignas(64) float c[4][16 * 16];
   const int64_t stride = K * 16;  // elements per panel
-  int configured = 0;
+  const int a = int(M < 16 ? M : 16), b = int(M <= 32 ? (M > 16 ? M - 16 : 0) : 16);
+  const int64_t full = M <= 32 ? M : M / 32 * 32, rest = M - full;  // rest: rows of a padded pass
+  thread_local std::vector<uint16_t> padded;  // [32][K]: the last pass's rows, then zeros
+  if (rest) {
+    padded.assign(size_t(32 * K), 0);
+    std::memcpy(padded.data(), x + full * K, size_t(rest * K) * sizeof(uint16_t));
+  }
+  configure(a, b ? b : 1);
   for (int64_t p = p0; p < p1; p += 2) {
     const bool pair = p + 1 < p1;
-    for (int64_t m0 = 0; m0 < M; m0 += 16) {
-      const int m = int(M - m0 < 16 ? M - m0 : 16);
-      if (m != configured) {
-        configure(m);
-        configured = m;
+    const uint16_t* panel = panels + p * stride;
+    const int64_t second = pair ? stride : 0;
+    auto pass = [&](const uint16_t* rows, int64_t m0, int64_t m) {  // m <= 32 rows from m0
+      if (m > 16)
+        panel_pair<true>(rows, rows + 16 * K, K, panel, second, c);
+      else
+        panel_pair<false>(rows, nullptr, K, panel, second, c);
+      for (int blk = 0; blk < 2 && blk * 16 < m; ++blk) {
+        const int rows_in = int(m - blk * 16 < 16 ? m - blk * 16 : 16);
+        write_out(c[2 * blk], rows_in, m0 + blk * 16, p * 16, N, bias, out);
+        if (pair) write_out(c[2 * blk + 1], rows_in, m0 + blk * 16, (p + 1) * 16, N, bias, out);
       }
-      if (pair) {
-        panel_pair(x + m0 * K, K, panels + p * stride, stride, c[0], c[1]);
-        write_out(c[1], m, m0, (p + 1) * 16, N, bias, out);
-      } else {
-        panel_one(x + m0 * K, K, panels + p * stride, c[0]);
-      }
-      write_out(c[0], m, m0, p * 16, N, bias, out);
-    }
+    };
+    for (int64_t m0 = 0; m0 < full; m0 += 32) pass(x + m0 * K, m0, full - m0 < 32 ? full - m0 : 32);
+    if (rest) pass(padded.data(), full, rest);
   }
-  if (configured) release();
+  release();
 }
 
 #else  // no AMX in this compiler or OS: never supported, never called
