@@ -80,8 +80,53 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token id from [V] probabilities, as a 0-d int64 tensor."""
-    return torch.multinomial(probs, 1, generator=generator)[0]
+    """One token id from [V] probabilities, as a 0-d int64 tensor (see `draw`)."""
+    return draw(probs, 1, generator)[0]
+
+
+# Entries per block of `draw`'s inverse CDF on the CPU: the draw finds its block among V / 1024
+# block sums, then its token among the block's 1024 running sums.
+DRAW_BLOCK = 1024
+
+
+def draw(probs: torch.Tensor, count: int, generator: torch.Generator | None) -> torch.Tensor:
+    """`count` independent token ids from [V] probabilities (or any non-negative weights: they
+    need not sum to 1) -> [count] int64. An entry of zero is never drawn.
+
+    On the CPU by the inverse CDF in float64, one uniform per draw: PyTorch's multinomial draws
+    an exponential per vocabulary entry there, the largest cost of a sampled step after the
+    forwards at a vocabulary of 150k (docs/benchmarks.md, "Sampling on the CPU"); elsewhere by
+    `torch.multinomial`. Both are the distribution of `probs` exactly, up to float64 rounding of
+    running sums; with the same generator state they draw different tokens."""
+    if probs.device.type != "cpu":
+        return torch.multinomial(probs, count, replacement=True, generator=generator)
+    vocab = probs.shape[-1]
+    whole = vocab - vocab % DRAW_BLOCK
+    sums = [probs[:whole].reshape(-1, DRAW_BLOCK).sum(1, dtype=torch.float64)]
+    if whole < vocab:
+        sums.append(probs[whole:].sum(dtype=torch.float64).reshape(1))
+    block_mass = torch.cat(sums) if len(sums) > 1 else sums[0]  # [ceil(V / DRAW_BLOCK)]
+    block_end = block_mass.cumsum(0)  # running mass at each block's end
+    total = float(block_end[-1]) if len(block_end) else 0.0
+    if not 0.0 < total < float("inf"):
+        raise ValueError(
+            f"draw: the weights must be finite, non-negative, not all zero (sum {total})"
+        )
+    x = torch.rand(count, dtype=torch.float64, generator=generator) * total  # [count]
+    blocks = torch.searchsorted(block_end, x, right=True).tolist()  # first block ending past x
+    tokens = []
+    for target, block in zip(x.reshape(-1, 1), blocks, strict=True):
+        if block >= len(block_end):  # x rounded up to the total: the last block with mass
+            block = int(block_mass.nonzero().max())
+        start = block * DRAW_BLOCK
+        weights = probs[start : start + DRAW_BLOCK]  # [<= DRAW_BLOCK]
+        before = block_end[block - 1] if block else block_end.new_zeros(())
+        ends = weights.to(torch.float64).cumsum(0) + before
+        index = int(torch.searchsorted(ends, target, right=True))
+        if index >= len(weights):  # the block's running sum fell a rounding short of x
+            index = int(weights.nonzero().max())
+        tokens.append(start + index)
+    return torch.tensor(tokens, dtype=torch.int64)
 
 
 def make_generator(device: torch.device, seed: int | None) -> torch.Generator:

@@ -25,7 +25,7 @@ import torch
 
 from specdecode.drafters.model import DraftModelState, ModelDrafter
 from specdecode.drafters.tree_shape import TreeShape, parse_tree_spec
-from specdecode.sampling import SamplingParams, logits_to_probs
+from specdecode.sampling import SamplingParams, draw, logits_to_probs
 from specdecode.tree import (
     TokenTree,
     additive_mask,
@@ -84,7 +84,7 @@ class _Pool:
                 self._draw(parent, token, base + lq, None, {})
                 for token, lq in zip(top.indices.tolist(), top.values.tolist(), strict=True)
             ]
-        drawn = torch.multinomial(q, count, replacement=True, generator=generator).tolist()
+        drawn = draw(q, count, generator).tolist()
         logq = q.log()
         seen: dict[int, int] = {}
         new: list[int] = []
