@@ -198,6 +198,68 @@ def test_stop_strings_streamed_and_not(client, reference):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def _target_logprobs(reference, prompt_ids: list[int], token_ids: list[int]):
+    """The target's own log-softmax before each generated token: one forward over the prompt
+    and the output -> [n, V]."""
+    import torch
+
+    ids = torch.tensor([prompt_ids + token_ids])
+    with torch.no_grad():
+        logits = reference.target.model(ids).logits[0, len(prompt_ids) - 1 : -1]
+    return torch.log_softmax(logits.float(), -1)
+
+
+def test_completion_logprobs_are_the_targets_own(client, reference):
+    expected = reference.generate("the cat", max_new_tokens=24, temperature=0.0)
+    eos = set(reference.eos_token_ids or ())
+    ids = [t for t in expected.token_ids if t not in eos]
+    target = _target_logprobs(reference, expected.prompt_ids, expected.token_ids)
+    args = dict(model=MODEL, prompt="the cat", max_tokens=24, temperature=0, logprobs=3)
+    out = client.completions.create(**args)
+    lp = out.choices[0].logprobs
+    assert "".join(lp.tokens) == out.choices[0].text == expected.text
+    assert len(lp.token_logprobs) == len(ids)
+    for i, (value, top) in enumerate(zip(lp.token_logprobs, lp.top_logprobs, strict=True)):
+        assert value == pytest.approx(float(target[i, ids[i]]), abs=1e-4)
+        assert len(top) == 3 and max(top.values()) == pytest.approx(value)  # greedy: the likeliest
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    chunks = list(client.completions.create(**args, stream=True))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs is not None]
+    assert [t for part in streamed for t in part.tokens] == lp.tokens
+    assert [v for part in streamed for v in part.token_logprobs] == lp.token_logprobs
+    assert [o for part in streamed for o in part.text_offset] == lp.text_offset
+    plain = client.completions.create(**{**args, "logprobs": None})
+    assert plain.choices[0].logprobs is None
+
+
+def test_chat_logprobs_streamed_and_not_and_cut_by_a_stop_string(client, reference):
+    args = dict(model=MODEL, messages=HI, max_tokens=20, temperature=0, logprobs=True)
+    out = client.chat.completions.create(**args, top_logprobs=2)
+    content = out.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == out.choices[0].message.content
+    for c in content:
+        assert c.logprob <= 0 and c.bytes == list(c.token.encode("utf-8"))
+        assert len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
+        assert c.top_logprobs[0].logprob == pytest.approx(c.logprob)  # greedy: the likeliest
+    chunks = list(client.chat.completions.create(**args, top_logprobs=2, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]  # fmt: skip
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    no_top = client.chat.completions.create(**args).choices[0].logprobs.content
+    assert [(e.token, e.logprob, e.top_logprobs) for e in no_top] == [(e.token, e.logprob, []) for e in content]  # fmt: skip
+    text = out.choices[0].message.content
+    stop = text[3:5]  # a stop string the greedy output reaches: only the tokens before it
+    cut = client.chat.completions.create(**args, stop=[stop])
+    assert "".join(c.token for c in cut.choices[0].logprobs.content) == text[: text.find(stop)]
+    # streamed with the stop string: each chunk's entries are its text's tokens (one character
+    # each here), the held-back text's with it, the stop string's never
+    chunks = list(client.chat.completions.create(**args, stop=[stop], stream=True))
+    parts = [c.choices[0] for c in chunks if c.choices and c.choices[0].delta.content]
+    for part in parts:
+        assert "".join(e.token for e in part.logprobs.content) == part.delta.content
+    assert "".join(p.delta.content for p in parts) == text[: text.find(stop)]
+    assert client.chat.completions.create(**{**args, "logprobs": False}).choices[0].logprobs is None
+
+
 def test_sampling_is_seeded(client):
     args = dict(model=MODEL, prompt="abc", max_tokens=20, temperature=1.0, top_p=0.9, seed=7)
     first = client.completions.create(**args).choices[0].text
@@ -244,7 +306,8 @@ BAD_REQUESTS = [
     (C, {"stop": ["a", 3]}, 400, "stop"),
     (C, {"n": 2}, 400, "n"),
     (C, {"best_of": 3}, 400, "best_of"),
-    (C, {"logprobs": 2}, 400, "logprobs"),
+    (C, {"logprobs": 6}, 400, "logprobs"),  # OpenAI's most: 5
+    (C, {"logprobs": True}, 400, "logprobs"),  # strict: an integer
     (C, {"echo": True}, 400, "echo"),
     (C, {"suffix": "x"}, 400, "suffix"),
     (C, {"presence_penalty": 0.5}, 400, "presence_penalty"),
@@ -256,7 +319,9 @@ BAD_REQUESTS = [
     (CH, {"messages": [{"role": "user", "content": ""}]}, 400, "messages"),  # empty prompt
     (CH, {"messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
     (CH, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
-    (CH, {"logprobs": True}, 400, "logprobs"),
+    (CH, {"logprobs": 1}, 400, "logprobs"),  # strict: a boolean
+    (CH, {"top_logprobs": 3}, 400, "top_logprobs"),  # without logprobs: true
+    (CH, {"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),  # OpenAI's most: 20
     (CH, {"tools": [{"type": "function"}]}, 400, "tools"),
     (CH, {"response_format": {"type": "json_object"}}, 400, "response_format"),
     (CH, {"model": "other"}, 404, "model"),

@@ -210,6 +210,7 @@ def _params(body: Any, prompt: Any, *, chat: bool, max_tokens: int | None) -> Ge
         seed=body.seed,
         stops=body.stops,
         prompt_param="messages" if chat else "prompt",
+        logprobs=body.logprob_count,
     )
 
 
@@ -254,7 +255,9 @@ async def _generate(
         outcome = await client.outcome()
         if outcome.finish_reason in ("timeout", "cancelled"):
             raise _unstarted_error(outcome.finish_reason, timeout_s)
-        return JSONResponse(shape.response(outcome.text, outcome.finish_reason, outcome.stats))
+        return JSONResponse(
+            shape.response(outcome.text, outcome.finish_reason, outcome.stats, outcome.logprobs)
+        )
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
     except DeadlineInQueue:

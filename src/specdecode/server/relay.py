@@ -93,7 +93,7 @@ async def sse_events(
     while True:
         event = await events.get()
         if isinstance(event, Delta):
-            yield send(shape.chunk(event.text))
+            yield send(shape.chunk(event.text, logprobs=event.logprobs))
         elif isinstance(event, Finished):
             yield send(shape.chunk(None, event.outcome.finish_reason))
             if include_usage:

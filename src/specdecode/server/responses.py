@@ -7,6 +7,7 @@ import time
 import uuid
 from typing import Any
 
+from specdecode.server.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 from specdecode.types import Stats
 
 DONE = "data: [DONE]\n\n"
@@ -54,6 +55,16 @@ class Shape:
         self.chat, self.model = chat, model
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
+        self._offset = 0  # a completion stream's characters of logprobs tokens so far
+
+    def _logprobs(self, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        if entries is None:
+            return None
+        if self.chat:
+            return chat_logprobs(entries)
+        body = completion_logprobs(entries, self._offset)
+        self._offset += sum(len(e.token) for e in entries)
+        return body
 
     def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -64,29 +75,42 @@ class Shape:
             "choices": choices,
         }
 
-    def response(self, text: str, reason: str, stats: Stats) -> dict[str, Any]:
+    def response(
+        self,
+        text: str,
+        reason: str,
+        stats: Stats,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> dict[str, Any]:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}}
             body = self._envelope("chat.completion", [choice])
         else:
             choice = {"index": 0, "text": text}
             body = self._envelope("text_completion", [choice])
-        choice.update(logprobs=None, finish_reason=finish_reason(reason))
+        choice.update(logprobs=self._logprobs(logprobs), finish_reason=finish_reason(reason))
         body["usage"] = usage(stats)
         return body
 
     def chunk(
-        self, text: str | None, reason: str | None = None, *, role: bool = False
+        self,
+        text: str | None,
+        reason: str | None = None,
+        *,
+        role: bool = False,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> dict[str, Any]:
-        """One stream chunk: new text, or (text=None) the last one with its finish_reason."""
+        """One stream chunk: new text (and its tokens' logprobs, where asked for), or
+        (text=None) the last one with its finish_reason."""
         done = None if reason is None else finish_reason(reason)
+        lp = self._logprobs(logprobs)
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": done}
+            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": done}
             return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": done}
+        choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": done}
         return self._envelope("text_completion", [choice])
 
     def usage_chunk(self, stats: Stats) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI endpoints, validated strictly (pydantic v2).
 
 Strict types (no "5" for 5, no true for 1), OpenAI's ranges, and a clear 400 for parameters OpenAI
-knows but this server does not implement (n > 1, logprobs, penalties, tools, ...). Parameters
+knows but this server does not implement (n > 1, echo, penalties, tools, ...). Parameters
 nobody here knows are ignored, as OpenAI clients expect.
 """
 
@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from specdecode.server.limits import MAX_STOP_CHARS, MAX_STOPS
+from specdecode.server.logprobs import MAX_TOP_CHAT, MAX_TOP_COMPLETIONS
 
 # torch.Generator.manual_seed accepts [-2**63, 2**64)
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
@@ -101,7 +102,8 @@ class CompletionBody(_GenerationBody):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-    logprobs: int | None = None
+    # each token's log-probability and its `logprobs` likeliest alternatives (0: none)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_COMPLETIONS)
 
     @field_validator("echo")
     @classmethod
@@ -124,12 +126,10 @@ class CompletionBody(_GenerationBody):
             raise _unsupported("best_of", "one candidate per request: send best_of=1")
         return value
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: int | None) -> int | None:
-        if value is not None:
-            raise _unsupported("logprobs", "log-probabilities are not returned")
-        return value
+    @property
+    def logprob_count(self) -> int | None:
+        """The alternatives per token to return with its logprob; None: no logprobs."""
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -169,25 +169,23 @@ class ChatCompletionBody(_GenerationBody):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    logprobs: bool | None = None  # each token's log-probability
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_CHAT)  # and its likeliest alternatives
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: bool | None) -> bool | None:
-        if value:
-            raise _unsupported("logprobs", "log-probabilities are not returned")
-        return value
-
     @field_validator("top_logprobs")
     @classmethod
-    def _no_top_logprobs(cls, value: int | None) -> int | None:
-        if value is not None:
-            raise _unsupported("top_logprobs", "log-probabilities are not returned")
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: Any) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
         return value
+
+    @property
+    def logprob_count(self) -> int | None:
+        """The alternatives per token to return with its logprob; None: no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("tools", "functions")
     @classmethod

@@ -27,6 +27,7 @@ from specdecode.kernels.openmp import release_pool
 from specdecode.request import GenerationRequest
 from specdecode.sampling import SamplingParams
 from specdecode.server.errors import APIError
+from specdecode.server.logprobs import LogprobCollector, TokenLogprob
 from specdecode.server.telemetry import ServerMetrics
 from specdecode.store import StoreFull
 from specdecode.types import Stats
@@ -51,6 +52,7 @@ class GenerationParams:
     seed: int | None
     stops: list[str]
     prompt_param: str = "prompt"  # how the request names the prompt ("prompt" or "messages")
+    logprobs: int | None = None  # None: none returned; n: each token's, and its n likeliest
 
     def request(self, engine: SpeculativeDecoder, max_new_tokens: int) -> GenerationRequest:
         """The engine's request for the encoded prompt (the chat template is applied already),
@@ -68,6 +70,7 @@ class Outcome:
     # "stop" (EOS or stop string), "length", "timeout", "cancelled" (client gone) or "shutdown"
     finish_reason: str
     stats: Stats
+    logprobs: list[TokenLogprob] | None = None  # where asked for (server/logprobs.py)
 
 
 @dataclass
@@ -78,6 +81,7 @@ class Started:
 @dataclass
 class Delta:
     text: str
+    logprobs: list[TokenLogprob] | None = None  # the tokens behind it, where asked for
 
 
 @dataclass
@@ -99,6 +103,30 @@ class Running:
 
     generation: Generation
     ttft: float | None = None
+    logprobs: LogprobCollector | None = None  # where the request asked for them
+    entries: list[TokenLogprob] = field(default_factory=list)  # those sent, in order
+    held: list[TokenLogprob] = field(default_factory=list)  # tokens whose text is held back
+    text_chars: int = 0  # characters of text sent
+    entry_chars: int = 0  # characters of the tokens in `entries`
+
+    def release(self, final: bool = False, fit: bool = False) -> list[TokenLogprob] | None:
+        """The held entries whose text has gone out (all of them at the end; with `fit`, a stop
+        string ended the text: only those within it), or None where none were asked for. A
+        token's entry goes with the chunk that carries its text, as far as its decoded text
+        tells (a token may decode to part of a character)."""
+        if self.logprobs is None:
+            return None
+        n = 0
+        chars = self.entry_chars
+        for entry in self.held:
+            if (not final or fit) and chars + len(entry.token) > self.text_chars:
+                break
+            chars += len(entry.token)
+            n += 1
+        out, self.held = self.held[:n], (self.held[n:] if not final else [])
+        self.entry_chars = chars
+        self.entries.extend(out)
+        return out
 
 
 @dataclass(eq=False)
@@ -268,7 +296,10 @@ class GenerationWorker:
         try:
             prompt_ids, max_new = self._plan(job.params)
             request = job.params.request(self.engine, max_new)
-            generation = self.session.add(prompt_ids, request, begin_draft=False)
+            collector = self._collector(job.params)
+            generation = self.session.add(
+                prompt_ids, request, begin_draft=False, on_logits=collector
+            )
         except APIError as err:
             job.deliver(Failed(err))
             return
@@ -282,7 +313,7 @@ class GenerationWorker:
             log.exception("prefill failed")
             self._fail(job, None)
             return
-        running = Running(generation)
+        running = Running(generation, logprobs=collector)
         with self._cond:
             self._running[job] = running
         job.deliver(Started(len(prompt_ids)))
@@ -322,8 +353,12 @@ class GenerationWorker:
             return
         if generation.new_ids and running.ttft is None:
             running.ttft = time.monotonic() - job.arrival
-        if generation.new_text:
-            job.deliver(Delta(generation.new_text))
+        if running.logprobs is not None:
+            running.held.extend(running.logprobs.take(generation.new_ids))
+        running.text_chars += len(generation.new_text)
+        entries = running.release()
+        if generation.new_text or entries:
+            job.deliver(Delta(generation.new_text, entries))
             generation.new_text = ""
         if not generation.finished:
             if job.cancelled.is_set():
@@ -335,14 +370,23 @@ class GenerationWorker:
 
     def _end(self, job: Job, running: Running) -> None:
         generation = running.generation
-        if generation.new_text:  # the rest a finished stream held back
-            job.deliver(Delta(generation.new_text))
-        finish = generation.finish_reason
         text = generation.text
         assert text is not None  # serving needs a tokenizer
+        running.text_chars += len(generation.new_text)
+        entries = running.release(final=True, fit=text.stopped)
+        if generation.new_text or entries:  # the rest a finished stream held back
+            job.deliver(Delta(generation.new_text, entries))
+        finish = generation.finish_reason
         self._count(job, finish, generation.stats, running.ttft)
         self._leave(job)
-        job.deliver(Finished(Outcome(text.final_text, text.ids, finish, generation.stats)))
+        every = running.entries if running.logprobs is not None else None
+        job.deliver(Finished(Outcome(text.final_text, text.ids, finish, generation.stats, every)))
+
+    def _collector(self, params: GenerationParams) -> LogprobCollector | None:
+        if params.logprobs is None:
+            return None
+        skip = frozenset(self.engine.eos_token_ids or ())
+        return LogprobCollector(self.engine.tokenizer, params.logprobs, skip)
 
     def _leave(self, job: Job) -> None:
         with self._cond:
