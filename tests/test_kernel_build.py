@@ -1,4 +1,5 @@
-"""The kernel build never hangs on a lock a killed build left behind, and says it is building."""
+"""The kernel build never hangs on a lock a killed build left behind, says it is building, and
+builds once per version of its sources, whatever the path they come from."""
 
 from __future__ import annotations
 
@@ -59,3 +60,19 @@ def test_progress_is_shown_only_for_long_work():
     with build._progress("building", first_after_s=0.01, every_s=0.01, say=say):
         assert twice.wait(timeout=60.0)  # it goes on while the work does
     assert all(line.startswith("building (") and line.endswith(" s)") for line in lines)
+
+
+def test_sources_are_staged_once_per_version_of_them(tmp_path):
+    # the build compiles copies at one path per version of the sources, so that a checkout or an
+    # install elsewhere with the same sources finds the build done (ninja rebuilds on new paths)
+    assert build.build_directory().name == build.source_digest()
+    staged = build.staged_sources(tmp_path)
+    assert [p.name for p in staged] == [p.name for p in build._SOURCES]
+    for path in (*build._SOURCES, *build._HEADERS):
+        assert (tmp_path / "src" / path.name).read_bytes() == path.read_bytes()
+    first = staged[0].stat().st_mtime_ns
+    staged[1].write_text("// stale")
+    assert build.staged_sources(tmp_path) == staged
+    assert staged[0].stat().st_mtime_ns == first  # unchanged: not written again
+    assert staged[1].read_bytes() == build._SOURCES[1].read_bytes()  # changed: written again
+    assert not list((tmp_path / "src").glob("*.tmp"))

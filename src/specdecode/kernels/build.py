@@ -64,10 +64,30 @@ DEFAULT_LOCK_TIMEOUT_S = 600.0  # far longer than a build takes: a lock this old
 
 
 def build_directory() -> Path:
-    """Where PyTorch builds and caches the extension ($TORCH_EXTENSIONS_DIR or its default)."""
+    """Where PyTorch builds and caches the extension: $TORCH_EXTENSIONS_DIR (or its default),
+    then one folder per version of the kernels' sources (`source_digest`), so that checkouts and
+    installs of the same sources share one build and two versions never rebuild over each
+    other."""
     from torch.utils import cpp_extension
 
-    return Path(cpp_extension._get_build_directory(BUILD_NAME, False))  # a private helper
+    base = Path(cpp_extension._get_build_directory(BUILD_NAME, False))  # a private helper
+    return base / source_digest()
+
+
+def staged_sources(directory: Path) -> list[Path]:
+    """The sources and headers copied into `directory`/src (where not there yet) -> the copied
+    sources. The build names these paths whatever the checkout it came from: ninja rebuilds
+    when a path in its build file changes, so building from the package's own paths rebuilt
+    for every checkout or install path."""
+    staged = directory / "src"
+    staged.mkdir(parents=True, exist_ok=True)
+    for path in (*_SOURCES, *_HEADERS):
+        target, content = staged / path.name, path.read_bytes()
+        if not target.exists() or target.read_bytes() != content:
+            partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+            partial.write_bytes(content)
+            partial.replace(target)  # atomic: a concurrent build reads a whole file
+    return [staged / path.name for path in _SOURCES]
 
 
 def wait_for_build_lock(lock: Path, timeout_s: float, poll_s: float = 1.0) -> None:
@@ -156,7 +176,7 @@ def extension() -> Any:
         with _progress("specdecode: building the CPU kernels (once per machine)"):
             ext = cpp_extension.load(
                 name=BUILD_NAME,
-                sources=[str(source) for source in _SOURCES],
+                sources=[str(source) for source in staged_sources(directory)],
                 extra_cflags=flags,
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(directory),
