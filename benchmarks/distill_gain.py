@@ -3,7 +3,7 @@ rate, mean acceptance length τ and speedup of `distilled:DIR` against the draft
 from, per category, for chains and trees, in one `specdecode bench` run (the same target, the
 same prompts, interleaved; greedy outputs checked against the target alone).
 
-    python benchmarks/distill_gain.py runs/distill --quantization int4 \
+    python -m benchmarks.distill_gain runs/distill --quantization int4 \
         --k 3,4 --tree dynamic:5,6,2,0.3 --tree dynamic:11,8,3,0.2,0.05 --out runs/distill-gain
 
 The held-out prompts are DIR/distill.json's (`data.heldout_prompt_ids`, from its prompt file or

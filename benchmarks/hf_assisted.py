@@ -1,6 +1,6 @@
 """Our speculative decoding beside Hugging Face's assisted generation, same models, same prompts.
 
-    python benchmarks/hf_assisted.py --limit 4 --max-new-tokens 48
+    python -m benchmarks.hf_assisted --limit 4 --max-new-tokens 48
 
 Methods, interleaved per prompt after a warm-up, all greedy, chat template applied, new tokens
 counted from ids: `hf-ar` (HF generate alone), `hf-assisted` (its default schedule),

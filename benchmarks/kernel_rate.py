@@ -1,11 +1,11 @@
 """The bfloat16 panel kernel's rate on one linear layer shape over 1-12 tokens.
 
-    python benchmarks/kernel_rate.py --n 8960 --k 1536
-    python benchmarks/kernel_rate.py --copies 24 --tokens 1,6,12 --prefetch 2048,8192
+    python -m benchmarks.kernel_rate --n 8960 --k 1536
+    python -m benchmarks.kernel_rate --copies 24 --tokens 1,6,12 --prefetch 2048,8192
 
 Verifying more tokens costs more once the kernel is bound by arithmetic, not by reading the
 weights. By default this times one linear layer small enough to stay in the last-level cache
-(27.5 MB, within the 32 MB L3 of the machines in docs/benchmarks.md; so memory is out of the
+(27.5 MB, within the 32 MB L3 of the machines in lab/benchmarks.md; so memory is out of the
 picture) and prints multiply-adds per second: where it stops growing with the number of tokens,
 the kernel is bound by arithmetic (the peak: cores x FMA units x lanes per cycle) and little but
 fewer multiply-adds would make verification cheaper.

@@ -1,6 +1,6 @@
 """Our int4 target's KL divergence to bfloat16 beside llama.cpp's Q4_K_M, on the same text.
 
-    python benchmarks/llamacpp_kld.py --llamacpp-bin ~/llama.cpp/build/bin --out runs/kld
+    python -m benchmarks.llamacpp_kld --llamacpp-bin ~/llama.cpp/build/bin --out runs/kld
 
 Never run in CI and builds nothing: `--llamacpp-bin` is the folder of an already built llama.cpp
 (llama-perplexity). In order:
@@ -23,7 +23,7 @@ Never run in CI and builds nothing: `--llamacpp-bin` is the folder of an already
 Writes results.json, report.md and llama-perplexity's own output (llama_base.log,
 llama_kld.log) under `--out` and prints the report. `--clean` removes the
 big files it wrote in `--work` (the bfloat16 GGUF, base.kld) at the end; a later run makes them
-again. Definitions: the report and docs/benchmarks.md ("Speculation vs quantization vs pruning").
+again. Definitions: the report and lab/benchmarks.md ("Speculation vs quantization vs pruning").
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from benchmarks import llamacpp_io as lio
+from benchmarks import llamacpp_kld_io as kio
 from specdecode.bench.compare import split_prompts
 from specdecode.bench.quality import (
     answer_log_probs,
@@ -51,10 +53,6 @@ from specdecode.bench.variants import calibration_cache, calibration_sequences
 from specdecode.engine import SpeculativeDecoder
 from specdecode.models.fetch import cached_path, rebuild_gguf
 from specdecode.models.loading import load_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the io modules, also when imported
-import llamacpp_io as lio
-import llamacpp_kld_io as kio
 
 BASE_KLD = "base.kld"
 TEXT = "reference.txt"

@@ -31,13 +31,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from benchmarks import llamacpp_kld as kld_run
+from benchmarks import llamacpp_kld_io as kio
 from specdecode.bench.quality import answer_log_probs, summarize_tokens, token_quality
 from specdecode.models.fetch import rebuild_gguf
 from specdecode.models.loading import load_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import llamacpp_kld as kld_run
-import llamacpp_kld_io as kio
 
 QUANTIZED_KLD = "quantized.kld"
 NAMES = {

@@ -3,16 +3,16 @@ one is replaced at once by the next prompt, as `serve --max-batch B` under concu
 batched decoding, fixed k and the cost policy, in alternating rounds so that the machine's drift
 falls on all of them alike. Tokens/s counts every token committed in the round (rows still
 running at its end included); each configuration keeps its one batch session across rounds, as
-a server does. Run it alone (docs/benchmarks.md, "Where batching stops on 2 cores").
+a server does. Run it alone (lab/benchmarks.md, "Where batching stops on 2 cores").
 
-    python benchmarks/policy_load.py --rows 2 --configs ar,k3,cost4 --requests 6 --rounds 3
+    python -m benchmarks.policy_load --rows 2 --configs ar,k3,cost4 --requests 6 --rounds 3
 
 A configuration NAME@B keeps B requests in flight instead of --rows (cost4@1,ar@8,k2@8: what
 `--max-batch 1` and `--max-batch 8` servers could reach at concurrency 1 and 8, without HTTP).
 As a `--max-batch 8` server measured at concurrency 1 and then 2 (its policy learns one row
 first, in a session of 8 rows):
 
-    python benchmarks/policy_load.py --rows 2 --store-rows 8 --first-level 20 \
+    python -m benchmarks.policy_load --rows 2 --store-rows 8 --first-level 20 \
         --configs k3,cost4 --requests 6 --rounds 4
 
 "target ms" is the mean time of the target's batched forward (its verified rows beside it).

@@ -1,6 +1,6 @@
 """Latency through the HTTP server: time to first token and total, speculative vs the target alone.
 
-    python benchmarks/serve_latency.py --target qwen2.5-coder-1.5b-instruct \\
+    python -m benchmarks.serve_latency --target qwen2.5-coder-1.5b-instruct \\
         --draft qwen2.5-coder-0.5b-instruct --k 4 --requests 7 --max-tokens 64
 
 Loads the models once and starts the server in-process twice, in turn: the target drafted by

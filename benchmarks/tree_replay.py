@@ -1,7 +1,7 @@
 """Replay greedy chains and token trees against the target's recorded answers: τ, draft forwards
 and verified rows per step, exact, with no target forward.
 
-    python benchmarks/tree_replay.py runs/ar --draft qwen2.5-coder-0.5b-instruct:int4 \
+    python -m benchmarks.tree_replay runs/ar --draft qwen2.5-coder-0.5b-instruct:int4 \
         --setting k=3 --setting tree=dynamic:5,6,2,0.2 --c C --v V1,V2,V3,V4,V5,V6
 
 Greedy speculative decoding emits the target's greedy answer (exactly in float32; in bfloat16 up

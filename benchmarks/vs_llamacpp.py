@@ -1,6 +1,6 @@
 """Our decoding beside llama.cpp's, on the bench suite's prompts, the same prompt tokens on both sides.
 
-    python benchmarks/vs_llamacpp.py --llama-bin ~/llama.cpp/build/bin --out runs/vs-llamacpp
+    python -m benchmarks.vs_llamacpp --llama-bin ~/llama.cpp/build/bin --out runs/vs-llamacpp
 
 Never run in CI and builds nothing: `--llama-bin` is the folder of an already built llama.cpp
 (llama-completion, llama-speculative-simple, llama-bench). The GGUF files default to the presets'
@@ -15,7 +15,7 @@ from prompt to prompt, every method runs once, greedy, at most `--max-new-tokens
 
 llama-bench's tg`N` runs once first, as the tool's own reference number. Writes results.json
 and report.md under `--out` (results.json after every prompt) and prints the report, its main
-table last. Definitions: the report's header and docs/benchmarks.md ("vs llama.cpp").
+table last. Definitions: the report's header and lab/benchmarks.md ("vs llama.cpp").
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from benchmarks import llamacpp_io as lio
 from specdecode import metrics
 from specdecode.bench.methods import MethodRunner, Setting
 from specdecode.bench.records import Record, make_record, mark_identity, top2_margin
@@ -41,9 +42,6 @@ from specdecode.drafters import resolve_draft
 from specdecode.drafters.tree_shape import parse_tree_spec
 from specdecode.models.fetch import rebuild_gguf
 from specdecode.models.loading import LoadedModel, load_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # llamacpp_io, also when imported
-import llamacpp_io as lio
 
 WARM_UP_TOKENS = 8
 

@@ -155,12 +155,19 @@ def tiny_folders(tmp_path_factory):
 
 
 def load_benchmark(name: str):
-    """A script of benchmarks/ as a module (they are not a package)."""
+    """A tool of the `benchmarks` package (the repository root is on pytest's `pythonpath`)."""
+    import importlib
+
+    return importlib.import_module(f"benchmarks.{name}")
+
+
+def load_probe(name: str):
+    """A one-off probe of lab/probes/ as a module (they are scripts, not a package)."""
     import importlib.util
     import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    path = Path(__file__).resolve().parents[1] / "lab" / "probes" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up

@@ -37,7 +37,7 @@ CHAT = (
     "{% for m in messages %}{{ m['role'][0] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}a: {% endif %}"
 )
-# the built-in suite's held-out prompts at the default share (docs/benchmarks.md lists them)
+# the built-in suite's held-out prompts at the default share (lab/benchmarks.md lists them)
 BUILTIN_HELD_OUT = [
     "code_generation-01", "code_generation-05", "code_editing-04", "code_editing-05",
     "chat-03", "chat-06", "creative_writing-03", "creative_writing-05", "summarization-02",

@@ -134,9 +134,9 @@ def test_the_lean_forward_gives_the_kept_ids_the_full_layers_logits(bits):
 def test_the_benchmark_runs_on_tiny_models(tiny_folders, tmp_path):
     import json
 
-    from conftest import load_benchmark
+    from conftest import load_probe
 
-    bench = load_benchmark("draft_vocab")
+    bench = load_probe("draft_vocab")
     argv = ["--target", str(tiny_folders / "target"), "--draft", str(tiny_folders / "draft")]
     argv += [
         "--prompts",

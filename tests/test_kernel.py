@@ -130,7 +130,7 @@ def test_auto_leaves_avx512_machines_without_bf16_on_pytorch(monkeypatch):
 
 
 def test_auto_takes_the_kernel_on_avx512_bf16_machines(monkeypatch):
-    # there its panels run on AVX-512 BF16 (docs/benchmarks.md: faster than PyTorch's path)
+    # there its panels run on AVX-512 BF16 (lab/benchmarks.md: faster than PyTorch's path)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx512f", "avx512bw", "avx512_bf16"}))
     model = tiny_llama(seed=1).to(torch.bfloat16)

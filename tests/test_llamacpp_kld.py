@@ -199,7 +199,7 @@ def test_the_report_has_the_table_and_says_how_the_tokens_compare():
         "started": "2026-12-02",
         "minutes": 20.0,
         "config": {
-            "command": "python benchmarks/llamacpp_kld.py",
+            "command": "python -m benchmarks.llamacpp_kld",
             "llamacpp_bin": "/b",
             "target": "qwen",
             "gguf": "/g/q4_k_m.gguf",

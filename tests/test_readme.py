@@ -27,7 +27,7 @@ from conftest import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_PAGES = ("README.md", "docs/usage.md")  # the pages whose commands must run or be marked
-LINK_PAGES = ("README.md", "docs/*.md", "docs/lab-notes/*.md")  # the pages whose links must resolve
+LINK_PAGES = ("README.md", "docs/*.md", "lab/notes/*.md")  # the pages whose links must resolve
 MARK = re.compile(r"<!-- not run in tests: (\S.*\S) -->")
 FENCE = re.compile(r"```(\S*)")
 

@@ -185,7 +185,7 @@ def _fake_results() -> dict:
     return {
         "started": "2026-12-02 00:00:00 UTC",
         "config": {
-            "command": "python benchmarks/vs_llamacpp.py --llama-bin /b --out x",
+            "command": "python -m benchmarks.vs_llamacpp --llama-bin /b --out x",
             "llama_bin": "/b",
             "target": "t",
             "draft": "d",

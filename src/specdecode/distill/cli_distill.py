@@ -199,6 +199,6 @@ def summary(record: dict, out: str) -> str:
             f"{training['eval_answers']} training answers)",
             f"written: {out}/adapter, {out}/distill.json",
             f"use it: --draft distilled:{out} (or distilled:{out}:int4)",
-            f"measure it on the held-out prompts: python benchmarks/distill_gain.py {out}",
+            f"measure it on the held-out prompts: python -m benchmarks.distill_gain {out}",
         ]
     )
