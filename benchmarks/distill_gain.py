@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.bench.runner import BenchConfig, run_bench
-from specdecode.bench.suites import load_suite
+from specdecode.data.suites import load_suite
 from specdecode.distill.result import read_result
 
 LOW_ACCEPTANCE = ("chat", "creative_writing", "translation", "question_answering")

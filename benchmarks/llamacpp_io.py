@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdecode import metrics
+from specdecode.core import metrics
 
 LLAMA = "llama.cpp"  # the method label of llama.cpp's target alone: the ratios' baseline
 TOOLS = ("llama-completion", "llama-speculative-simple", "llama-bench")

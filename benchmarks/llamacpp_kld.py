@@ -48,11 +48,11 @@ from specdecode.bench.quality import (
     summarize_tokens,
     token_quality,
 )
-from specdecode.bench.suites import load_suite
 from specdecode.bench.variants import calibration_cache, calibration_sequences
-from specdecode.engine import SpeculativeDecoder
+from specdecode.data.suites import load_suite
 from specdecode.models.fetch import cached_path, rebuild_gguf
 from specdecode.models.loading import load_model
+from specdecode.runtime.engine import SpeculativeDecoder
 
 BASE_KLD = "base.kld"
 TEXT = "reference.txt"

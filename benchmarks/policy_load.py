@@ -27,10 +27,10 @@ import time
 from collections import Counter
 
 from specdecode import SpeculativeDecoder, load_model
-from specdecode.bench.suites import load_suite
+from specdecode.core.request import GenerationRequest
+from specdecode.core.sampling import SamplingParams
+from specdecode.data.suites import load_suite
 from specdecode.drafters import resolve_draft
-from specdecode.request import GenerationRequest
-from specdecode.sampling import SamplingParams
 
 CATEGORIES = "chat,code_generation,creative_writing,question_answering,translation,math_reasoning"
 

@@ -9,7 +9,7 @@ to near-ties, where a real run may continue differently), and a drafted token is
 is the answer's next token: so the `ar` answers a `specdecode bench` run recorded
 (results.jsonl, any run with `ar`) say what every step of any greedy drafter accepts. This runs
 the real drafters (their draft forwards) and the core's greedy verification on one-hot "target
-logits" built from the answer (`specdecode.bench.replay`), and counts per step: tokens emitted
+logits" built from the answer (`specdecode.auto.replay`), and counts per step: tokens emitted
 (τ), draft forwards and the rows the target would verify. With a measured draft cost `--c` (a draft forward / a one-token
 target forward) and verification costs `--v` (v(1), v(2), ... from verify_cost.py or a bench
 report), it also prints the speedup those counts imply: τ / (c · forwards + v(rows)), a model
@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from specdecode import SpeculativeDecoder, load_model
-from specdecode.bench.replay import replay
-from specdecode.bench.suites import load_suite
+from specdecode.auto.replay import replay
+from specdecode.data.suites import load_suite
 from specdecode.drafters import resolve_draft
 from specdecode.drafters.tree_shape import parse_tree_spec
 

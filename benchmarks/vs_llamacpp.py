@@ -33,11 +33,11 @@ import torch
 from tqdm.auto import tqdm
 
 from benchmarks import llamacpp_io as lio
-from specdecode import metrics
 from specdecode.bench.methods import MethodRunner, Setting
 from specdecode.bench.records import Record, make_record, mark_identity, top2_margin
-from specdecode.bench.suites import CATEGORIES, BenchPrompt, interleave_by_category, load_suite
-from specdecode.draft_spec import resolve_draft_vocab
+from specdecode.core import metrics
+from specdecode.core.draft_spec import resolve_draft_vocab
+from specdecode.data.suites import CATEGORIES, BenchPrompt, interleave_by_category, load_suite
 from specdecode.drafters import resolve_draft
 from specdecode.drafters.tree_shape import parse_tree_spec
 from specdecode.models.fetch import rebuild_gguf

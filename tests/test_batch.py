@@ -15,18 +15,18 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from specdecode.batch import Batch, Row, fork_drafter
-from specdecode.cache import KVCache
-from specdecode.decode import decode
+from specdecode.core.batch import Batch, Row, fork_drafter
+from specdecode.core.cache import KVCache
+from specdecode.core.decode import decode
+from specdecode.core.policies import CostK, FixedK
+from specdecode.core.sampling import SamplingParams, make_generator
+from specdecode.core.store import StaticStore
+from specdecode.core.types import Stats
 from specdecode.drafters.early_exit import EarlyExitDrafter
 from specdecode.drafters.model import ModelDrafter
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.tree_model import TreeModelDrafter
 from specdecode.drafters.tree_shape import parse_tree_spec
-from specdecode.policies import CostK, FixedK
-from specdecode.sampling import SamplingParams, make_generator
-from specdecode.store import StaticStore
-from specdecode.types import Stats
 from test_sampling_lossless import VOCAB, chi_square, chi_square_limit, exact_step_joint
 
 from conftest import noisy_copy, tiny_llama, tiny_qwen2

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from specdecode import SpeculativeDecoder
+from specdecode.core.request import GenerationRequest
+from specdecode.core.sampling import SamplingParams
+from specdecode.core.store import StoreFull
 from specdecode.models.loading import wrap_model
-from specdecode.request import GenerationRequest
-from specdecode.sampling import SamplingParams
-from specdecode.store import StoreFull
 
 from conftest import char_tokenizer, noisy_copy, tiny_llama
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from specdecode import metrics
 from specdecode.bench.aggregate import row_for, summarize
 from specdecode.bench.methods import plan_settings
 from specdecode.bench.records import Record, first_divergence, make_record, mark_identity
 from specdecode.bench.runner import BenchConfig, load_results, rerender, run_bench
 from specdecode.cli import main
+from specdecode.core import metrics
 from specdecode.models.loading import LoadedModel
 
 RECORD_FIELDS = {
@@ -111,8 +111,8 @@ SAVED_RUN = Path(__file__).parent / "data" / "saved_run"  # written by the code 
 
 def test_record_keeps_the_json_keys_and_round_trips():
     from specdecode.bench.methods import RunOutput, Setting
-    from specdecode.bench.suites import BenchPrompt
-    from specdecode.types import Stats
+    from specdecode.core.types import Stats
+    from specdecode.data.suites import BenchPrompt
 
     stats = Stats(k_max=2, steps=3, drafted=6, accepted=4, drafted_at=[3, 3], accepted_at=[3, 1])
     stats.meter.calls.update(target=4, draft=6)

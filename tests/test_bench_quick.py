@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from specdecode.bench.suites import CATEGORIES
 from specdecode.cli import main
+from specdecode.data.suites import CATEGORIES
 
 pytestmark = pytest.mark.real_model
 

@@ -7,11 +7,11 @@ import copy
 import pytest
 import torch
 
-from specdecode.cache import KVCache
+from specdecode.core.cache import KVCache
+from specdecode.core.sampling import SamplingParams, make_generator
+from specdecode.core.step import prefill, speculative_step
+from specdecode.core.types import Stats
 from specdecode.drafters.model import ModelDrafter
-from specdecode.sampling import SamplingParams, make_generator
-from specdecode.step import prefill, speculative_step
-from specdecode.types import Stats
 
 from conftest import ARCHS, noisy_copy
 
@@ -97,7 +97,7 @@ def test_rollback_refuses_to_grow():
 
 
 def test_a_copied_prefill_decodes_like_a_fresh_one_and_stays_independent(llama_pair):
-    from specdecode.decode import decode
+    from specdecode.core.decode import decode
 
     target, _ = llama_pair
     prompt = [3, 14, 15, 92, 65, 35]
@@ -121,8 +121,8 @@ def test_a_copied_prefill_decodes_like_a_fresh_one_and_stays_independent(llama_p
 def test_the_draft_prefill_builds_no_autograd_graph(forward, monkeypatch):
     # drafter.begin prefills the draft's cache: under inference mode, like every other forward
     # (with grad on it built a graph and sent the CPU kernel to its slow fallback)
-    from specdecode.decode import decode
-    from specdecode.lean import ENV
+    from specdecode.core.decode import decode
+    from specdecode.models.lean import ENV
 
     monkeypatch.setenv(ENV, forward)
 

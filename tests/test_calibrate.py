@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from specdecode.bench import calibrate
-from specdecode.bench.calibration import (
+from specdecode import cli_args
+from specdecode.auto import calibrate
+from specdecode.auto.calibration import (
     MAX_ROWS,
     Calibration,
     ChainRun,
@@ -338,12 +339,12 @@ def test_auto_is_left_out_of_the_run_config_and_refused_where_it_cannot_apply():
     config = run("--draft", "D", "--k", "auto", "--tree", "auto")
     assert (config.k, config.tree) == (4, None)  # defaults until the calibration resolves them
     with pytest.raises(ValueError, match="needs a --draft"):
-        calibrate.check_auto({"k"}, run())
+        cli_args.check_auto({"k"}, run())
     with pytest.raises(ValueError, match="needs a model draft"):
-        calibrate.check_auto({"tree"}, run("--draft", "ngram"))
+        cli_args.check_auto({"tree"}, run("--draft", "ngram"))
     with pytest.raises(ValueError, match="--confidence applies to chains"):
-        calibrate.check_auto({"tree"}, run("--draft", "D", "--confidence", "0.5"))
-    calibrate.check_auto({"k"}, run("--draft", "ngram"))  # a chain's k: fine
+        cli_args.check_auto({"tree"}, run("--draft", "D", "--confidence", "0.5"))
+    cli_args.check_auto({"k"}, run("--draft", "ngram"))  # a chain's k: fine
 
 
 def test_generate_resolves_auto_from_the_calibration(tiny_folders, monkeypatch, capsys):
@@ -410,7 +411,7 @@ def test_the_demo_drafts_what_the_calibration_picks(tiny_folders, monkeypatch, c
 def test_forward_seconds_times_rounds_over_every_size_after_a_warm_up_round():
     # a machine that speeds up while it measures shifts every size alike: the sizes are timed
     # in rounds (warm-up round first, untimed), not one size's repeats after another's
-    from specdecode.bench.costs import forward_seconds
+    from specdecode.auto.costs import forward_seconds
 
     order: list[int] = []
 

@@ -100,7 +100,7 @@ def test_the_kernel_help_names_both_instruction_sets():
 
 
 def test_generate_takes_a_draft_vocabulary(tmp_path, capsys, monkeypatch):
-    from specdecode.draft_spec import DRAFT_VOCAB_ENV
+    from specdecode.core.draft_spec import DRAFT_VOCAB_ENV
 
     monkeypatch.setenv(DRAFT_VOCAB_ENV, "all")  # restored after the test: main() sets it
     target = tiny_llama(seed=0)

@@ -18,8 +18,6 @@ from specdecode.bench.quality import (
     summarize_tokens,
     token_quality,
 )
-from specdecode.bench.suites import BenchPrompt
-from specdecode.bench.tasks import check_answer, extract_code, load_tasks, pass_rates, run_code
 from specdecode.bench.variants import (
     Variant,
     calibration_sequences,
@@ -30,9 +28,11 @@ from specdecode.bench.variants import (
     quantized_target,
 )
 from specdecode.cli import main
-from specdecode.engine import SpeculativeDecoder
+from specdecode.data.suites import BenchPrompt
+from specdecode.data.tasks import check_answer, extract_code, load_tasks, pass_rates, run_code
 from specdecode.models import prune
 from specdecode.models.loading import LoadedModel
+from specdecode.runtime.engine import SpeculativeDecoder
 
 from conftest import char_tokenizer, needs_kernel, noisy_copy, tiny_gpt2, tiny_llama
 
@@ -191,7 +191,7 @@ def test_answer_log_probs_are_the_teacher_forced_positions():
 @needs_kernel()
 def test_answer_log_probs_score_the_forward_a_target_decodes_with():
     from specdecode.kernels import quantize_linears, swap_linears
-    from specdecode.lean import LeanCache, target_cache
+    from specdecode.models.lean import LeanCache, target_cache
 
     model = tiny_llama(5, hidden_size=64, intermediate_size=128).to(torch.bfloat16)
     swap_linears(model)

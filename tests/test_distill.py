@@ -14,20 +14,20 @@ import pytest
 import torch
 
 from specdecode import SpeculativeDecoder, load_model
-from specdecode.bench.suites import load_suite
 from specdecode.cli import main
+from specdecode.core.draft_spec import DraftSpec, ModelSpec
+from specdecode.data.suites import load_suite
 from specdecode.distill import data as data_module
 from specdecode.distill import loss as loss_module
 from specdecode.distill import result as result_module
-from specdecode.distill import store as store_module
 from specdecode.distill import train as train_module
 from specdecode.distill.data import AnswerStore
 from specdecode.distill.loss import distill_loss
 from specdecode.distill.prompts import DistillPrompt, held_out_count, split_heldout
-from specdecode.distill.result import read_result
 from specdecode.distill.settings import Budget, DistillSettings, parse_temperatures
-from specdecode.draft_spec import DraftSpec, ModelSpec
 from specdecode.drafters import resolve_draft
+from specdecode.models import files as store_module
+from specdecode.models.adapters import read_result
 
 from conftest import char_tokenizer, noisy_copy, tiny_llama
 
@@ -367,9 +367,9 @@ def test_the_kept_distributions_are_the_targets_on_its_answers(pair, tmp_path, r
 
 
 def test_batched_answers_are_the_answers_made_one_at_a_time():
-    from specdecode.distill.data import JobError, generate_each
-    from specdecode.request import GenerationRequest
-    from specdecode.sampling import SamplingParams
+    from specdecode.core.request import GenerationRequest
+    from specdecode.core.sampling import SamplingParams
+    from specdecode.runtime.session import JobError, generate_each
 
     engine = SpeculativeDecoder(tiny_llama(seed=3), None, generation_config="none")
     prompts = [[1 + i, 5 + 2 * i, 9, 4 + i][: 2 + i % 3] for i in range(7)]
@@ -560,7 +560,7 @@ def test_a_half_written_result_never_loads(pair, distilled, tmp_path, monkeypatc
 
 
 def test_the_calibration_keys_a_distilled_draft_by_its_adapter(distilled):
-    from specdecode.bench.calibrate import canonical_draft
+    from specdecode.auto.calibrate import canonical_draft
 
     sha = read_result(distilled)["adapter"]["sha256"]
     assert (

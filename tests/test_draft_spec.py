@@ -16,7 +16,7 @@ from specdecode.bench.runner import BenchConfig
 from specdecode.bench.tune import run_tune
 from specdecode.cli import main
 from specdecode.config import RunConfig, to_vllm_speculative_config
-from specdecode.draft_spec import DRAFT_FORMS, MODEL_FORMS, DraftSpec, ModelSpec
+from specdecode.core.draft_spec import DRAFT_FORMS, MODEL_FORMS, DraftSpec, ModelSpec
 from specdecode.drafters import NgramDrafter, resolve_draft
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "specdecode"

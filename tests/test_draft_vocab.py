@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from specdecode import SpeculativeDecoder
-from specdecode.draft_spec import DRAFT_VOCAB_ENV, resolve_draft_vocab
-from specdecode.lean import LeanCache
+from specdecode.core.draft_spec import DRAFT_VOCAB_ENV, resolve_draft_vocab
+from specdecode.core.sampling import SamplingParams
 from specdecode.models.draft_vocab import DraftVocabHead, kept_count, kept_ids, restrict_draft_vocab
-from specdecode.sampling import SamplingParams
+from specdecode.models.lean import LeanCache
 from test_sampling_lossless import chi_square, chi_square_limit, exact_step_joint, first_step_draws
 
 from conftest import WIDE, char_tokenizer, needs_kernel, noisy_copy, on_kernel, tiny_llama

@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from specdecode import SpeculativeDecoder, load_model
-from specdecode.bench.suites import load_suite
-from specdecode.cache import KVCache, keep_features
 from specdecode.cli import main
-from specdecode.decode import decode
-from specdecode.draft_spec import DraftSpec
+from specdecode.core.cache import KVCache, keep_features
+from specdecode.core.decode import decode
+from specdecode.core.draft_spec import DraftSpec
+from specdecode.data.suites import load_suite
 from specdecode.drafters import resolve_draft
 from specdecode.drafters.eagle import EagleDrafter
-from specdecode.lean import LeanCache
 from specdecode.models.eagle_head import EagleHead, read_head_record
+from specdecode.models.lean import LeanCache
 from test_distill import distill_args, pair  # noqa: F401  (the fixture, shared)
 
 from conftest import needs_kernel, tiny_llama
@@ -105,7 +105,7 @@ def test_the_head_drafts_over_the_lean_cache_too():
 
 
 def test_sampled_drafts_carry_their_distribution():
-    from specdecode.sampling import SamplingParams
+    from specdecode.core.sampling import SamplingParams
 
     target = tiny_llama(seed=5)
     head = EagleHead.from_target(target)
@@ -179,7 +179,7 @@ def test_a_head_on_4bit_weights_drafts_for_a_bfloat16_target(pair, head_dir):  #
 
 @needs_kernel()
 def test_a_store_row_keeps_the_features_of_the_prefix_it_reuses():
-    from specdecode.lean import VERIFY_TOKENS, LeanStore
+    from specdecode.models.lean import VERIFY_TOKENS, LeanStore
 
     from conftest import WIDE, on_kernel
 

@@ -11,9 +11,9 @@ import pytest
 from transformers import GenerationConfig
 
 from specdecode import GenerationRequest, SamplingParams, SpeculativeDecoder
+from specdecode.core.request import SamplingDefaults
 from specdecode.models.compat import generation_defaults
 from specdecode.models.loading import wrap_model
-from specdecode.request import SamplingDefaults
 
 from conftest import ARCHS, char_tokenizer, noisy_copy, tiny_llama
 

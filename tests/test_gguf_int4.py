@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
 from specdecode import SpeculativeDecoder
-from specdecode.draft_spec import ModelSpec
+from specdecode.core.draft_spec import ModelSpec
 from specdecode.kernels import apply_kernel
 from specdecode.kernels.quantize import int4_weights, int8_weights, is_quantized, q6_weights
 from specdecode.models.gguf_int4 import decode_float, decode_int4, decode_q6, gguf_codes

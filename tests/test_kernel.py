@@ -175,7 +175,7 @@ def test_direct_linear_computes_what_the_module_does(kind):
 def test_argmax_rows_equals_torch_argmax_first_index_and_nans():
     # greedy decoding's argmax on the kernel: the same index as torch.argmax, bfloat16 and
     # float32, ties (the first index), NaNs (the first NaN), short rows and tails past 8
-    from specdecode.sampling import greedy_tokens
+    from specdecode.core.sampling import greedy_tokens
 
     gen = torch.Generator().manual_seed(0)
     for width in (1, 5, 8, 9, 31, 1000, 151_936):

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdecode import lean
-from specdecode.cache import KVCache
-from specdecode.lean import ENV, LeanCache, draft_cache, unsupported_reason
-from specdecode.tree import additive_mask
+from specdecode.core.cache import KVCache
+from specdecode.core.tree import additive_mask
+from specdecode.models import lean
+from specdecode.models.lean import ENV, LeanCache, draft_cache, unsupported_reason
 
 from conftest import VOCAB, needs_kernel, tiny_gpt2, tiny_llama, tiny_qwen2
 
@@ -231,7 +231,7 @@ def test_rope_attention_refuses_bad_shapes():
 
 def test_memory_estimates_count_the_lean_cache_as_it_is_held():
     from specdecode.bench.memory import estimate_bytes, kv_bytes_per_token, weights_bytes
-    from specdecode.lean import CAPACITY, capacity_for
+    from specdecode.models.lean import CAPACITY, capacity_for
 
     assert capacity_for(10) == CAPACITY
     assert capacity_for(CAPACITY + 1) == 2 * CAPACITY

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from specdecode import SpeculativeDecoder
-from specdecode.cache import KVCache
+from specdecode.core.cache import KVCache
+from specdecode.core.tree import additive_mask
 from specdecode.kernels import swap_linears
-from specdecode.lean import TARGET_ENV, VERIFY_TOKENS, LeanCache, LeanStore, target_cache
-from specdecode.tree import additive_mask
+from specdecode.models.lean import TARGET_ENV, VERIFY_TOKENS, LeanCache, LeanStore, target_cache
 
 from conftest import VOCAB, WIDE, needs_kernel, noisy_copy, on_kernel, tiny_llama, tiny_qwen2
 
@@ -126,7 +126,7 @@ def test_speculation_over_a_lean_target_equals_the_target_alone(bits):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("bits", [None, 8, 4])
 def test_the_native_layer_loop_is_the_python_loop_bit_for_bit(arch, bits, monkeypatch):
-    import specdecode.lean as lean
+    import specdecode.models.lean as lean
 
     model = _target(arch, bits, seed=3)
     # a tree of 4 nodes after 12 cached positions (parents -1, 0, 0, 1): masked keys and

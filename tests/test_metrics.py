@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from specdecode import metrics
-from specdecode.types import Stats
+from specdecode.core import metrics
+from specdecode.core.types import Stats
 
 
 def test_expected_emitted_per_step():

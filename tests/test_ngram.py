@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from specdecode import SpeculativeDecoder
+from specdecode.core.sampling import SamplingParams
+from specdecode.core.types import ForwardMeter
 from specdecode.drafters import NgramDrafter, resolve_draft
 from specdecode.models.loading import wrap_model
-from specdecode.sampling import SamplingParams
-from specdecode.types import ForwardMeter
 
 from conftest import ARCHS
 

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from specdecode import SpeculativeDecoder, metrics
-from specdecode.drafters import ModelDrafter, NgramDrafter
-from specdecode.policies import (
+from specdecode import SpeculativeDecoder
+from specdecode.core import metrics
+from specdecode.core.policies import (
     TRUSTED_SAMPLES,
     CostK,
     FixedK,
@@ -18,8 +18,9 @@ from specdecode.policies import (
     make_k_policy,
     prior_cost_ratio,
 )
-from specdecode.sampling import SamplingParams
-from specdecode.types import ForwardMeter
+from specdecode.core.sampling import SamplingParams
+from specdecode.core.types import ForwardMeter
+from specdecode.drafters import ModelDrafter, NgramDrafter
 from test_sampling_lossless import (
     VOCAB,
     chi_square,

@@ -4,9 +4,9 @@ import itertools
 
 import pytest
 
-from specdecode.policies import CostK, FixedK
-from specdecode.request import GenerationRequest
-from specdecode.sampling import SamplingParams
+from specdecode.core.policies import CostK, FixedK
+from specdecode.core.request import GenerationRequest
+from specdecode.core.sampling import SamplingParams
 
 from conftest import load_benchmark, noisy_copy, tiny_llama
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specdecode import SpeculativeDecoder
-from specdecode.lean import PREFILL_CHUNK, VERIFY_TOKENS, LeanCache, LeanStore, PrefixPool
+from specdecode.models.lean import PREFILL_CHUNK, VERIFY_TOKENS, LeanCache, LeanStore, PrefixPool
 from specdecode.models.loading import wrap_model
 
 from conftest import WIDE, char_tokenizer, needs_kernel, noisy_copy, on_kernel, tiny_llama
@@ -139,10 +139,10 @@ def test_rows_that_keep_a_prefix_answer_as_alone(engines, options, temperature):
 
 @needs_kernel()
 def test_a_drafter_starts_from_the_pool_and_drafts_as_from_a_fresh_cache(target):
-    from specdecode.batch import fork_drafter
+    from specdecode.core.batch import fork_drafter
+    from specdecode.core.sampling import SamplingParams
+    from specdecode.core.types import ForwardMeter
     from specdecode.drafters.model import ModelDrafter
-    from specdecode.sampling import SamplingParams
-    from specdecode.types import ForwardMeter
 
     base = ModelDrafter(on_kernel(noisy_copy(tiny_llama(seed=0, layers=2, **WIDE), 0.05), 4))
     pool = PrefixPool(4)

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from specdecode import GenerationRequest, SpeculativeDecoder
+from specdecode.core.sampling import SamplingParams
 from specdecode.models.loading import wrap_model
-from specdecode.sampling import SamplingParams
 
 from conftest import char_tokenizer, noisy_copy, tiny_llama
 

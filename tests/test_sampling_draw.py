@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdecode.sampling import DRAW_BLOCK, draw, sample
+from specdecode.core.sampling import DRAW_BLOCK, draw, sample
 from test_sampling_lossless import chi_square, chi_square_limit
 
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from specdecode import SpeculativeDecoder
-from specdecode.sampling import SamplingParams, logits_to_probs
-from specdecode.verify import verify_greedy, verify_sampling
+from specdecode.core.sampling import SamplingParams, logits_to_probs
+from specdecode.core.verify import verify_greedy, verify_sampling
 
 from conftest import noisy_copy, tiny_llama
 

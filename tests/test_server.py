@@ -27,9 +27,9 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from specdecode import SpeculativeDecoder  # noqa: E402
 from specdecode.cli import main  # noqa: E402
 from specdecode.models.loading import wrap_model  # noqa: E402
+from specdecode.runtime.textstream import TextStream  # noqa: E402
 from specdecode.server.app import create_app  # noqa: E402
 from specdecode.server.background import serve_in_thread  # noqa: E402
-from specdecode.textstream import TextStream  # noqa: E402
 
 from conftest import char_tokenizer, noisy_copy, tiny_llama  # noqa: E402
 
@@ -741,9 +741,9 @@ def test_serve_checks_numbers_before_loading(capsys):
 
 
 def test_a_tree_requests_usage_and_metrics_count_its_nodes():
+    from specdecode.core.types import Stats
     from specdecode.server.responses import usage
     from specdecode.server.telemetry import ServerMetrics
-    from specdecode.types import Stats
 
     # two tree steps of depth 3 over 5 nodes each, 2 + 1 accepted
     stats = Stats(steps=2, drafted=6, accepted=3, nodes_verified=10, new_tokens=5)

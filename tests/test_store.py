@@ -6,17 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdecode.batch import Batch, fork_drafter
-from specdecode.cache import KVCache, forward_rows
-from specdecode.decode import decode
+from specdecode.core.batch import Batch, fork_drafter
+from specdecode.core.cache import KVCache, forward_rows
+from specdecode.core.decode import decode
+from specdecode.core.policies import FixedK
+from specdecode.core.store import StaticStore, StoreFull
+from specdecode.core.tree import TokenTree, verification_inputs
+from specdecode.core.types import Stats
 from specdecode.drafters.model import ModelDrafter
 from specdecode.drafters.tree_model import TreeModelDrafter
 from specdecode.drafters.tree_shape import parse_tree_spec
-from specdecode.lean import LeanCache, LeanStore, target_cache
-from specdecode.policies import FixedK
-from specdecode.store import StaticStore, StoreFull
-from specdecode.tree import TokenTree, verification_inputs
-from specdecode.types import Stats
+from specdecode.models.lean import LeanCache, LeanStore, target_cache
 
 from conftest import (
     ARCHS,

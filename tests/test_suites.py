@@ -9,7 +9,7 @@ from importlib import resources
 
 import pytest
 
-from specdecode.bench.suites import (
+from specdecode.data.suites import (
     CATEGORIES,
     BenchPrompt,
     interleave_by_category,
@@ -34,7 +34,7 @@ def source_text(prompt: str) -> str:
 
 
 def test_builtin_suite_is_package_data():
-    names = [f.name for f in resources.files("specdecode.bench.prompts").iterdir()]
+    names = [f.name for f in resources.files("specdecode.data.prompts").iterdir()]
     assert "suite.jsonl" in names
 
 

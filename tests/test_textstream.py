@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specdecode.textstream import REPLACEMENT_CHAR, IncrementalDecoder, TextStream
+from specdecode.runtime.textstream import REPLACEMENT_CHAR, IncrementalDecoder, TextStream
 
 from conftest import char_tokenizer
 

@@ -11,17 +11,22 @@ import pytest
 import torch
 
 from specdecode import SpeculativeDecoder
-from specdecode.cache import KVCache
+from specdecode.core.cache import KVCache
+from specdecode.core.sampling import SamplingParams
+from specdecode.core.step import prefill
+from specdecode.core.tree import (
+    TokenTree,
+    ancestor_matrix,
+    check_tree_attention,
+    verification_inputs,
+)
+from specdecode.core.tree_decode import tree_step
+from specdecode.core.types import ForwardMeter, Stats
+from specdecode.core.verify_tree import verify_tree_greedy
 from specdecode.drafters.early_exit import EarlyExitDrafter
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.tree_model import TreeModelDrafter
 from specdecode.drafters.tree_shape import TreeShape, parse_tree_spec
-from specdecode.sampling import SamplingParams
-from specdecode.step import prefill
-from specdecode.tree import TokenTree, ancestor_matrix, check_tree_attention, verification_inputs
-from specdecode.tree_decode import tree_step
-from specdecode.types import ForwardMeter, Stats
-from specdecode.verify_tree import verify_tree_greedy
 
 from conftest import ARCHS, noisy_copy, tiny_llama, tiny_qwen2
 

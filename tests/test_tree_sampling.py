@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from specdecode import SpeculativeDecoder
+from specdecode.core.sampling import SamplingParams
+from specdecode.core.tree import TokenTree
+from specdecode.core.types import ForwardMeter
+from specdecode.core.verify_tree import multi_candidate_step, verify_tree_sampling
 from specdecode.drafters.tree_model import TreeModelDrafter
 from specdecode.drafters.tree_shape import parse_tree_spec
-from specdecode.sampling import SamplingParams
-from specdecode.tree import TokenTree
-from specdecode.types import ForwardMeter
-from specdecode.verify_tree import multi_candidate_step, verify_tree_sampling
 from test_sampling_lossless import chi_square, chi_square_limit, exact_step_joint, first_step_draws
 
 from conftest import noisy_copy, tiny_llama

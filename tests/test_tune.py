@@ -10,7 +10,6 @@ from specdecode.bench.aggregate import row_for as cal_row
 from specdecode.bench.methods import tuned_setting
 from specdecode.bench.records import Record
 from specdecode.bench.runner import BenchConfig
-from specdecode.bench.suites import BenchPrompt
 from specdecode.bench.tune import (
     predict_speedup,
     predictions,
@@ -20,6 +19,7 @@ from specdecode.bench.tune import (
 )
 from specdecode.cli import main
 from specdecode.config import load_config
+from specdecode.data.suites import BenchPrompt
 
 
 def test_prediction_for_a_model_drafter():

@@ -12,7 +12,7 @@ from pathlib import Path
 from specdecode import SpeculativeDecoder, load_model
 from specdecode.drafters import resolve_draft
 
-SUITE = Path(__file__).resolve().parents[1] / "src/specdecode/bench/prompts/suite.jsonl"
+SUITE = Path(__file__).resolve().parents[1] / "src/specdecode/data/prompts/suite.jsonl"
 CATEGORIES = ("chat", "code_generation", "translation", "math_reasoning")
 
 

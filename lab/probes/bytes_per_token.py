@@ -21,7 +21,7 @@ from collections import defaultdict
 
 import torch
 
-from specdecode.draft_spec import resolve_draft_vocab
+from specdecode.core.draft_spec import resolve_draft_vocab
 from specdecode.kernels.panels import PANELS_BUFFER
 from specdecode.kernels.quantize import is_quantized
 from specdecode.models.loading import load_model

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from specdecode import load_model
 from specdecode.drafters import resolve_draft
-from specdecode.lean import LeanCache, layer_projections
+from specdecode.models.lean import LeanCache, layer_projections
 
 
 class _PyTorchSiluMul:

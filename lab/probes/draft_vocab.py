@@ -31,10 +31,10 @@ from tqdm.auto import tqdm
 
 from specdecode.bench.methods import MethodRunner, Setting
 from specdecode.bench.serve_report import table
-from specdecode.bench.suites import interleave_by_category, load_suite
+from specdecode.data.suites import interleave_by_category, load_suite
 from specdecode.drafters import resolve_draft
-from specdecode.lean import draft_cache
 from specdecode.models.draft_vocab import DraftVocabHead, kept_count
+from specdecode.models.lean import draft_cache
 from specdecode.models.loading import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks

@@ -23,14 +23,14 @@ from pathlib import Path
 
 import torch
 
-from specdecode.cache import keep_features
+from specdecode.core.cache import keep_features
 from specdecode.distill.data import AnswerStore
 from specdecode.distill.eagle import FeatureAnswer, evaluate, head_step, target_features
 from specdecode.distill.settings import Budget, DistillSettings
-from specdecode.distill.store import load_json
 from specdecode.distill.train import Checkpoints, train
-from specdecode.lean import target_cache
 from specdecode.models.eagle_head import EagleHead
+from specdecode.models.files import load_json
+from specdecode.models.lean import target_cache
 from specdecode.models.loading import load_model
 
 

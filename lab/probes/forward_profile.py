@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from specdecode import load_model
-from specdecode.lean import LeanCache, target_residual
+from specdecode.models.lean import LeanCache, target_residual
 
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from benchmarks import llamacpp_kld as kld_run
 from benchmarks import llamacpp_kld_io as kio
 from specdecode.bench.quality import summarize_tokens, token_quality
-from specdecode.lean import VERIFY_TOKENS, LeanCache
+from specdecode.models.lean import VERIFY_TOKENS, LeanCache
 from specdecode.models.loading import load_model
 
 TARGET = "qwen2.5-coder-1.5b-instruct"

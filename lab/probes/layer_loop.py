@@ -23,10 +23,10 @@ import time
 
 import torch
 
-import specdecode.lean as lean
+import specdecode.models.lean as lean
 from specdecode import load_model
 from specdecode.kernels.build import extension
-from specdecode.lean import LeanCache, target_residual
+from specdecode.models.lean import LeanCache, target_residual
 
 
 def forward_ms(cache: LeanCache, ids: torch.Tensor, past: int, repeats: int) -> float:

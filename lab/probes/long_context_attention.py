@@ -19,7 +19,7 @@ import torch
 
 import specdecode.kernels.attention as attention
 from specdecode import load_model
-from specdecode.cache import KVCache
+from specdecode.core.cache import KVCache
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ import time
 import torch
 
 from specdecode import load_model
-from specdecode.lean import LeanCache, target_residual
+from specdecode.models.lean import LeanCache, target_residual
 
 
 def prefill_ms(

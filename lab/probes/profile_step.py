@@ -18,13 +18,14 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from specdecode import SpeculativeDecoder, load_model, tree_decode
-from specdecode import step as chain_step
-from specdecode.batch import Batch
-from specdecode.cache import KVCache
+from specdecode import SpeculativeDecoder, load_model
+from specdecode.core import step as chain_step
+from specdecode.core import tree_decode
+from specdecode.core.batch import Batch
+from specdecode.core.cache import KVCache
 from specdecode.demo import DEMO_PROMPTS
 from specdecode.drafters import resolve_draft
-from specdecode.lean import LeanCache
+from specdecode.models.lean import LeanCache
 
 SECONDS: dict[str, float] = defaultdict(float)
 IN_STEP = [False]  # prefill forwards happen outside steps and are not counted

@@ -35,8 +35,8 @@ import torch
 
 from specdecode import GenerationRequest, SamplingParams, SpeculativeDecoder
 from specdecode.models.loading import wrap_model
+from specdecode.runtime.textstream import TextStream
 from specdecode.server.worker import Finished, GenerationParams, GenerationWorker, Job
-from specdecode.textstream import TextStream
 
 PRESET = "smollm2-135m-instruct"
 PROMPT = "Tell me a long story about a lighthouse keeper."

@@ -34,8 +34,8 @@ import statistics
 
 import torch
 
-from specdecode.bench.costs import forward_seconds
-from specdecode.cache import KVCache
+from specdecode.auto.costs import forward_seconds
+from specdecode.core.cache import KVCache
 from specdecode.kernels.attention import restore_attention, use_decode_attention
 from specdecode.kernels.build import (
     DEFAULT_PREFETCH,
@@ -47,7 +47,7 @@ from specdecode.kernels.build import (
 from specdecode.kernels.cpu import BF16_AVX2, int4_name, int8_name
 from specdecode.kernels.cpu_linear import apply_kernel, swap_linears
 from specdecode.kernels.quantize import quantize_linears
-from specdecode.lean import LeanCache
+from specdecode.models.lean import LeanCache
 from specdecode.models.loading import load_model
 
 

@@ -68,9 +68,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from specdecode import SpeculativeDecoder, load_model
+    from specdecode.core.request import GenerationRequest
+    from specdecode.core.sampling import SamplingParams
     from specdecode.drafters import resolve_draft
-    from specdecode.request import GenerationRequest
-    from specdecode.sampling import SamplingParams
 
     target = load_model(args.target, role="target")
     draft = resolve_draft(args.draft, target) if args.draft else None

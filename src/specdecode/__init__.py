@@ -1,7 +1,7 @@
 """specdecode: lossless speculative decoding for Hugging Face causal language models.
 
 The public names load on first use (module `__getattr__`), so that importing one submodule, e.g.
-the decoding core `specdecode.decode`, does not import the engine, the drafters and the kernels
+the decoding core `specdecode.core.decode`, does not import the engine, the drafters and the kernels
 (docs/architecture.md, Invariants 5).
 """
 
@@ -11,21 +11,21 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from specdecode.engine import SpeculativeDecoder
+    from specdecode.core.request import GenerationRequest
+    from specdecode.core.sampling import SamplingParams
+    from specdecode.core.types import Draft, GenerationResult, Stats
     from specdecode.models.loading import LoadedModel, load_model
-    from specdecode.request import GenerationRequest
-    from specdecode.sampling import SamplingParams
-    from specdecode.types import Draft, GenerationResult, Stats
+    from specdecode.runtime.engine import SpeculativeDecoder
 
 # public name -> the module defining it
 _EXPORTS = {
-    "Draft": "specdecode.types",
-    "GenerationRequest": "specdecode.request",
-    "GenerationResult": "specdecode.types",
+    "Draft": "specdecode.core.types",
+    "GenerationRequest": "specdecode.core.request",
+    "GenerationResult": "specdecode.core.types",
     "LoadedModel": "specdecode.models.loading",
-    "SamplingParams": "specdecode.sampling",
-    "SpeculativeDecoder": "specdecode.engine",
-    "Stats": "specdecode.types",
+    "SamplingParams": "specdecode.core.sampling",
+    "SpeculativeDecoder": "specdecode.runtime.engine",
+    "Stats": "specdecode.core.types",
     "load_model": "specdecode.models.loading",
 }
 

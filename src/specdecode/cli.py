@@ -57,7 +57,7 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from specdecode.request import SamplingDefaults
+    from specdecode.core.request import SamplingDefaults
 
     # validate cheap arguments before loading any model
     SamplingDefaults().resolve(args.temperature, args.top_k, args.top_p)
@@ -220,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # every load_model of this command (target, draft, bench, tune, serve) reads it
         os.environ["SPECDECODE_KERNEL"] = args.kernel
     if getattr(args, "draft_vocab", None):
-        from specdecode.draft_spec import DRAFT_VOCAB_ENV
+        from specdecode.core.draft_spec import DRAFT_VOCAB_ENV
 
         # every resolve_draft of this command reads it
         os.environ[DRAFT_VOCAB_ENV] = args.draft_vocab

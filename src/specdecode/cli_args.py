@@ -9,11 +9,13 @@ loads no model code.
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+import sys
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from specdecode.config import RunConfig
-    from specdecode.engine import SpeculativeDecoder
+    from specdecode.models.loading import LoadedModel
+    from specdecode.runtime.engine import SpeculativeDecoder
 
 TREE_HELP = "static:3,2,2,1,1 or dynamic:NODES[,DEPTH,WIDTH[,FLOOR[,LEAF]]]"
 
@@ -58,7 +60,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 def draft_vocab_value(text: str) -> str:
     """--draft-vocab: a number of token ids or "all", checked here (models/draft_vocab.py)."""
-    from specdecode.draft_spec import resolve_draft_vocab
+    from specdecode.core.draft_spec import resolve_draft_vocab
 
     try:
         resolve_draft_vocab(text)
@@ -82,7 +84,7 @@ def add_kernel_arg(parser: argparse.ArgumentParser, draft_vocab: bool = True) ->
 
 
 def add_draft_vocab_arg(parser: argparse.ArgumentParser) -> None:
-    from specdecode.draft_spec import DEFAULT_DRAFT_VOCAB, DRAFT_VOCAB_ENV
+    from specdecode.core.draft_spec import DEFAULT_DRAFT_VOCAB, DRAFT_VOCAB_ENV
 
     parser.add_argument(
         "--draft-vocab",
@@ -126,7 +128,7 @@ def add_drafting_args(parser: argparse.ArgumentParser) -> None:
 
 def add_policy_args(parser: argparse.ArgumentParser) -> None:
     """--k-policy, --confidence and --config."""
-    from specdecode.policies import K_POLICIES
+    from specdecode.core.policies import K_POLICIES
 
     parser.add_argument(
         "--k-policy",
@@ -197,16 +199,12 @@ def engine_from_args(args: argparse.Namespace) -> SpeculativeDecoder:
         raise ValueError("--confidence needs a model draft (a model or early-exit:N)")
     auto = {key for key in ("k", "tree") if getattr(args, key, None) == "auto"}
     if auto:
-        from specdecode.bench.calibrate import check_auto
-
         check_auto(auto, run)
 
     target = load_model(run.target, dtype=run.dtype, device=run.device, role="target")
     drafter = resolve_draft(draft, target, dtype=run.dtype, device=run.device)
     k, tree = run.k, run.tree
     if auto:  # this machine's calibration picks them (measured first where not cached)
-        from specdecode.bench.calibrate import resolve_auto
-
         k, tree = resolve_auto(auto, run, target, drafter)
     return SpeculativeDecoder(
         target,
@@ -217,3 +215,44 @@ def engine_from_args(args: argparse.Namespace) -> SpeculativeDecoder:
         tree=tree,
         generation_config=getattr(args, "generation_config", "auto"),
     )
+
+
+# -- `auto` on the command line: this machine's calibration picks k or the tree ----------------
+
+
+def check_auto(auto: set[str], run: RunConfig) -> None:
+    """Refuse `--k auto` / `--tree auto` where no calibration can answer, before any loading."""
+    flags = " and ".join(f"--{name} auto" for name in sorted(auto))
+    draft = run.draft_spec
+    if draft is None:
+        raise ValueError(f"{flags} needs a --draft: the calibration measures a target/draft pair")
+    if "tree" in auto and not draft.is_model_draft:
+        raise ValueError(f"--tree auto needs a model draft (a model or early-exit:N), not {draft}")
+    if "tree" in auto and run.confidence is not None:
+        raise ValueError("--tree auto may pick a tree, and --confidence applies to chains only")
+
+
+def resolve_auto(
+    auto: set[str], run: RunConfig, target: LoadedModel, draft: Any
+) -> tuple[int, str | None]:
+    """`run`'s (k, tree) with `auto` ("k", "tree" or both) resolved from this machine's
+    calibration (measured first where it is not cached); one line on stderr says the choice."""
+    if "tree" not in auto and run.tree is not None:
+        return run.k, run.tree  # a tree leaves k unused: nothing to calibrate
+    from specdecode.auto.calibrate import calibrated
+    from specdecode.auto.calibration import auto_setting
+
+    assert run.target is not None and run.draft is not None
+    calibration, path = calibrated(target, draft, run.target, run.draft)
+    k, tree = auto_setting(calibration, "k" in auto, "tree" in auto, run.k, run.tree)
+    chosen = next(
+        c
+        for c in (*calibration.tree_candidates(), *calibration.chains())
+        if (c.tree == tree if tree is not None else c.tree is None and c.k == k)
+    )
+    print(
+        f"auto: {chosen.label} (expected {chosen.tokens_per_s:.1f} tokens/s on this machine, "
+        f"calibration {path}; `specdecode calibrate` shows it)",
+        file=sys.stderr,
+    )
+    return k, tree

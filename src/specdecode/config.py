@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specdecode.draft_spec import DraftSpec, ModelSpec
+from specdecode.core.draft_spec import DraftSpec, ModelSpec
+from specdecode.core.policies import K_POLICIES
 from specdecode.drafters.model import check_confidence
-from specdecode.policies import K_POLICIES
 
 # what a tuner may set per category
 CATEGORY_KEYS = ("draft", "k", "k_policy", "confidence", "tree")

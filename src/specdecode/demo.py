@@ -9,9 +9,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from specdecode import metrics
-from specdecode.engine import SpeculativeDecoder
-from specdecode.types import GenerationResult, Stats
+from specdecode.core import metrics
+from specdecode.core.types import GenerationResult, Stats
+from specdecode.runtime.engine import SpeculativeDecoder
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 # 4-bit weights on 8-bit activations: the cheapest draft forward at the same acceptance
@@ -56,8 +56,8 @@ def calibrated_setting(
 ) -> tuple[int, str | None]:
     """(k, tree) of the fastest candidate in this machine's calibration of the pair (measured
     first where it is not cached); one line on stderr says which."""
-    from specdecode.bench.calibrate import calibrated
-    from specdecode.bench.calibration import auto_setting
+    from specdecode.auto.calibrate import calibrated
+    from specdecode.auto.calibration import auto_setting
 
     calibration, path = calibrated(target, draft, target_spec, draft_spec)
     best = calibration.best()
@@ -245,7 +245,7 @@ def main_demo(
     out: TextIO = sys.stdout,
     tree: str | None = None,
 ) -> list[DemoRow]:
-    from specdecode.draft_spec import DraftSpec
+    from specdecode.core.draft_spec import DraftSpec
     from specdecode.drafters import resolve_draft
     from specdecode.models.loading import load_model
 

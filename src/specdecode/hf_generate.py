@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from specdecode.engine import SpeculativeDecoder
 from specdecode.models.loading import LoadedModel
+from specdecode.runtime.engine import SpeculativeDecoder
 
 #: The folder to pass as `custom_generate=` with `assistant_model=` (transformers' "repo" form)
 CUSTOM_GENERATE = str(Path(__file__).resolve().parent / "hf_custom_generate")

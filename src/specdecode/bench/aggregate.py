@@ -17,8 +17,8 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from specdecode import metrics
 from specdecode.bench.records import Record
+from specdecode.core import metrics
 
 OVERALL = "all"
 

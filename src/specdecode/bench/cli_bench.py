@@ -163,7 +163,7 @@ def _add_tune_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def handle_bench(args: argparse.Namespace) -> int:
     from specdecode.bench.runner import QUICK_DRAFTS, QUICK_TARGET, BenchConfig, run_bench
-    from specdecode.sampling import SamplingParams
+    from specdecode.core.sampling import SamplingParams
 
     SamplingParams(args.temperature, args.top_k, args.top_p)  # bad values fail before loading
     run = None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from specdecode.bench.calibration import Calibration
+from specdecode.auto.calibration import Calibration
 from specdecode.cli_args import add_kernel_arg
 
 
@@ -36,8 +36,8 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
 
 
 def handle_calibrate(args: argparse.Namespace) -> int:
-    from specdecode.bench.calibrate import calibrated
-    from specdecode.draft_spec import DraftSpec
+    from specdecode.auto.calibrate import calibrated
+    from specdecode.core.draft_spec import DraftSpec
     from specdecode.drafters import resolve_draft
     from specdecode.models.loading import load_model
 

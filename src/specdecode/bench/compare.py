@@ -34,8 +34,6 @@ from specdecode.bench.memory import decode_bytes
 from specdecode.bench.methods import MethodRunner, Setting
 from specdecode.bench.quality import OVERALL, QualityTally, score_text
 from specdecode.bench.records import Record, make_record, mark_identity, top2_margin
-from specdecode.bench.suites import BenchPrompt, interleave_by_category, load_suite
-from specdecode.bench.tasks import load_tasks, pass_rates, run_tasks
 from specdecode.bench.variants import (
     Variant,
     calibration_cache,
@@ -45,7 +43,10 @@ from specdecode.bench.variants import (
     make_variant,
     parse_variants,
 )
-from specdecode.models.loading import LoadedModel, resolve_device, resolve_dtype
+from specdecode.data.suites import BenchPrompt, interleave_by_category, load_suite
+from specdecode.data.tasks import load_tasks, pass_rates, run_tasks
+from specdecode.models.device import resolve_device, resolve_dtype
+from specdecode.models.loading import LoadedModel
 
 COMPARE, RESULTS, REPORT = "compare.json", "results.jsonl", "report.md"
 MEMORY_SOURCE = "weights + key/value caches (computed)"
@@ -79,7 +80,7 @@ class CompareConfig:
         variants = parse_variants(self.variants)
         if not self.draft:
             raise ValueError("compare needs a --draft: speculation is one of the techniques")
-        from specdecode.draft_spec import DraftSpec
+        from specdecode.core.draft_spec import DraftSpec
         from specdecode.drafters.tree_shape import parse_tree_spec
 
         spec = DraftSpec.parse(self.draft)
@@ -215,7 +216,7 @@ def _load(
 def _draft_for(config: CompareConfig, draft: Any, target: LoadedModel) -> Any:
     """The drafter over `target`: an early exit runs the variant's own first layers; any other
     draft (a model, prompt lookup) is shared by every variant."""
-    from specdecode.draft_spec import DraftSpec
+    from specdecode.core.draft_spec import DraftSpec
     from specdecode.drafters import resolve_draft
 
     if DraftSpec.parse(config.draft).kind == "early-exit":

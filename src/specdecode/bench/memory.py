@@ -65,7 +65,7 @@ def estimate_bytes(
 
 
 def _cache_bytes(model: Any, layers: int | None, n_tokens: int, lean: bool) -> int:
-    from specdecode.lean import capacity_for
+    from specdecode.models.lean import capacity_for
 
     if lean:  # the lean forward's own cache: float32, preallocated
         return kv_bytes_per_token(model, layers, element=4) * capacity_for(n_tokens)
@@ -75,7 +75,7 @@ def _cache_bytes(model: Any, layers: int | None, n_tokens: int, lean: bool) -> i
 def decode_bytes(target: Any, drafter: Any | None, n_tokens: int) -> int:
     """`estimate_bytes` of a decode by our engine: the target and the drafter (None: the target
     alone) each counted with the cache its forward holds (lean.target_cache / the drafter's)."""
-    from specdecode.lean import LeanCache, target_cache
+    from specdecode.models.lean import LeanCache, target_cache
 
     draft = getattr(drafter, "model", None)
     lean_draft = isinstance(getattr(drafter, "cache", None), LeanCache)

@@ -19,15 +19,16 @@ from typing import Any
 
 import torch
 
-from specdecode.cache import Cache, KVCache
 from specdecode.config import RunConfig
+from specdecode.core.cache import Cache, KVCache
+from specdecode.core.measure import clock_for
+from specdecode.core.request import GenerationRequest
+from specdecode.core.sampling import SamplingParams
+from specdecode.core.types import Stats
 from specdecode.drafters.model import ModelDrafter
-from specdecode.engine import SpeculativeDecoder, clock_for
-from specdecode.lean import target_cache
+from specdecode.models.lean import target_cache
 from specdecode.models.loading import LoadedModel
-from specdecode.request import GenerationRequest
-from specdecode.sampling import SamplingParams
-from specdecode.types import Stats
+from specdecode.runtime.engine import SpeculativeDecoder
 
 OUR_METHODS = ("ar", "spec")
 HF_METHODS = ("hf-ar", "hf-assisted", "hf-prompt-lookup")

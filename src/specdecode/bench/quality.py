@@ -46,7 +46,7 @@ def answer_log_probs(
     forward it decodes with as a target (`lean.target_cache`: the lean forward where it runs,
     whose quantized targets keep float32 hidden states; else its own), so what is scored is
     what generates."""
-    from specdecode.lean import LeanCache, target_cache
+    from specdecode.models.lean import LeanCache, target_cache
 
     n_answer = len(answer_ids)
     if not prompt_ids or not n_answer:

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from specdecode import metrics
-from specdecode.lean import target_cache
+from specdecode.core import metrics
+from specdecode.models.lean import target_cache
 
 if TYPE_CHECKING:
     from specdecode.bench.methods import RunOutput, Setting
-    from specdecode.bench.suites import BenchPrompt
-    from specdecode.types import Stats
+    from specdecode.core.types import Stats
+    from specdecode.data.suites import BenchPrompt
 
 
 @dataclass

@@ -32,9 +32,9 @@ from specdecode.bench.methods import (
     tuned_setting,
 )
 from specdecode.bench.records import Record, make_record, mark_identity, top2_margin
-from specdecode.bench.suites import BenchPrompt, interleave_by_category, load_suite
 from specdecode.config import load_config
-from specdecode.draft_spec import resolve_draft_vocab
+from specdecode.core.draft_spec import resolve_draft_vocab
+from specdecode.data.suites import BenchPrompt, interleave_by_category, load_suite
 from specdecode.models.loading import LoadedModel
 
 QUICK_TARGET = "smollm2-135m-instruct"
@@ -86,9 +86,9 @@ class BenchConfig:
         for name, ks in (("--k", self.ks), ("--hf-k", self.hf_ks)):
             if ks is not None and (not ks or any(k < 1 for k in ks)):
                 raise ValueError(f"{name} takes look-aheads >= 1 (got {ks})")
-        from specdecode.draft_spec import DraftSpec, ModelSpec
+        from specdecode.core.draft_spec import DraftSpec, ModelSpec
+        from specdecode.core.policies import K_POLICIES
         from specdecode.drafters.tree_shape import parse_tree_spec
-        from specdecode.policies import K_POLICIES
 
         ModelSpec.parse(self.target, "target")  # `MODEL[:int8|:int4]`: the `ar` reference
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from specdecode.bench.serve_client import OK, Endpoint, Outcome, probe, stream_one
 from specdecode.bench.serve_stats import per_request, summarize_levels, token_sources
-from specdecode.bench.suites import BenchPrompt, interleave_by_category, load_suite
+from specdecode.data.suites import BenchPrompt, interleave_by_category, load_suite
 
 RESULTS, SUMMARY = "results.jsonl", "summary.json"
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16)
@@ -299,7 +299,7 @@ def build_summary(
 
 def machine_info() -> dict[str, Any]:
     """The client machine (the server may run elsewhere)."""
-    from specdecode.bench.calibrate import cpu_identity
+    from specdecode.auto.calibrate import cpu_identity
 
     return {
         "cpu": cpu_identity()["model name"],

@@ -30,15 +30,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from specdecode import metrics
+from specdecode.auto.costs import expected_chain_step, verify_costs
 from specdecode.bench.aggregate import OVERALL, row_for
-from specdecode.bench.costs import expected_chain_step, verify_costs
 from specdecode.bench.methods import Setting, plan_settings
 from specdecode.bench.records import Record
 from specdecode.bench.runner import BenchConfig, load_bench_models, run_settings
-from specdecode.bench.suites import BenchPrompt, interleave_by_category, load_suite
 from specdecode.config import RunConfig, save_config, to_vllm_speculative_config
-from specdecode.draft_spec import DraftSpec
+from specdecode.core import metrics
+from specdecode.core.draft_spec import DraftSpec
+from specdecode.data.suites import BenchPrompt, interleave_by_category, load_suite
 from specdecode.models.loading import LoadedModel
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from specdecode.bench.suites import BenchPrompt
+from specdecode.data.suites import BenchPrompt
 from specdecode.models.loading import LoadedModel
 
 VARIANT_FORMS = (
@@ -127,7 +127,7 @@ def quantized_target(target: LoadedModel, bits: int) -> LoadedModel:
 
     Speculation over it is lossless to it, not to the bfloat16 reference.
     """
-    from specdecode.draft_spec import ModelSpec
+    from specdecode.core.draft_spec import ModelSpec
     from specdecode.models.prune import shared_copy
     from specdecode.models.quantized import quantize_loaded
 
@@ -191,7 +191,7 @@ def calibration_sequences(
     and written there."""
     from tqdm import tqdm
 
-    from specdecode.engine import SpeculativeDecoder
+    from specdecode.runtime.engine import SpeculativeDecoder
 
     engine = SpeculativeDecoder(target, generation_config="none")
     inputs = [engine.encode_prompt(p.turns[0], chat=chat) for p in prompts]

@@ -147,8 +147,8 @@ def settings_from_args(args: argparse.Namespace):
 
 def handle_distill(args: argparse.Namespace) -> int:
     from specdecode.distill.run import run_distill
-    from specdecode.distill.store import DiskFull
     from specdecode.distill.train import Interrupted
+    from specdecode.models.files import DiskFull
 
     settings = settings_from_args(args)
     command = shlex.join(["specdecode", *getattr(args, "argv", [])])

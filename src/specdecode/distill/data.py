@@ -23,18 +23,17 @@ from __future__ import annotations
 
 import hashlib
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from specdecode.batch_session import DEFAULT_MAX_LEN, BatchSession, JobError
+from specdecode.core.request import GenerationRequest
 from specdecode.distill.prompts import DistillPrompt
-from specdecode.distill.store import load_json, load_tensors, save_json, save_tensors
-from specdecode.request import GenerationRequest
-from specdecode.types import GenerationResult
+from specdecode.models.files import load_json, load_tensors, save_json, save_tensors
+from specdecode.runtime.session import JobError, generate_each
 
 SHARD_ANSWERS = 16
 CONFIG, MANIFEST = "config.json", "manifest.json"
@@ -183,25 +182,6 @@ def top_distributions(
     if top_k >= vocab:
         tail.zero_()  # nothing outside: only rounding
     return top.values.half().cpu(), top.indices.int().cpu(), tail.cpu()
-
-
-def generate_each(
-    engine: Any,
-    jobs: Sequence[tuple[list[int], GenerationRequest]],
-    rows: int,
-    on_logits: Callable[[int, torch.Tensor], None] | None = None,
-) -> Iterator[tuple[int, GenerationResult]]:
-    """Each job's generation (prompt ids, request) as (its index in `jobs`, the result), in the
-    order they finish, `rows` at a time through `engine` (a SpeculativeDecoder: its drafter, if
-    any, drafts for each row): `BatchSession.generate_each`, with its `on_logits`. `JobError`
-    (a ValueError) names the index of a job that cannot run (a prompt too long for the
-    context)."""
-    # a row holds the longest prompt and its answer, no more (the store is rows x max_len); a
-    # job longer than the model's context is refused by `add`
-    longest = max((len(ids) + r.max_new_tokens for ids, r in jobs), default=1)
-    session = BatchSession(engine, max_rows=rows, max_len=min(longest, DEFAULT_MAX_LEN))
-    for index, generation in session.generate_each(jobs, on_logits):
-        yield index, generation.result()
 
 
 def make_answers(

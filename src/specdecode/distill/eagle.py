@@ -159,9 +159,9 @@ def distill_head(
 ) -> dict[str, Any]:
     """Train an EAGLE-style head for `settings.target` on `answers`, write DIR/head.safetensors
     and DIR/eagle.json; the record written (`run_started`: the run's perf_counter start)."""
-    from specdecode.cache import keep_features
-    from specdecode.distill.result import vocab_digest
-    from specdecode.distill.run import peak_memory
+    from specdecode.core.cache import keep_features
+    from specdecode.core.draft_spec import DEFAULT_DRAFT_VOCAB
+    from specdecode.core.measure import peak_memory
     from specdecode.distill.train import (
         EVAL_ANSWERS,
         Checkpoints,
@@ -170,9 +170,9 @@ def distill_head(
         train,
         training_record,
     )
-    from specdecode.draft_spec import DEFAULT_DRAFT_VOCAB
-    from specdecode.lean import target_cache
+    from specdecode.models.adapters import vocab_digest
     from specdecode.models.eagle_head import target_fingerprint, write_head
+    from specdecode.models.lean import target_cache
     from specdecode.models.loading import load_model
 
     started = time.perf_counter()

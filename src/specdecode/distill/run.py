@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gc
 import platform
-import resource
 import sys
 import time
 from collections import Counter
@@ -21,6 +20,8 @@ from typing import Any
 
 import torch
 
+from specdecode.core.draft_spec import ModelSpec
+from specdecode.core.measure import peak_memory
 from specdecode.distill.data import AnswerStore, Planned, make_answers, plan_answers
 from specdecode.distill.prompts import (
     DistillPrompt,
@@ -28,7 +29,7 @@ from specdecode.distill.prompts import (
     self_prompts,
     suite_prompts,
 )
-from specdecode.distill.result import draft_fingerprint, vocab_digest, write_result
+from specdecode.distill.result import write_result
 from specdecode.distill.settings import DistillSettings
 from specdecode.distill.train import (
     EVAL_ANSWERS,
@@ -40,11 +41,10 @@ from specdecode.distill.train import (
     autocast_probe,
     keep_freed_memory,
     mean_loss,
-    peft_modules,
     train,
     training_record,
 )
-from specdecode.draft_spec import ModelSpec
+from specdecode.models.adapters import draft_fingerprint, peft_modules, vocab_digest
 
 GENERATION_K = 4  # the chain the untrained draft speeds one answer at a time up with
 
@@ -57,14 +57,6 @@ def portable(name: str) -> str:
     if not path.exists():
         return name
     return str(ModelSpec(str(path.resolve()), spec.quantization))
-
-
-def peak_memory(device: torch.device) -> dict[str, Any]:
-    """This process's high-water mark of resident memory so far (and the GPU's allocations)."""
-    peak = {"rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-    if device.type == "cuda":
-        peak["cuda_bytes"] = int(torch.cuda.max_memory_allocated(device))
-    return peak
 
 
 def _vocab(target: Any, draft: Any) -> int:
@@ -92,7 +84,8 @@ def run_distill(
 ) -> dict[str, Any]:
     """Distil `settings.draft` for `settings.target`; the record written to DIR/distill.json.
     ValueError for bad input, Interrupted on Ctrl-C (state kept), store.DiskFull for a full disk."""
-    from specdecode.models.loading import load_model, resolve_device
+    from specdecode.models.device import resolve_device
+    from specdecode.models.loading import load_model
 
     settings.validate()
     if settings.kind == "lora":

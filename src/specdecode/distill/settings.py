@@ -102,7 +102,7 @@ class DistillSettings:
 
     def validate(self) -> None:
         """ValueError for anything wrong that needs no model (before any is loaded)."""
-        from specdecode.draft_spec import DraftSpec, ModelSpec
+        from specdecode.core.draft_spec import DraftSpec, ModelSpec
 
         ModelSpec.parse(self.target, "target")
         spec = DraftSpec.parse(self.draft)
@@ -149,7 +149,7 @@ class DistillSettings:
     def train_key(self) -> dict[str, Any]:
         """What makes a checkpoint resumable: everything training depends on but the budget
         (a larger budget continues a finished run)."""
-        from specdecode.draft_spec import ModelSpec
+        from specdecode.core.draft_spec import ModelSpec
 
         keys = ("loss", "lora_rank", "lr", "batch_size", "seed", "autocast")
         base = ModelSpec.parse(self.draft, "draft").name  # trained on its own weights

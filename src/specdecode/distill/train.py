@@ -29,7 +29,6 @@ import hashlib
 import json
 import platform
 import time
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +39,8 @@ import torch
 from specdecode.distill.data import Answer
 from specdecode.distill.loss import distill_loss
 from specdecode.distill.settings import Budget, DistillSettings
-from specdecode.distill.store import load_tensors, save_tensors
+from specdecode.models.adapters import peft_modules, quiet_peft
+from specdecode.models.files import load_tensors, save_tensors
 
 WARMUP_STEPS = 10
 KEEP_CHECKPOINTS = 2
@@ -59,17 +59,6 @@ class TrainState:
     curve: list[list[float]] = field(default_factory=list)  # [step, tokens, loss] per step
 
 
-def peft_modules() -> Any:
-    try:
-        import peft
-    except ImportError:
-        raise ValueError(
-            "distillation trains LoRA adapters with peft, which is not installed: "
-            "pip install 'specdecode[distill]' (or pip install peft)"
-        ) from None
-    return peft
-
-
 def add_lora(model: Any, rank: int, alpha: float, seed: int = 0) -> Any:
     """`model` with trainable LoRA adapters on its linear layers (all but the output layer); its
     own weights frozen. The adapters' random start is seeded (B = 0: the draft is unchanged)."""
@@ -80,16 +69,6 @@ def add_lora(model: Any, rank: int, alpha: float, seed: int = 0) -> Any:
     with quiet_peft(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return peft.get_peft_model(model, config)
-
-
-@contextlib.contextmanager
-def quiet_peft() -> Any:
-    """peft asks transformers 5 for a deprecated attribute, a FutureWarning per model."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message=".*is_gradient_checkpointing", category=FutureWarning
-        )
-        yield
 
 
 def autocast_dtype(settings: DistillSettings, device: torch.device) -> torch.dtype | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specdecode.draft_spec import DraftSpec
+from specdecode.core.draft_spec import DraftSpec
 from specdecode.drafters.base import Drafter
 from specdecode.drafters.early_exit import EarlyExitDrafter
 from specdecode.drafters.model import ModelDrafter
@@ -50,7 +50,7 @@ def resolve_draft(
         return NgramDrafter(*spec.ngram)
     if spec.kind == "early-exit":
         return EarlyExitDrafter(target.model, spec.depth)
-    from specdecode.draft_spec import resolve_draft_vocab
+    from specdecode.core.draft_spec import resolve_draft_vocab
     from specdecode.models.loading import load_model
 
     vocab = resolve_draft_vocab(draft_vocab)
@@ -62,8 +62,8 @@ def resolve_draft(
 
 
 def _load_distilled(spec: DraftSpec, target: Any, dtype: Any, device: Any, vocab: int | None):
-    from specdecode.distill.result import check_target, read_result
-    from specdecode.draft_spec import ModelSpec
+    from specdecode.core.draft_spec import ModelSpec
+    from specdecode.models.adapters import check_target, read_result
     from specdecode.models.loading import load_model
 
     folder = spec.distilled_dir
@@ -84,9 +84,9 @@ def _load_distilled(spec: DraftSpec, target: Any, dtype: Any, device: Any, vocab
 
 
 def _load_eagle(spec: DraftSpec, target: Any, vocab: int | None):
-    from specdecode.distill.result import check_target
     from specdecode.drafters.eagle import EagleDrafter
     from specdecode.kernels.cpu_linear import apply_kernel
+    from specdecode.models.adapters import check_target
     from specdecode.models.compat import logits_size
     from specdecode.models.eagle_head import load_head
     from specdecode.models.loading import wrap_model

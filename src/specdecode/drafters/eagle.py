@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from specdecode.cache import Cache, keep_features
+from specdecode.core.cache import Cache, keep_features
+from specdecode.core.policies import compute_params
+from specdecode.core.sampling import SamplingParams, greedy_tokens, logits_to_probs, sample
+from specdecode.core.types import Draft, ForwardMeter
 from specdecode.models.eagle_head import EagleHead
-from specdecode.policies import compute_params
-from specdecode.sampling import SamplingParams, greedy_tokens, logits_to_probs, sample
-from specdecode.types import Draft, ForwardMeter
 
 
 class EagleDrafter:

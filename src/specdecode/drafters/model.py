@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
-from specdecode.cache import KVCache, forward_rows
-from specdecode.lean import LeanCache, PrefixPool, draft_cache
-from specdecode.sampling import SamplingParams, greedy_tokens, logits_to_probs, sample
-from specdecode.types import Draft, ForwardMeter
+from specdecode.core.cache import KVCache, forward_rows
+from specdecode.core.sampling import SamplingParams, greedy_tokens, logits_to_probs, sample
+from specdecode.core.types import Draft, ForwardMeter
+from specdecode.models.lean import LeanCache, PrefixPool, draft_cache
 
 
 class DraftModelState:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.sampling import SamplingParams
-from specdecode.types import Draft, ForwardMeter
+from specdecode.core.sampling import SamplingParams
+from specdecode.core.types import Draft, ForwardMeter
 
 
 class NgramDrafter:

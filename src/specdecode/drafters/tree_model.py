@@ -23,17 +23,17 @@ from typing import Any
 
 import torch
 
-from specdecode.drafters.model import DraftModelState, ModelDrafter
-from specdecode.drafters.tree_shape import TreeShape, parse_tree_spec
-from specdecode.sampling import SamplingParams, draw, logits_to_probs
-from specdecode.tree import (
+from specdecode.core.sampling import SamplingParams, draw, logits_to_probs
+from specdecode.core.tree import (
     TokenTree,
     additive_mask,
     ancestor_matrix,
     check_tree_attention,
     tree_mask,
 )
-from specdecode.types import ForwardMeter
+from specdecode.core.types import ForwardMeter
+from specdecode.drafters.model import DraftModelState, ModelDrafter
+from specdecode.drafters.tree_shape import TreeShape, parse_tree_spec
 
 
 class _Pool:

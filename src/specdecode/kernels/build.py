@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from specdecode.core.sampling import use_argmax_rows
 from specdecode.kernels.cpu import BF16_AMX_ENV, BF16_DOT_ENV
-from specdecode.sampling import use_argmax_rows
 
 _SOURCES = [
     Path(__file__).with_name(name)

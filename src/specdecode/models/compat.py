@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from specdecode.request import SamplingDefaults
+    from specdecode.core.request import SamplingDefaults
 
 
 def logits_size(model: Any) -> int:
@@ -77,7 +77,7 @@ def generation_defaults(model: Any) -> SamplingDefaults:
     """
     from transformers import GenerationConfig
 
-    from specdecode.request import SamplingDefaults
+    from specdecode.core.request import SamplingDefaults
 
     config = getattr(model, "generation_config", None)
     if config is None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from specdecode.cache import cache_kwarg
+from specdecode.core.cache import cache_kwarg
 from specdecode.models.draft_vocab import DraftVocabHead, kept_ids
 
 
@@ -177,8 +177,8 @@ def write_head(out: Path, head: EagleHead, record: dict[str, Any]) -> None:
     """The trained weights, then the record naming their hash: only a whole folder loads."""
     from safetensors.torch import save_file
 
-    from specdecode.distill.store import save_json, write_atomic
     from specdecode.models.fetch import sha256_file
+    from specdecode.models.files import save_json, write_atomic
 
     out.mkdir(parents=True, exist_ok=True)
     record_path = out / HEAD_RECORD
@@ -192,8 +192,8 @@ def write_head(out: Path, head: EagleHead, record: dict[str, Any]) -> None:
 
 def read_head_record(folder: str | Path) -> dict[str, Any]:
     """DIR/eagle.json, checked against DIR/head.safetensors; ValueError naming what is wrong."""
-    from specdecode.distill.store import load_json
     from specdecode.models.fetch import sha256_file
+    from specdecode.models.files import load_json
 
     out = Path(folder).expanduser()
     if not out.is_dir():

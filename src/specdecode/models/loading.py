@@ -15,16 +15,8 @@ from typing import Any
 
 import torch
 
-from specdecode.draft_spec import ModelSpec
-
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
+from specdecode.core.draft_spec import ModelSpec
+from specdecode.models.device import resolve_device, resolve_dtype
 
 
 @dataclass
@@ -59,27 +51,6 @@ def _first_parameter(model: Any) -> torch.Tensor:
     if first is None:
         raise ValueError("the model has no parameters")
     return first
-
-
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return DTYPES[str(dtype).lower()]
-    except KeyError:
-        raise ValueError(
-            f"unknown dtype {dtype!r}: choose one of {', '.join(sorted(set(DTYPES)))}"
-        ) from None
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """`None`/"auto" means CUDA when present, else CPU; an explicit CUDA request without CUDA fails."""
-    if device is None or str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} was asked for but CUDA is not available here")
-    return dev
 
 
 def wrap_model(model: Any, tokenizer: Any | None = None, name: str | None = None) -> LoadedModel:
@@ -133,7 +104,7 @@ def load_model(
     bfloat16 weights are freed unless `keep_weights` (a draft in training; models/quantized.py).
     `role` ("target", "draft") names the model in error messages. `adapter`: a distillation's folder
     (`specdecode distill --out DIR`) whose adapter is merged into the weights first, so that the
-    kernel and the quantization take the trained weights (distill/result.py). `draft_vocab`:
+    kernel and the quantization take the trained weights (models/adapters.py). `draft_vocab`:
     a draft's output layer keeps only that many ids (and the special ones) where it has more
     (models/draft_vocab.py); None keeps them all.
     """
@@ -147,7 +118,7 @@ def load_model(
     check_quantizable(model_spec, dtype, device, mode, role)
     loaded = _load(model_spec.name, dtype, device)
     if adapter is not None:
-        from specdecode.distill.result import merge_adapter
+        from specdecode.models.adapters import merge_adapter
 
         loaded.model = merge_adapter(loaded.model, adapter)
     restrict_draft_vocab(loaded, draft_vocab)  # before the kernel and quantization take the layer

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from specdecode.draft_spec import ModelSpec
+from specdecode.core.draft_spec import ModelSpec
 
 # below this share of a model's multiplied weights in quantizable nn.Linear layers, `:int4` would
 # leave it mostly in bfloat16 (GPT-2's transformers Conv1D layers are not nn.Linear)
@@ -61,7 +61,7 @@ def check_quantizable(
 ) -> None:
     """ValueError, before loading, where `spec`'s quantization cannot run with these settings
     (`kernel_mode` as cpu_linear.resolve_mode gives it); nothing for an unquantized spec."""
-    from specdecode.models.loading import resolve_device, resolve_dtype
+    from specdecode.models.device import resolve_device, resolve_dtype
 
     if spec.quantization is None:
         return

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specdecode.engine import SpeculativeDecoder
+from specdecode.runtime.engine import SpeculativeDecoder
 from specdecode.server.errors import APIError, error_body, from_validation_errors
 from specdecode.server.limits import DEFAULT_MAX_BODY_BYTES, check_prompt_size
 from specdecode.server.middleware import CountRequests, LimitBody, RequireAPIKey

@@ -7,8 +7,8 @@ import time
 import uuid
 from typing import Any
 
+from specdecode.core.types import Stats
 from specdecode.server.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
-from specdecode.types import Stats
 
 DONE = "data: [DONE]\n\n"
 

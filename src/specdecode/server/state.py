@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from specdecode.engine import SpeculativeDecoder
+from specdecode.runtime.engine import SpeculativeDecoder
 from specdecode.server.errors import APIError
 from specdecode.server.limits import DEFAULT_MAX_BODY_BYTES, prompt_char_limit
 from specdecode.server.telemetry import ServerMetrics

@@ -23,7 +23,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from specdecode.types import Stats
+from specdecode.core.types import Stats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

@@ -21,16 +21,16 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specdecode.batch_session import Generation
-from specdecode.engine import SpeculativeDecoder
+from specdecode.core.request import GenerationRequest
+from specdecode.core.sampling import SamplingParams
+from specdecode.core.store import StoreFull
+from specdecode.core.types import Stats
 from specdecode.kernels.openmp import release_pool
-from specdecode.request import GenerationRequest
-from specdecode.sampling import SamplingParams
+from specdecode.runtime.engine import SpeculativeDecoder
+from specdecode.runtime.session import Generation
 from specdecode.server.errors import APIError
 from specdecode.server.logprobs import LogprobCollector, TokenLogprob
 from specdecode.server.telemetry import ServerMetrics
-from specdecode.store import StoreFull
-from specdecode.types import Stats
 
 log = logging.getLogger("specdecode.server")
 

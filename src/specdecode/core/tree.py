@@ -19,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from specdecode.drafter import BaseDrafter
+from specdecode.core.protocols import BaseDrafter
 
 # attention implementations that add a custom 4D float mask to the scores as given
 # (transformers passes a 4D mask through `masking_utils` untouched; flash-attention kernels

@@ -9,7 +9,7 @@ What is measured (calibrate.py measures it; nothing here reads a clock):
 - a greedy chain run at k = `ChainRun.k` on a few bench-suite prompts: per-position acceptance
   (`accepted_at`, `drafted_at` over `steps`) and the step's time outside the two models'
   forwards, `step_overhead_s` (o);
-- each candidate tree replayed (bench/replay.py) on that run's answers with the real draft: its
+- each candidate tree replayed (auto/replay.py) on that run's answers with the real draft: its
   steps, tokens emitted, the rows of every draft forward and of every verification.
 
 How the defaults are chosen: each candidate's expected tokens per second = expected tokens per
@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdecode.bench.costs import expected_chain_step
+from specdecode.auto.costs import expected_chain_step
 from specdecode.drafters.tree_shape import parse_tree_spec
 
 FORMAT = 1  # the record's layout: a file of another format is ignored

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from specdecode import metrics
+from specdecode.core import metrics
 
 
 @dataclass

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from specdecode.sampling import SamplingParams
-from specdecode.types import Draft, ForwardMeter
+from specdecode.core.sampling import SamplingParams
+from specdecode.core.types import Draft, ForwardMeter
 
 
 class BaseDrafter(Protocol):

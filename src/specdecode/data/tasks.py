@@ -1,6 +1,6 @@
 """Task quality: short problems with checkable answers, written for this project, run greedy.
 
-Two sets, JSON Lines in `data/` (package data):
+Two sets, JSON Lines in `data/tasks/` (package data):
 - `code_tasks.jsonl`: 40 small Python functions, each `{"id", "kind": "code", "entry_point",
   "prompt", "tests", "solution"}`; the model's function passes when the file of its code followed
   by the `tests` (plain asserts) exits 0 in a subprocess (`run_code`). `solution` is ours, for
@@ -83,7 +83,7 @@ def load_tasks(limit: int | None = None, kinds: Sequence[str] = KINDS) -> list[T
     for kind in kinds:
         if kind not in _FILES:
             raise ValueError(f"unknown task kind {kind!r}: choose from {', '.join(KINDS)}")
-        text = resources.files("specdecode.bench").joinpath("data", _FILES[kind]).read_text()
+        text = resources.files("specdecode.data").joinpath("tasks", _FILES[kind]).read_text()
         rows = [json.loads(line) for line in text.splitlines() if line.strip()]
         for row in rows[:limit]:
             tasks.append(

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from specdecode.cache import KVCache
+from specdecode.core.cache import KVCache
 
 
 def _median(values: list[float]) -> float:

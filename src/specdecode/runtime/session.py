@@ -26,13 +26,14 @@ from typing import Any
 
 import torch
 
-from specdecode.batch import Batch, Row, fork_drafter
-from specdecode.lean import LeanCache, LeanStore, PrefixPool, target_cache
-from specdecode.request import GenerationRequest
-from specdecode.sampling import make_generator
-from specdecode.store import StaticStore, StoreFull
-from specdecode.textstream import TextStream
-from specdecode.types import ForwardMeter, GenerationResult, Stats
+from specdecode.core.batch import Batch, Row, fork_drafter
+from specdecode.core.measure import clock_for
+from specdecode.core.request import GenerationRequest
+from specdecode.core.sampling import make_generator
+from specdecode.core.store import StaticStore, StoreFull
+from specdecode.core.types import ForwardMeter, GenerationResult, Stats
+from specdecode.models.lean import LeanCache, LeanStore, PrefixPool, target_cache
+from specdecode.runtime.textstream import TextStream
 
 DEFAULT_MAX_LEN = 4096  # positions per row when the model's context is longer or unknown
 
@@ -107,8 +108,6 @@ class BatchSession:
     """
 
     def __init__(self, decoder: Any, max_rows: int = 8, max_len: int | None = None) -> None:
-        from specdecode.engine import clock_for  # the engine imports this module's users
-
         self.decoder = decoder
         target = decoder.target.model
         if max_len is None:
@@ -290,3 +289,22 @@ class BatchSession:
         generation.stats.wall_time_s = self.clock() - generation.started
         self.generations.remove(generation)
         self.batch.remove(generation.row)
+
+
+def generate_each(
+    engine: Any,
+    jobs: Sequence[tuple[list[int], GenerationRequest]],
+    rows: int,
+    on_logits: Callable[[int, torch.Tensor], None] | None = None,
+) -> Iterator[tuple[int, GenerationResult]]:
+    """Each job's generation (prompt ids, request) as (its index in `jobs`, the result), in the
+    order they finish, `rows` at a time through `engine` (a SpeculativeDecoder: its drafter, if
+    any, drafts for each row): `BatchSession.generate_each`, with its `on_logits`. `JobError`
+    (a ValueError) names the index of a job that cannot run (a prompt too long for the
+    context)."""
+    # a row holds the longest prompt and its answer, no more (the store is rows x max_len); a
+    # job longer than the model's context is refused by `add`
+    longest = max((len(ids) + r.max_new_tokens for ids, r in jobs), default=1)
+    session = BatchSession(engine, max_rows=rows, max_len=min(longest, DEFAULT_MAX_LEN))
+    for index, generation in session.generate_each(jobs, on_logits):
+        yield index, generation.result()

@@ -32,7 +32,7 @@ CATEGORIES: tuple[str, ...] = (
     "extraction_rag",
 )
 
-_BUILTIN_PACKAGE = "specdecode.bench.prompts"
+_BUILTIN_PACKAGE = "specdecode.data.prompts"
 _BUILTIN_FILE = "suite.jsonl"
 
 

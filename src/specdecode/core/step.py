@@ -14,11 +14,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from specdecode.cache import Cache, KVCache, NewCache, forward_rows
-from specdecode.drafter import Drafter
-from specdecode.sampling import SamplingParams, logits_to_probs
-from specdecode.types import Draft, ForwardMeter, Stats, StepResult
-from specdecode.verify import verify_greedy, verify_sampling
+from specdecode.core.cache import Cache, KVCache, NewCache, forward_rows
+from specdecode.core.protocols import Drafter
+from specdecode.core.sampling import SamplingParams, logits_to_probs
+from specdecode.core.types import Draft, ForwardMeter, Stats, StepResult
+from specdecode.core.verify import verify_greedy, verify_sampling
 
 
 @dataclass

@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specdecode.sampling import SamplingParams, logits_to_probs
-from specdecode.step import DecodeState, Verification, speculative_step, verify_rows
-from specdecode.tree import TokenTree, TreeDrafter, verification_inputs
-from specdecode.types import Stats, StepResult
-from specdecode.verify_tree import verify_tree_greedy, verify_tree_sampling
+from specdecode.core.sampling import SamplingParams, logits_to_probs
+from specdecode.core.step import DecodeState, Verification, speculative_step, verify_rows
+from specdecode.core.tree import TokenTree, TreeDrafter, verification_inputs
+from specdecode.core.types import Stats, StepResult
+from specdecode.core.verify_tree import verify_tree_greedy, verify_tree_sampling
 
 
 @torch.inference_mode()

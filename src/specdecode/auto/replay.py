@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.sampling import SamplingParams
-from specdecode.types import ForwardMeter
-from specdecode.verify import verify_greedy
-from specdecode.verify_tree import verify_tree_greedy
+from specdecode.core.sampling import SamplingParams
+from specdecode.core.types import ForwardMeter
+from specdecode.core.verify import verify_greedy
+from specdecode.core.verify_tree import verify_tree_greedy
 
 
 def one_hot(rows: list[int]) -> torch.Tensor:

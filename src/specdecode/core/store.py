@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from specdecode.cache import compaction, tapped_features
-from specdecode.tree import additive_mask, check_tree_attention
+from specdecode.core.cache import compaction, tapped_features
+from specdecode.core.tree import additive_mask, check_tree_attention
 
 
 class StoreFull(RuntimeError):
@@ -268,7 +268,7 @@ class _RowsView:
     positions ([B, Hkv, span, d]; the mask hides what a row does not own)."""
 
     def __init__(self, store: StaticStore, rows: list[int], pasts: list[int], n: int, span: int):
-        from specdecode.cache import cache_kwarg
+        from specdecode.core.cache import cache_kwarg
 
         self.store, self.span = store, span
         device = store.keys[0].device

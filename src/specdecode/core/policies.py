@@ -23,7 +23,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from specdecode.types import ForwardMeter
+    from specdecode.core.types import ForwardMeter
 
 K_POLICIES = ("fixed", "heuristic", "cost")
 # forward times a size needs before the cost policy trusts them to rule out exploring it: one

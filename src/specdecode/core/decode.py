@@ -13,13 +13,13 @@ from typing import Any
 
 import torch
 
-from specdecode.batch import Batch
-from specdecode.cache import Cache, KVCache, NewCache
-from specdecode.drafter import Drafter
-from specdecode.policies import FixedK, KPolicy
-from specdecode.sampling import SamplingParams
-from specdecode.tree import TreeDrafter
-from specdecode.types import Stats
+from specdecode.core.batch import Batch
+from specdecode.core.cache import Cache, KVCache, NewCache
+from specdecode.core.policies import FixedK, KPolicy
+from specdecode.core.protocols import Drafter
+from specdecode.core.sampling import SamplingParams
+from specdecode.core.tree import TreeDrafter
+from specdecode.core.types import Stats
 
 
 def decode(

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.sampling import greedy_tokens, sample
-from specdecode.tree import TokenTree
+from specdecode.core.sampling import greedy_tokens, sample
+from specdecode.core.tree import TokenTree
 
 
 def verify_tree_greedy(tree: TokenTree, target_logits: torch.Tensor) -> tuple[list[int], int]:

@@ -24,20 +24,20 @@ from typing import Any
 
 import torch
 
-from specdecode.cache import Cache, KVCache, NewCache
-from specdecode.drafter import Drafter
-from specdecode.policies import FixedK, KPolicy, forward_seconds, seconds_since
-from specdecode.sampling import SamplingParams
-from specdecode.step import (
+from specdecode.core.cache import Cache, KVCache, NewCache
+from specdecode.core.policies import FixedK, KPolicy, forward_seconds, seconds_since
+from specdecode.core.protocols import Drafter
+from specdecode.core.sampling import SamplingParams
+from specdecode.core.step import (
     DecodeState,
     Verification,
     chain_verification,
     prefill,
     verify_rows,
 )
-from specdecode.tree import TreeDrafter
-from specdecode.tree_decode import tree_verification
-from specdecode.types import Draft, ForwardMeter, Stats, StepResult
+from specdecode.core.tree import TreeDrafter
+from specdecode.core.tree_decode import tree_verification
+from specdecode.core.types import Draft, ForwardMeter, Stats, StepResult
 
 
 @dataclass(eq=False)

@@ -52,10 +52,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from specdecode.cache import KVCache, compaction, keeps_features
+from specdecode.core.cache import KVCache, compaction, keeps_features
+from specdecode.core.store import RowPool, StoreFull, kv_shape
 from specdecode.kernels.cpu_linear import direct_linear, prefill_linear
 from specdecode.models.draft_vocab import DraftVocabHead
-from specdecode.store import RowPool, StoreFull, kv_shape
 
 FAMILIES = ("llama", "qwen2", "mistral")
 OUTPUT_LAYERS = (torch.nn.Linear, DraftVocabHead)  # a draft's may keep part of the vocabulary

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.sampling import greedy_tokens, sample
+from specdecode.core.sampling import greedy_tokens, sample
 
 
 def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:

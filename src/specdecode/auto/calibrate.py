@@ -6,7 +6,7 @@ are chosen from them): the target's and the draft's forwards over 1..16 new toke
 prefix (bench/costs.py, median of `REPEATS` rounds over every size after a warm-up round), a
 greedy chain run at k = `CHAIN_K` on the first prompt of each of `PROMPT_CATEGORIES` (its
 per-position acceptance and step overhead; its answers are the target's greedy output), and
-every tree of `TREE_CANDIDATES` replayed on those answers with the real draft (bench/replay.py:
+every tree of `TREE_CANDIDATES` replayed on those answers with the real draft (auto/replay.py:
 draft forwards only).
 
 `calibrated` reads the cache first: one JSON file per key in the folder `CACHE_FOLDER` of the
@@ -35,20 +35,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from specdecode.bench.calibration import (
+from specdecode.auto.calibration import (
     MAX_ROWS,
     MAX_TREE_NODES,
     Calibration,
     ChainRun,
     MachineKey,
     TreeRun,
-    auto_setting,
 )
 
 if TYPE_CHECKING:
-    from specdecode.config import RunConfig
-    from specdecode.engine import SpeculativeDecoder
     from specdecode.models.loading import LoadedModel
+    from specdecode.runtime.engine import SpeculativeDecoder
 
 RELEVANT_FLAGS = ("avx2", "avx512_bf16", "avx512_vnni", "avx512f", "fma")
 CHAIN_K = 8  # the chain run's k: every chain k = 1..CHAIN_K is predicted from it
@@ -114,11 +112,11 @@ def machine_key(target: LoadedModel, draft: Any) -> MachineKey:
     import transformers
 
     import specdecode
-    from specdecode.cache import KVCache
+    from specdecode.core.cache import KVCache
     from specdecode.kernels.build import source_digest
     from specdecode.kernels.cpu import cpu_flags
-    from specdecode.lean import runs_lean, target_cache
     from specdecode.models.draft_vocab import kept_count
+    from specdecode.models.lean import runs_lean, target_cache
 
     cpu = cpu_identity()
     device = target.device
@@ -153,7 +151,7 @@ def _absolute(name: str) -> str:
 def canonical_target(name: str) -> str:
     """The target's spec as the cache keys it: a local folder or file made absolute, a
     quantization suffix kept."""
-    from specdecode.draft_spec import ModelSpec
+    from specdecode.core.draft_spec import ModelSpec
 
     spec = ModelSpec.parse(name, "target")
     return str(ModelSpec(_absolute(spec.name), spec.quantization))
@@ -161,7 +159,7 @@ def canonical_target(name: str) -> str:
 
 def canonical_draft(name: str) -> str:
     """The draft's spec as the cache keys it (DraftSpec's text, a local model made absolute)."""
-    from specdecode.draft_spec import DraftSpec, ModelSpec
+    from specdecode.core.draft_spec import DraftSpec, ModelSpec
 
     spec = DraftSpec.parse(name)
     if spec.model is None:
@@ -315,7 +313,7 @@ def _check_candidate(shape: str) -> str:
 def calibration_prompts(engine: SpeculativeDecoder) -> list[tuple[str, list[int]]]:
     """(id, prompt ids): the first bench-suite prompt of each of PROMPT_CATEGORIES, in the chat
     template where the tokenizer has one; a model without a tokenizer gets seeded random ids."""
-    from specdecode.bench.suites import load_suite
+    from specdecode.data.suites import load_suite
 
     tokenizer = engine.tokenizer
     if tokenizer is None:
@@ -349,10 +347,11 @@ def measure(
     chains only."""
     from tqdm.auto import tqdm
 
-    from specdecode.bench.costs import forward_seconds
-    from specdecode.engine import SpeculativeDecoder, clock_for
-    from specdecode.lean import draft_cache, target_cache
+    from specdecode.auto.costs import forward_seconds
+    from specdecode.core.measure import clock_for
     from specdecode.models.compat import context_length
+    from specdecode.models.lean import draft_cache, target_cache
+    from specdecode.runtime.engine import SpeculativeDecoder
 
     start = time.perf_counter()
     key = machine_key(target, draft)
@@ -454,9 +453,9 @@ def _tree_run(
     answers: list[tuple[list[int], list[int]]],
     done: Any,
 ) -> TreeRun:
-    """`shape` replayed on every answer (bench/replay.py)."""
-    from specdecode.bench.replay import replay
-    from specdecode.engine import SpeculativeDecoder
+    """`shape` replayed on every answer (auto/replay.py)."""
+    from specdecode.auto.replay import replay
+    from specdecode.runtime.engine import SpeculativeDecoder
 
     engine = SpeculativeDecoder(target, draft, tree=shape, generation_config="none")
     steps = emitted = 0
@@ -476,43 +475,3 @@ def _tree_run(
         draft_rows=dict(sorted(draft_rows.items())),
         verify_rows=dict(sorted(verify_rows.items())),
     )
-
-
-# -- `auto` on the command line --------------------------------------------------------------
-
-AUTO = "auto"
-
-
-def check_auto(auto: set[str], run: RunConfig) -> None:
-    """Refuse `--k auto` / `--tree auto` where no calibration can answer, before any loading."""
-    flags = " and ".join(f"--{name} auto" for name in sorted(auto))
-    draft = run.draft_spec
-    if draft is None:
-        raise ValueError(f"{flags} needs a --draft: the calibration measures a target/draft pair")
-    if "tree" in auto and not draft.is_model_draft:
-        raise ValueError(f"--tree auto needs a model draft (a model or early-exit:N), not {draft}")
-    if "tree" in auto and run.confidence is not None:
-        raise ValueError("--tree auto may pick a tree, and --confidence applies to chains only")
-
-
-def resolve_auto(
-    auto: set[str], run: RunConfig, target: LoadedModel, draft: Any
-) -> tuple[int, str | None]:
-    """`run`'s (k, tree) with `auto` ("k", "tree" or both) resolved from this machine's
-    calibration (measured first where it is not cached); one line on stderr says the choice."""
-    if "tree" not in auto and run.tree is not None:
-        return run.k, run.tree  # a tree leaves k unused: nothing to calibrate
-    assert run.target is not None and run.draft is not None
-    calibration, path = calibrated(target, draft, run.target, run.draft)
-    k, tree = auto_setting(calibration, "k" in auto, "tree" in auto, run.k, run.tree)
-    chosen = next(
-        c
-        for c in (*calibration.tree_candidates(), *calibration.chains())
-        if (c.tree == tree if tree is not None else c.tree is None and c.k == k)
-    )
-    print(
-        f"auto: {chosen.label} (expected {chosen.tokens_per_s:.1f} tokens/s on this machine, "
-        f"calibration {path}; `specdecode calibrate` shows it)",
-        file=sys.stderr,
-    )
-    return k, tree

@@ -8,32 +8,30 @@ travel as one `GenerationRequest` (request.py); its text as one `TextStream` (te
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import torch
-
-from specdecode.batch_session import BatchSession, feed_text
-from specdecode.cache import Cache
-from specdecode.decode import decode
-from specdecode.drafter import Drafter
+from specdecode.core.cache import Cache
+from specdecode.core.decode import decode
+from specdecode.core.measure import clock_for
+from specdecode.core.policies import KPolicy, make_k_policy, prior_cost_ratio
+from specdecode.core.protocols import Drafter
+from specdecode.core.request import GREEDY, GenerationRequest, SamplingDefaults
+from specdecode.core.sampling import SamplingParams, make_generator
+from specdecode.core.tree import TreeDrafter
+from specdecode.core.types import ForwardMeter, GenerationResult, Stats
 from specdecode.drafters.model import ModelDrafter, check_confidence
 from specdecode.drafters.tree_model import TreeModelDrafter, make_tree_drafter
-from specdecode.lean import target_cache
 from specdecode.models.compat import (
     common_vocab_size,
     context_length,
     generation_defaults,
     logits_size,
 )
+from specdecode.models.lean import target_cache
 from specdecode.models.loading import LoadedModel, wrap_model
-from specdecode.policies import KPolicy, make_k_policy, prior_cost_ratio
-from specdecode.request import GREEDY, GenerationRequest, SamplingDefaults
-from specdecode.sampling import SamplingParams, make_generator
-from specdecode.textstream import TextStream
-from specdecode.tree import TreeDrafter
-from specdecode.types import ForwardMeter, GenerationResult, Stats
+from specdecode.runtime.session import BatchSession, feed_text
+from specdecode.runtime.textstream import TextStream
 
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]
 GENERATION_CONFIG_MODES = ("auto", "none")
@@ -53,18 +51,6 @@ def _eos_ids(loaded: LoadedModel) -> set[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(int(v) for v in value)
     return ids
-
-
-def clock_for(device: torch.device):
-    """time.perf_counter, synchronising the device first on CUDA so times cover the work."""
-    if device.type == "cuda":
-
-        def clock() -> float:
-            torch.cuda.synchronize(device)
-            return time.perf_counter()
-
-        return clock
-    return time.perf_counter
 
 
 class SpeculativeDecoder:

@@ -8,7 +8,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from specdecode.sampling import SamplingParams
+from specdecode.core.sampling import SamplingParams
 
 GREEDY = SamplingParams()  # the Python API's and the CLI's last resort: temperature 0
 
