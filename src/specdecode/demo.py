@@ -15,7 +15,7 @@ from specdecode.runtime.engine import SpeculativeDecoder
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 # 4-bit weights on 8-bit activations: the cheapest draft forward at the same acceptance
-# (lab/benchmarks.md); where the kernel cannot run (no AVX2, not bfloat16 on the CPU) the demo
+# (docs/results.md); where the kernel cannot run (no AVX2, not bfloat16 on the CPU) the demo
 # drafts in bfloat16
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct:int4"
 # the default pair's tree or chain: what this machine's calibration expects to be fastest
@@ -24,7 +24,7 @@ AUTO = "auto"
 DEFAULT_K = 4  # the fastest chain k with that draft (`--tree none`)
 QUICK_TARGET = "smollm2-135m-instruct"
 # SmolLM2-135M has no smaller sibling with its tokenizer here; prompt lookup measured better than
-# its early exit (lab/benchmarks.md)
+# its early exit (docs/results.md)
 QUICK_DRAFT = "ngram"
 QUICK_K = 2  # the quick demo's k (prompt lookup: its best when last measured)
 

@@ -58,7 +58,7 @@ MAX_NEW_TOKENS = 48  # per calibration prompt
 PROMPT_CATEGORIES = ("code_generation", "chat", "math_reasoning")
 # at most MAX_TREE_NODES nodes, so that a verification fits the measured v(n): shapes the
 # benchmarks and lab notes ran (the fastest ones on AVX2 and on AVX-512 BF16 among them,
-# lab/benchmarks.md), and a larger one of the same family; chains cover the small end
+# docs/results.md), and a larger one of the same family; chains cover the small end
 TREE_CANDIDATES = (
     "dynamic:5,6,2,0.3",
     "dynamic:8,6,2,0.2",

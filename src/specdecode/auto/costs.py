@@ -2,7 +2,7 @@
 
 Speculative decoding pays only when verifying k+1 tokens costs about one token's forward (the
 memory-bound regime); `verify_costs` measures it on the machine at hand, the tuner uses it to
-predict every k from one calibration run, and lab/probes/verify_cost.py prints it.
+predict every k from one calibration run, and `specdecode calibrate` shows it.
 `expected_chain_step` is the model both the tuner and the calibration (calibrate.py) predict a
 chain with.
 """
@@ -39,7 +39,7 @@ def forward_seconds(
     rolled back after every forward, so each one extends the same prefix. One untimed round over
     every size first (warm-up), then `repeats` timed rounds, each over every size in turn: a
     machine that speeds up or slows down while it measures (a VM whose first seconds run slower:
-    lab/notes/2026-12-03-zen4-vs-llamacpp.md) shifts every size alike instead of the first
+    docs/results.md) shifts every size alike instead of the first
     ones measured. `cache_type(model)` runs the forwards (a KVCache: the model's own
     forward; lean.LeanCache: the lean forward; lean.target_cache: the forward the target decodes
     with). `done(n)` is called after each forward (a progress bar: (repeats + 1) * len(sizes)).

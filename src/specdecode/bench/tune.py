@@ -157,7 +157,7 @@ def predictions(
     the trees and k policies beside it (their figures are measured), and the model carries only
     what it is for, how the speedup moves with k. (The model pools draft time and step overhead
     over categories, which put its k_max figure well off the measured one in some categories:
-    lab/notes/2026-12-01-int4-8bit-activations.md.)"""
+    docs/results.md.)"""
     ar = [r for r in records if r.method == "ar"]
     categories = list(dict.fromkeys(r.category for r in records))
     rows = []

@@ -48,7 +48,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     index of the largest value, or of the first NaN). Contiguous CPU bfloat16 / float32 logits go
     through the registered `use_argmax_rows` (the CPU kernels', once a model has loaded them:
     PyTorch's argmax is slow at a vocabulary's width on the CPU,
-    lab/notes/2026-12-03-zen4-vs-llamacpp.md); anything else through PyTorch."""
+    docs/results.md); anything else through PyTorch."""
     if (
         _argmax_rows is None
         or logits.device.type != "cpu"
@@ -95,7 +95,7 @@ def draw(probs: torch.Tensor, count: int, generator: torch.Generator | None) -> 
 
     On the CPU by the inverse CDF in float64, one uniform per draw: PyTorch's multinomial draws
     an exponential per vocabulary entry there, the largest cost of a sampled step after the
-    forwards at a vocabulary of 150k (lab/benchmarks.md, "Sampling on the CPU"); elsewhere by
+    forwards at a vocabulary of 150k (docs/results.md); elsewhere by
     `torch.multinomial`. Both are the distribution of `probs` exactly, up to float64 rounding of
     running sums; with the same generator state they draw different tokens."""
     if probs.device.type != "cpu":

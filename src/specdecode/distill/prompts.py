@@ -6,7 +6,7 @@ ordered by the SHA-256 of their id and the first round(share x n) are held out (
 most n - 1, for a category of two or more; a category of one prompt is trained on). The held-out
 prompts are never answered here, so never trained on: `benchmarks/distill_gain.py` measures on
 them. For the built-in suite at the default share 0.25 that is 2 of the 8 prompts per category
-(`tests/test_distill.py` pins the list; lab/benchmarks.md shows it).
+(`tests/test_distill.py` pins the list; docs/results.md shows it).
 
 Self-written prompts (`--self-prompts N`): for each category, N prompts the target writes when
 shown up to three of the category's training prompts (first turns, in turn; each cut at

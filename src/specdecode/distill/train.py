@@ -2,7 +2,7 @@
 draft but its output layer, float32 master weights, bfloat16 autocast where the draft serves in
 bfloat16 and it is faster (a GPU that has it; a CPU where a measured linear layer's forward and
 backward say so: on AVX2 CPUs PyTorch's bfloat16 matrix products are many times slower than
-float32 ones, lab/benchmarks.md "Distilled draft"), AdamW. The output layer and the loss run at
+float32 ones, docs/results.md), AdamW. The output layer and the loss run at
 the answer positions only, a few at a time (`answer_logits`), and on Linux glibc's malloc keeps
 the memory a step frees for the next (`keep_freed_memory`).
 
@@ -100,7 +100,7 @@ def keep_freed_memory(device: torch.device) -> bool:
     A step allocates and frees many tensors of a few to tens of MB (activations, the loss's
     float32 logits and their gradients); by default glibc maps most of them fresh and gives them
     back, so every page faults in again at the next step, which costs more than the arithmetic
-    on some machines (lab/benchmarks.md, "Training faster on a CPU"). Here blocks up to
+    on some machines (docs/results.md). Here blocks up to
     MMAP_THRESHOLD come from the heap, which keeps up to TRIM_THRESHOLD free for reuse; larger
     ones are still mapped and returned, which bounds what the heap's fragmentation can hold
     (with no mapping at all the resident peak grew by about a third, same section). Once per

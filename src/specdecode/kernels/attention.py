@@ -7,7 +7,7 @@ the few queries of each key/value head are stacked into one small float32 matmul
 head's keys (grouped-query attention without copies), masked, soft-maxed and multiplied with
 the values: in a profile of a one-token forward, a small part of SDPA's operator time per layer
 (the whole forward's wall time moved within the machine's noise;
-lab/notes/2026-11-30-decode-attention.md). Calls with more than MAX_QUERIES query tokens
+docs/results.md). Calls with more than MAX_QUERIES query tokens
 (prefill), caches longer than MAX_KEYS and anything unusual go to SDPA unchanged.
 
 It is registered with transformers' AttentionInterface under NAME, with SDPA's mask builder, so
@@ -25,7 +25,7 @@ MAX_QUERIES = 32  # more query tokens than this: SDPA (prefill, long verificatio
 # more cached positions than this: SDPA, which reads bfloat16 keys/values in place; here they are
 # widened to float32 per call, a copy that grows with the context. Still, at 1500 and 3000 cached
 # positions the 1.5B target's forward over 5 new tokens was faster here than with SDPA
-# (lab/notes/2026-12-01-long-context-attention.md); longer contexts were not measured and
+# (docs/results.md); longer contexts were not measured and
 # keep SDPA.
 MAX_KEYS = 3072
 

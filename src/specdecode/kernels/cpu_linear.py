@@ -98,7 +98,7 @@ def direct_linear(module: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Ten
     """What computes `module(x)` for x [M, K] contiguous bfloat16 on the CPU with the fewest
     Python steps: the kernel call itself when `module` runs on one of specdecode's kernels (no
     nn.Module call, no input checks or reshapes: over a small draft's hundred-odd linears, a large
-    share of its one-token forward; lab/notes/2026-12-01-direct-draft-linears.md), else
+    share of its one-token forward; docs/results.md), else
     the module.
 
     It holds the module's weights as they are now: make it again after quantizing the model,

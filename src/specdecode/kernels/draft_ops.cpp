@@ -4,7 +4,7 @@
 //
 // Why: through PyTorch, one token's RMSNorm is about eight operations and rotary embedding, the
 // cache write and attention another fifteen, each dispatched on its own; a 24-layer draft spent
-// nearly half as long in them as in its linears (lab/notes/2026-11-30-lean-draft-forward.md).
+// nearly half as long in them as in its linears (docs/results.md).
 // Here each is one call.
 //
 // Rounding follows Hugging Face's bfloat16 forward where it rounds (the residual sum, the
@@ -405,7 +405,7 @@ torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
 // Greedy decoding's argmax over the vocabulary, per row of logits x [R, V] (bfloat16 or float32,
 // on the CPU) -> [R] int64, as torch.argmax(x, -1) gives it: the first index of the largest
 // value, or of the first NaN where a row has one. PyTorch's own ran a row of a 151,936-token
-// vocabulary far slower than a read of it (lab/notes/2026-12-03-zen4-vs-llamacpp.md), up to
+// vocabulary far slower than a read of it (docs/results.md), up to
 // three times per speculative step. Eight lanes of running maxima with their first indices (a
 // strict comparison keeps the first), then the smallest index among the lanes that hold the
 // maximum, then the tail one by one.

@@ -6,7 +6,7 @@
 // Why: a one-token forward is some 12 kernel calls per layer, and each call from Python
 // costs the interpreter, pybind11's argument conversion and a Python object for every tensor:
 // for the 0.5B draft that was a large share of its forward, and the target pays it too
-// (lab/notes/2026-12-03-native-layer-loop.md).
+// (docs/results.md).
 //
 // `LinearOp` is one linear layer on specdecode's kernels (its packed weights and which kernel
 // reads them): what `cpu_linear.direct_linear` hands to Python as the layer's call, and what the

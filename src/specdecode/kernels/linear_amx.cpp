@@ -7,7 +7,7 @@
 // tokens x 16 float32 sums (C) in one `tdpbf16ps`: 512 multiply-adds per instruction, with the
 // weights read straight from the panels. Verifying a dozen tokens then costs about what one
 // token costs, where the AVX-512 BF16 path's work grows with every token
-// (lab/benchmarks.md, "bfloat16 panels on AMX").
+// (docs/results.md).
 //
 // Batch invariance: each output row is its own row of the C tile, accumulated over the same
 // 32-k blocks in the same order whatever the number of tokens in the call or the rows of the

@@ -7,7 +7,7 @@
 //
 // Why: on x86 CPUs without bfloat16 matrix units, PyTorch's bfloat16 matmul costs about one extra
 // one-token forward per extra token, so verifying k+1 drafted tokens costs about k+1 forwards and
-// speculation cannot pay (lab/notes/2026-11-30-verify-cost-before-the-kernel.md). Here
+// speculation cannot pay (docs/results.md). Here
 // every weight row is read from memory once per call and used for all
 // the tokens while it sits in L1, so a forward over a few tokens costs about as much as over one:
 // the memory-bound regime speculative decoding is built on.
@@ -241,7 +241,7 @@ torch::Tensor run(const torch::Tensor& x, const typename W::T* w, int64_t N, con
 // one 32-bit lane, k even in the low half), so one 256-bit load gives 8 rows' weights at k (a
 // shift) and at k+1 (a mask), and a tile of MR tokens x 8V rows does MR x V FMAs per broadcast
 // activation, with no horizontal sum: a forward over a few tokens then costs about one
-// one-token forward again (lab/notes/2026-11-30-packed-panels.md).
+// one-token forward again (docs/results.md).
 // Each output is one float32 FMA chain over k in order whatever the tile: batch invariant.
 // int8 panels (a draft's quantized weights): [K][16] int8 per panel, one float32 scale per row
 // applied after the sum, like the int8 rows. No pairs of k: 8 weights widen with one sign

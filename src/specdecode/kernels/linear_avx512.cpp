@@ -41,7 +41,7 @@ constexpr int64_t kPanel = 16;  // outputs per panel
 // sets it). Over a dozen tokens the tile is nearly as busy multiplying as reading, and 16 KB
 // ahead (the AVX2 path's distance) hid less of the reading: the 1.5B target's layers, out of
 // cache, took longer over 12 tokens at 16 KB than at 4 KB, with 2 and 8 KB in between
-// (benchmarks/kernel_rate.py; lab/notes/2026-12-01-leaf-and-prefetch.md).
+// (benchmarks/kernel_rate.py; docs/results.md).
 std::atomic<int64_t> g_prefetch{2048};  // set from Python, read by every worker's tile
 
 #define SD_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
@@ -271,7 +271,7 @@ SD_VNNI512 inline void dot8_rows(__m512i (&acc)[MR], __m512i first, __m512i seco
 // 32 registers and a 12-row verification unpacks each weight once. (An earlier tile kept lanes
 // 2i and 2i + 1 for row i, one 8-byte broadcast per load, and paid two permutes and an add per
 // token and group to bring the sums together: slower at every shape and row count measured,
-// lab/benchmarks.md "The kernels".)
+// docs/results.md.)
 template <int MR>
 SD_VNNI512 void int4_tile512(const uint8_t* p, const uint8_t* codes, const uint16_t* steps,
                              int shift, int64_t K, const int8_t* xq, const float* dx,

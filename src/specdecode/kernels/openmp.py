@@ -7,8 +7,7 @@ starts at once. But once there are more OpenMP threads than CPUs it spins 100 ti
 300,000 (GOMP_SPINCOUNT in libgomp's manual): every region then waits for its threads to wake
 from a futex. A server loads its models on the main thread (one pool) and decodes on its worker
 thread (a second pool): on 2 cores that is 4 threads for 2 CPUs, and the worker decoded well
-below the speed of the same code on the main thread (lab/benchmarks.md, "The server's decoding
-thread"). `release_pool` hands the calling thread's pool back (OpenMP 5.0's
+below the speed of the same code on the main thread (docs/results.md). `release_pool` hands the calling thread's pool back (OpenMP 5.0's
 `omp_pause_resource_all`, a soft pause), so the decoding thread's pool is the only one left.
 """
 

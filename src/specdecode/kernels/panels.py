@@ -218,7 +218,7 @@ def prefill_on_torch() -> bool:
     $SPECDECODE_PREFILL_LINEARS = kernel / torch decides; auto (default) measures once per
     process and panels path (`_torch_beats_panels`). On AVX2 and
     AVX-512 BF16 the panels' work grows with every row, while PyTorch's product (oneDNN) tiles
-    many rows; on AMX tiles the panels tile them too (lab/benchmarks.md, "vs llama.cpp")."""
+    many rows; on AMX tiles the panels tile them too (docs/results.md)."""
     mode = (os.environ.get(PREFILL_ENV) or "auto").lower()
     if mode not in PREFILL_MODES:
         raise ValueError(f"{PREFILL_ENV} must be one of {', '.join(PREFILL_MODES)} (got {mode!r})")

@@ -12,8 +12,8 @@ simply never drafted (the target's own token is kept at that position, as for an
 Why the first N ids: a byte-pair tokenizer numbers its tokens in the order it learnt their merges,
 most frequent first, so a prefix of the ids is a frequency ranking that needs no data (the idea of
 keeping only frequent tokens in the draft's head: FR-Spec, Zhao et al. 2025). How much of the
-target's output falls inside, and what it saves, is measured in lab/benchmarks.md ("The draft
-vocabulary"). The size: draft_spec.DEFAULT_DRAFT_VOCAB, --draft-vocab, $SPECDECODE_DRAFT_VOCAB.
+target's output falls inside, and what it saves, is measured in docs/results.md. The size: draft_spec.DEFAULT_DRAFT_VOCAB, --draft-vocab,
+$SPECDECODE_DRAFT_VOCAB.
 """
 
 from __future__ import annotations

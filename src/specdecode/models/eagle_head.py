@@ -6,7 +6,7 @@ output layer reads), and the embedding of the token after it, t_{j+1}; one decod
 f_{j+1}, and the target's own output layer turns that into the next token t_{j+2}. Drafting
 further feeds the head its own predicted feature. A step costs one layer and an output layer, not
 a model: about a tenth of the target's weights for Qwen2.5-1.5B over the draft vocabulary (its
-measured cost and acceptance: lab/benchmarks.md, "An EAGLE-style head").
+measured cost and acceptance: docs/results.md).
 
 The layer is the target family's own decoder layer (a one-layer model built from the target's
 config by Hugging Face, not code of ours), started from a copy of the target's last layer; `fc`

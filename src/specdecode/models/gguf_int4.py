@@ -1,7 +1,7 @@
 """A GGUF file's own 4-bit codes for `:int4`, instead of re-quantizing its dequantized weights.
 
 A GGUF-made model (a preset, or a `.gguf` path) was dequantized to bfloat16 when loaded; a
-min / max grid fitted to those weights is not the file's (lab/notes/2026-12-02-int4-targets.md).
+min / max grid fitted to those weights is not the file's (docs/results.md).
 Where the file stores a linear as Q4_K, Q4_1 or Q4_0, its blocks are groups of 32 weights on
 `q * step + min` with 4-bit codes: `decode_int4` turns them into the kernel's form
 (`kernels.quantize.Int4Codes`, `pack_int4_panels`) exactly: Q4_K's 6-bit sc and m per group and

@@ -96,7 +96,7 @@ def load_model(
     """Load a causal LM from a preset name, a `.gguf` file, a local folder or a hub id, each
     optionally with `:int8` / `:int4`.
 
-    Default dtype is bfloat16 (faster than float32 on CPU for these models: lab/benchmarks.md);
+    Default dtype is bfloat16 (faster than float32 on CPU for these models: docs/results.md);
     exact-identity tests use float32. `kernel` ("auto", "on", "off"; None: $SPECDECODE_KERNEL,
     else "auto") puts a bfloat16 model's linear layers on the CPU kernels (`specdecode.kernels`).
     `MODEL:int8` / `MODEL:int4` runs them on int8 / 4-bit weights (bfloat16 on an AVX2 CPU only,
@@ -140,7 +140,7 @@ def own_memory(model: torch.nn.Module) -> None:
     views of that mapping; a page of it read or written stays in the process as long as any
     view lives. Once a quantized model's bfloat16 weights are freed, its embedding, norms and
     biases are the views left: copied out, the whole mapping goes, and the process holds what
-    the model holds (lab/benchmarks.md, "Loading a model"). (A bfloat16 model keeps its
+    the model holds (docs/results.md). (A bfloat16 model keeps its
     mapping: the kernel's panels are written into its pages, kernels/panels.py `pack`.) For a
     model just loaded: nothing outside it may share its tensors."""
     from specdecode.kernels.quantize import drop_pages
