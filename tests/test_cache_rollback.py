@@ -1,4 +1,5 @@
-"""Invariant 2: after every step the caches hold exactly what a fresh prefill would."""
+"""Invariant 2: after every step the caches hold exactly what a fresh prefill would (a batch of
+one row, stepped one step at a time)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import copy
 import pytest
 import torch
 
+from specdecode.core.batch import Batch
 from specdecode.core.cache import KVCache
+from specdecode.core.policies import FixedK
 from specdecode.core.sampling import SamplingParams, make_generator
-from specdecode.core.step import prefill, speculative_step
 from specdecode.core.types import Stats
 from specdecode.drafters.model import ModelDrafter
 
@@ -36,16 +38,19 @@ def test_caches_match_a_fresh_prefill_after_every_step(arch, temperature):
     generator = make_generator(torch.device("cpu"), 0)
     stats = Stats()
     prompt = [3, 1, 4, 1, 5]
-    state, first = prefill(target, prompt, params, generator, stats)
-    assert state.tokens == [*prompt, *first.committed] and len(state.target_cache) == len(prompt)
     drafter = ModelDrafter(draft_model, vocab_size=96)
-    drafter.begin(state.tokens, params, generator, stats.meter)
+    batch = Batch(target, policy=FixedK(1), meter=stats.meter)
+    row = batch.add(prompt, 200, drafter=drafter, params=params, generator=generator, stats=stats)
+    state = row.state
+    assert state.tokens == [*prompt, *row.committed] and len(state.target_cache) == len(prompt)
     accepted_counts = set()
     for step in range(12):
-        k = 1 + step % 6
-        step = speculative_step(state, drafter, k, params, generator, stats)
-        assert step.depth == step.nodes == k and len(step.committed) == step.accepted + 1
-        accepted_counts.add(step.accepted == k)
+        k = batch.policy.k = 1 + step % 6
+        drafted, accepted = stats.drafted, stats.accepted
+        batch.step()
+        depth, accepted = stats.drafted - drafted, stats.accepted - accepted
+        assert depth == k and len(row.committed) == accepted + 1
+        accepted_counts.add(accepted == k)
         tokens = state.tokens
         assert len(state.target_cache) == len(tokens) - 1
         torch.testing.assert_close(
@@ -71,16 +76,16 @@ def test_full_acceptance_catches_the_drafter_up_without_recomputing(llama_pair):
     params = SamplingParams()
     stats = Stats()
     prompt = [2, 7, 1, 8]
-    state, _ = prefill(target, prompt, params, None, stats)
     drafter = ModelDrafter(target, vocab_size=96)  # identical draft: everything is accepted
-    drafter.begin(state.tokens, params, None, stats.meter)
+    batch = Batch(target, policy=FixedK(4), meter=stats.meter)
+    row = batch.add(prompt, 100, drafter=drafter, params=params, stats=stats)
     for _ in range(5):
         before = dict(stats.meter.tokens)
-        speculative_step(state, drafter, 4, params, None, stats)
+        batch.step()
         # k draft forwards, fed 1 (first step) or 2 (catch-up) + 3 tokens: never the prefix again
         fed = stats.meter.tokens["draft"] - before.get("draft", 0)
         assert fed <= 2 + 3
-        assert len(drafter.cache) == len(state.tokens) - 2  # d_k and the bonus token still to feed
+        assert len(drafter.cache) == len(row.state.tokens) - 2  # d_k and the bonus to feed
     assert stats.meter.calls["draft"] == 5 * 4
     assert stats.meter.calls["target"] == 5  # one target forward per step
 

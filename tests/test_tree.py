@@ -11,16 +11,15 @@ import pytest
 import torch
 
 from specdecode import SpeculativeDecoder
+from specdecode.core.batch import Batch
 from specdecode.core.cache import KVCache
 from specdecode.core.sampling import SamplingParams
-from specdecode.core.step import prefill
 from specdecode.core.tree import (
     TokenTree,
     ancestor_matrix,
     check_tree_attention,
     verification_inputs,
 )
-from specdecode.core.tree_decode import tree_step
 from specdecode.core.types import ForwardMeter, Stats
 from specdecode.core.verify_tree import verify_tree_greedy
 from specdecode.drafters.early_exit import EarlyExitDrafter
@@ -362,13 +361,15 @@ def test_caches_match_a_fresh_prefill_after_every_tree_step(spec, temperature):
     generator = torch.Generator().manual_seed(0)
     stats = Stats()
     prompt = [3, 1, 4, 1, 5]
-    state, _ = prefill(target, prompt, params, generator, stats)
     drafter = TreeModelDrafter(draft_model, parse_tree_spec(spec), vocab_size=96)
-    drafter.begin(state.tokens, params, generator, stats.meter)
+    batch = Batch(target, meter=stats.meter)
+    row = batch.add(prompt, 100, drafter=drafter, params=params, generator=generator, stats=stats)
+    state = row.state
     accepted = set()
     for _ in range(8):
-        step = tree_step(state, drafter, params, generator, stats)
-        accepted.add(step.accepted)
+        before = stats.accepted
+        batch.step()
+        accepted.add(stats.accepted - before)
         tokens = state.tokens
         assert len(state.target_cache) == len(tokens) - 1  # invariant 2
         for model, cache in ((target, state.target_cache), (draft_model, drafter.cache)):
@@ -395,10 +396,14 @@ def test_a_tree_step_reports_its_depth_and_its_nodes():
 
     drafter.propose_tree = noted
     params, stats, prompt = SamplingParams(), Stats(), [3, 1, 4, 1, 5]
-    state, _ = prefill(target, prompt, params, None, stats)
-    drafter.begin(state.tokens, params, None, stats.meter)
-    steps = [tree_step(state, drafter, params, None, stats) for _ in range(3)]
-    for step, tree in zip(steps, proposed, strict=True):
-        assert step.depth == tree.max_depth == 3  # positions offered along one path
-        assert step.nodes == len(tree) > step.depth  # every node the target verified
-    assert stats.nodes_verified == sum(step.nodes for step in steps)
+    batch = Batch(target, meter=stats.meter)
+    batch.add(prompt, 100, drafter=drafter, params=params, stats=stats)
+    steps = []
+    for _ in range(3):
+        depth, nodes = stats.drafted, stats.nodes_verified
+        batch.step()
+        steps.append((stats.drafted - depth, stats.nodes_verified - nodes))
+    for (depth, nodes), tree in zip(steps, proposed, strict=True):
+        assert depth == tree.max_depth == 3  # positions offered along one path
+        assert nodes == len(tree) > depth  # every node the target verified
+    assert stats.nodes_verified == sum(nodes for _, nodes in steps)

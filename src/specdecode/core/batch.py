@@ -76,23 +76,14 @@ def fork_drafter(drafter: Drafter | TreeDrafter | None) -> Drafter | TreeDrafter
     return copy.copy(drafter) if drafter is not None else None
 
 
-def close_cache(cache: Cache) -> None:
-    """Give a cache's memory back: a store row returns to its store (others have no close)."""
-    close = getattr(cache, "close", None)
-    if close is not None:
-        close()
-
-
 def propose_chains(
     drafters: Sequence[Drafter], contexts: Sequence[list[int]], k: int
 ) -> list[Draft]:
-    """Each drafter's chain of up to k tokens after its context. Drafters of one class with a
-    `propose_many` class method (model drafters: one forward per depth for all of them) draft
-    together; others one by one."""
+    """Each drafter's chain of up to k tokens after its context: drafters of one class through
+    its `propose_many` (model drafters: one forward per depth for all of them), else one by one."""
     kind = type(drafters[0])
-    many = getattr(kind, "propose_many", None)
-    if len(drafters) > 1 and many is not None and all(type(d) is kind for d in drafters):
-        return many(drafters, contexts, [k] * len(drafters))
+    if all(type(d) is kind for d in drafters):
+        return kind.propose_many(drafters, contexts, [k] * len(drafters))
     return [d.propose(ctx, k) for d, ctx in zip(drafters, contexts, strict=True)]
 
 
@@ -179,7 +170,7 @@ class Batch:
             if begin_draft and not row.done:
                 self.begin_draft(row)
         except BaseException:  # a store row is given back, not lost with the failed row
-            close_cache(cache)
+            cache.close()
             raise
         self.rows.append(row)
         return row
@@ -191,9 +182,7 @@ class Batch:
         if row.drafter is None or row.drafting:
             return
         try:
-            follow = getattr(row.drafter, "follow", None)
-            if follow is not None:  # a drafter reading the target's features (drafters/eagle.py)
-                follow(row.state.target_cache)
+            row.drafter.follow(row.state.target_cache)
             with torch.inference_mode():  # the draft's prefill: no autograd graph
                 row.drafter.begin(row.state.tokens, row.params, row.generator, self.meter)
         except BaseException:
@@ -208,10 +197,9 @@ class Batch:
         """Take a row out (finished, cancelled or failed); its store row, if any, is freed,
         and its drafter, if it began, ends its sequence (`end`, where it has one)."""
         self.rows.remove(row)
-        close_cache(row.state.target_cache)
-        end = getattr(row.drafter, "end", None) if row.drafting else None
-        if end is not None:
-            end()
+        row.state.target_cache.close()
+        if row.drafting:
+            row.drafter.end()  # type: ignore[union-attr]
 
     def running(self) -> list[Row]:
         return [row for row in self.rows if not row.done]
@@ -260,8 +248,7 @@ class Batch:
         if not drafting:
             return 0
         allowed = max(r.allowed for r in drafting)
-        ask = getattr(self.policy, "next_batch_k", None)
-        k = ask(allowed, len(rows)) if ask is not None and len(rows) > 1 else None
+        k = self.policy.next_batch_k(allowed, len(rows)) if len(rows) > 1 else None
         k = self.policy.next_k(allowed) if k is None else k
         return max(0, min(k, allowed))
 
@@ -304,14 +291,8 @@ class Batch:
                 row.stats.meter.add("target", result.nodes + 1, target_s)
         if not any(r.drafter is not None for r in rows):
             return
-        learn = getattr(self.policy, "observe_step", None)
-        if learn is not None:
-            learn([(r.depth, r.accepted) for r in results], draft_s, target_s, verified)
-        else:  # a policy that knows one sequence only: per row, untimed when rows share a step
-            timed = len(rows) == 1
-            for result in results:
-                times = (draft_s, target_s) if timed else (None, None)
-                self.policy.observe(result.depth, result.accepted, *times)
+        steps = [(r.depth, r.accepted) for r in results]
+        self.policy.observe_step(steps, draft_s, target_s, verified)
 
     @staticmethod
     def _commit(row: Row, result: StepResult, k: int | None) -> None:

@@ -38,6 +38,26 @@ class Cache(Protocol):
         attention_mask: torch.Tensor | None = None,  # [1, 1, n, len + n]
     ) -> torch.Tensor: ...  # logits [n, V] ([1, V] with last_only); the cache grows by n
 
+    def close(self) -> None:
+        """Give the cache's memory back (a store row returns to its store). Default: nothing."""
+
+    @classmethod
+    def forward_many(
+        cls,
+        caches: Sequence[Cache],
+        inputs: Sequence[torch.Tensor],  # one [n_b] int64 per cache
+        *,
+        last_only: bool = False,
+        positions: Sequence[torch.Tensor | None],  # one [n_b] or None per cache
+        masks: Sequence[torch.Tensor | None],  # one [1, 1, n_b, len_b + n_b] or None per cache
+    ) -> list[torch.Tensor]:
+        """Several caches of this class forwarded together, each as its own `forward` would;
+        a class that can share one pass over the weights overrides it. Default: one by one."""
+        return [
+            cache.forward(ids, last_only, position_ids=pos, attention_mask=mask)
+            for cache, ids, pos, mask in zip(caches, inputs, positions, masks, strict=True)
+        ]
+
 
 # model -> an empty cache for it (KVCache, or lean.target_cache where the target runs lean)
 NewCache = Callable[[Any], Cache]
@@ -84,8 +104,8 @@ def forward_rows(
     """Several sequences' forwards as one: each cache grows by its own inputs and gets its own
     logits ([n_b, V], or [1, V] with `last_only`), exactly as `cache.forward` would give them.
 
-    Caches of one class with a `forward_many` class method (LeanCache, StoreRow: one pass over
-    the model's weights for every row) run together; any other cache runs its own forward.
+    Caches of one class run through its `forward_many` (LeanCache, StoreRow: one pass over the
+    model's weights for every row); a mix of classes runs cache by cache.
     """
     n = len(caches)
     positions = list(positions) if positions is not None else [None] * n
@@ -93,9 +113,10 @@ def forward_rows(
     if not n == len(inputs) == len(positions) == len(masks):
         raise ValueError("forward_rows needs one input, position and mask entry per cache")
     kind = type(caches[0]) if caches else None
-    many = getattr(kind, "forward_many", None)
-    if n > 1 and many is not None and all(type(c) is kind for c in caches):
-        return many(caches, inputs, last_only=last_only, positions=positions, masks=masks)
+    if n > 1 and all(type(c) is kind for c in caches):
+        return kind.forward_many(  # type: ignore[union-attr]
+            caches, inputs, last_only=last_only, positions=positions, masks=masks
+        )
     return [
         cache.forward(ids, last_only, position_ids=pos, attention_mask=mask)
         for cache, ids, pos, mask in zip(caches, inputs, positions, masks, strict=True)
@@ -113,7 +134,7 @@ def cache_kwarg(model_cls: type) -> str:
     return "cache" if "cache" in _forward_params(model_cls) else "past_key_values"
 
 
-class KVCache:
+class KVCache(Cache):
     """One model's key/value cache for a single sequence (batch size 1)."""
 
     def __init__(self, model: Any) -> None:

@@ -51,8 +51,28 @@ class KPolicy(Protocol):
         """Learn from the step just done: tokens drafted (may be fewer than asked) and accepted,
         seconds spent in draft and target forwards (None when forwards are not timed)."""
 
+    def next_batch_k(self, max_k_allowed: int, rows: int) -> int | None:
+        """The look-ahead for a step of `rows` rows (a batch; `Batch` asks when rows > 1);
+        None: `next_k`'s, as for one sequence (the default: a policy that knows one only)."""
+        return None
 
-class FixedK:
+    def observe_step(
+        self,
+        steps: list[tuple[int, int]],
+        draft_s: float | None,
+        target_s: float | None,
+        verified: int,
+    ) -> None:
+        """Learn from a step of `len(steps)` rows: (drafted, accepted) per row, the step's
+        seconds in draft and target forwards, the tokens it verified. Default: each row's
+        `observe`, timed only when it ran alone (its times are not one row's when rows share)."""
+        timed = len(steps) == 1
+        for drafted, accepted in steps:
+            times = (draft_s, target_s) if timed else (None, None)
+            self.observe(drafted, accepted, *times)
+
+
+class FixedK(KPolicy):
     """The same k every step."""
 
     name = "fixed"
@@ -74,7 +94,7 @@ class FixedK:
         pass
 
 
-class HeuristicK:
+class HeuristicK(KPolicy):
     """Hugging Face's "heuristic" schedule: k += 2 after a step whose drafts were all accepted,
     k -= 1 otherwise (never below 1), here also capped at `k_max`. k restarts at `k0` for each
     sequence (HF's "heuristic_transient"; plain "heuristic" carries k over between calls)."""
@@ -133,7 +153,7 @@ class _Median:
         self.value = statistics.median(self.samples)
 
 
-class CostK:
+class CostK(KPolicy):
     """Picks the k in 0..k_max that maximises expected emitted tokens per unit of time, for one
     sequence or for a batch of them (`next_batch_k`).
 
@@ -409,7 +429,7 @@ def prior_cost_ratio(target: Any, drafter: Any) -> float | None:
     """A clock-free guess at c: draft / target parameter count (forwards at batch 1 are
     memory-bound, so time tracks bytes read). A drafter that knows its c says so in a
     `cost_ratio` attribute (n-gram: 0, no model); None when it cannot tell."""
-    known = getattr(drafter, "cost_ratio", None)
+    known = drafter.cost_ratio
     if known is not None:
         return float(known)
     model = getattr(drafter, "model", None)

@@ -1,14 +1,18 @@
-"""The drafter protocol: whatever proposes tokens for the target to verify.
+"""The drafter protocols: whatever proposes tokens for the target to verify.
 
 The core codes against these protocols only; the implementations live in drafters/ and the core
 never imports them (docs/architecture.md, Invariants 5). The tree drafter's protocol sits with the
-token tree it proposes (tree.py).
+token tree it proposes (tree.py). A drafter subclasses its protocol: the optional hooks
+(`follow`, `end`, `propose_many`, `cost_ratio`) are declared here with defaults that do nothing
+special, so the core calls them on every drafter and never asks whether one has them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
+from specdecode.core.cache import Cache
 from specdecode.core.sampling import SamplingParams
 from specdecode.core.types import Draft, ForwardMeter
 
@@ -17,6 +21,9 @@ class BaseDrafter(Protocol):
     """What every drafter, chain or tree, does: a name and a start per sequence."""
 
     name: str
+    # c, a draft forward's time over a one-token target forward's, where the drafter knows it
+    # (prompt lookup: 0, no model); None: policies.prior_cost_ratio guesses it from sizes
+    cost_ratio: float | None = None
 
     def begin(
         self,
@@ -28,6 +35,14 @@ class BaseDrafter(Protocol):
         """Start a new sequence whose committed tokens are `prompt_ids` (the prompt and the
         prefill's first token; reset state; may prefill over prompt_ids[:-1])."""
 
+    def follow(self, target_cache: Cache) -> None:
+        """Before `begin`: the target cache of the sequence, for a drafter that reads the
+        target's features (drafters/eagle.py). Default: nothing."""
+
+    def end(self) -> None:
+        """The sequence is over (finished, cancelled or failed): give back what `begin` took
+        (a model draft's cache to its prefix pool). Default: nothing."""
+
 
 @runtime_checkable
 class Drafter(BaseDrafter, Protocol):
@@ -38,3 +53,12 @@ class Drafter(BaseDrafter, Protocol):
 
     def observe(self, n_accepted: int) -> None:
         """Learn how many of the last proposal's tokens the target kept (and roll back)."""
+
+    @classmethod
+    def propose_many(
+        cls, drafters: Sequence[Drafter], contexts: Sequence[list[int]], ks: Sequence[int]
+    ) -> list[Draft]:
+        """The chains of several drafters of this class, one per context; a class that can
+        draft them together (model drafters: one forward per depth for all) overrides it.
+        Default: one by one."""
+        return [d.propose(ctx, k) for d, ctx, k in zip(drafters, contexts, ks, strict=True)]

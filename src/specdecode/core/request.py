@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from specdecode.core.sampling import SamplingParams
+from specdecode.core.types import Stats
 
 GREEDY = SamplingParams()  # the Python API's and the CLI's last resort: temperature 0
 
@@ -48,6 +49,17 @@ class SamplingDefaults:
         """The values the model sets, by name (what `/v1/models` reports)."""
         values = {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
         return {name: value for name, value in values.items() if value is not None}
+
+
+@dataclass
+class RowStart:
+    """One request resolved against its models: what its row runs with
+    (`SpeculativeDecoder.resolve`, the one place a request becomes a row's inputs)."""
+
+    params: SamplingParams  # the request's sampling, the model's defaults where it left them
+    generator: Any  # torch.Generator seeded by the request; None for greedy
+    eos_token_ids: Collection[int]  # the request's, else the model's
+    stats: Stats  # the row's counters; its meter times the row's forwards where timed
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
-"""One sequence's state, its prefill, and one chain step: draft, verify, commit, roll back.
+"""One sequence's state, its prefill, and a chain's share of a step: verify, commit, roll back.
 
+`Batch.step` (batch.py) drafts for every row, runs one target forward over all of them
+(`verify_rows`) and settles each row's `Verification`: a chain's here, a tree's in tree_decode.py.
 Pure data in, data out: no printing, no clock (docs/architecture.md, Invariants 4). Counters go
-into `Stats`; forward times only through the caller's `ForwardMeter` clock. The tree step
-(tree_decode.py) shares this state; decode.py's loop runs either.
+into `Stats`; forward times only through the caller's `ForwardMeter` clock.
 """
 
 from __future__ import annotations
@@ -96,11 +97,6 @@ def verify_rows(caches: list[Cache], rows: list[Verification], meter: ForwardMet
     return [row.settle(row_logits) for row, row_logits in zip(rows, logits, strict=True)]
 
 
-def draft_chain(state: DecodeState, drafter: Drafter | None, k: int) -> Draft | None:
-    """A drafter's chain of up to k tokens after the committed ones (None: nothing to draft)."""
-    return drafter.propose(state.tokens, k) if drafter is not None and k > 0 else None
-
-
 def chain_verification(
     state: DecodeState,
     drafter: Drafter | None,
@@ -140,21 +136,3 @@ def chain_verification(
         )
 
     return Verification(inputs, None, None, settle)
-
-
-@torch.inference_mode()
-def speculative_step(
-    state: DecodeState,
-    drafter: Drafter | None,
-    k: int,
-    params: SamplingParams,
-    generator: torch.Generator | None,
-    stats: Stats,
-) -> StepResult:
-    """Draft up to k tokens, verify them in one target forward, commit, roll back.
-
-    k == 0, no drafter, or an empty draft is one plain autoregressive step.
-    """
-    draft = draft_chain(state, drafter, k)
-    row = chain_verification(state, drafter, draft, params, generator)
-    return verify_rows([state.target_cache], [row], stats.meter)[0]

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from specdecode.core.cache import compaction, tapped_features
+from specdecode.core.cache import Cache, compaction, tapped_features
 from specdecode.core.tree import additive_mask, check_tree_attention
 
 
@@ -119,7 +119,7 @@ class StaticStore(RowPool):
         return StoreRow(self, row)
 
 
-class StoreRow:
+class StoreRow(Cache):
     """One sequence's row of a StaticStore, with the Cache protocol (cache.py)."""
 
     def __init__(self, store: StaticStore, row: int) -> None:

@@ -1,6 +1,7 @@
-"""One token-tree step: draft a tree, verify every node in one target forward, compact the cache.
+"""A token tree's share of a step: every node verified in the target forward that `Batch.step`
+runs for all rows, the accepted path committed, the cache compacted to it.
 
-The tree counterpart of `step.speculative_step`, with the same state and the same StepResult;
+The tree counterpart of `step.chain_verification`, with the same state and the same StepResult;
 `depth` is the tree's depth (the most tokens the step could accept), `nodes` its node count, which
 `Stats.nodes_verified` sums.
 """
@@ -11,30 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.core.sampling import SamplingParams, logits_to_probs
-from specdecode.core.step import DecodeState, Verification, speculative_step, verify_rows
+from specdecode.core.step import DecodeState, Verification
 from specdecode.core.tree import TokenTree, TreeDrafter, verification_inputs
 from specdecode.core.types import Stats, StepResult
 from specdecode.core.verify_tree import verify_tree_greedy, verify_tree_sampling
-
-
-@torch.inference_mode()
-def tree_step(
-    state: DecodeState,
-    drafter: TreeDrafter,
-    params: SamplingParams,
-    generator: torch.Generator | None,
-    stats: Stats,
-    max_depth: int | None = None,
-) -> StepResult:
-    """Draft a tree of at most `max_depth` levels, verify it in one forward, commit the path.
-
-    max_depth 0 (one token left to emit) is a plain autoregressive step.
-    """
-    if max_depth is not None and max_depth < 1:
-        return speculative_step(state, None, 0, params, generator, stats)
-    tree = drafter.propose_tree(state.tokens, max_depth if max_depth is not None else 1 << 30)
-    row = tree_verification(state, drafter, tree, params, generator, stats)
-    return verify_rows([state.target_cache], [row], stats.meter)[0]
 
 
 def tree_verification(

@@ -20,12 +20,13 @@ import torch
 
 from specdecode.core.cache import Cache, keep_features
 from specdecode.core.policies import compute_params
+from specdecode.core.protocols import Drafter
 from specdecode.core.sampling import SamplingParams, greedy_tokens, logits_to_probs, sample
 from specdecode.core.types import Draft, ForwardMeter
 from specdecode.models.eagle_head import EagleHead
 
 
-class EagleDrafter:
+class EagleDrafter(Drafter):
     """A Drafter over `head` for `target` (the model, whose caches must keep features: made so
     here). `follow(cache)` hands it a sequence's target cache before `begin`."""
 

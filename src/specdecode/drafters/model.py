@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from specdecode.core.cache import KVCache, forward_rows
+from specdecode.core.protocols import Drafter
 from specdecode.core.sampling import SamplingParams, greedy_tokens, logits_to_probs, sample
 from specdecode.core.types import Draft, ForwardMeter
 from specdecode.models.lean import LeanCache, PrefixPool, draft_cache
@@ -59,7 +60,7 @@ class DraftModelState:
         return tensor.masked_fill(tensor >= self.embed_size, 0)
 
 
-class ModelDrafter(DraftModelState):
+class ModelDrafter(DraftModelState, Drafter):
     """Drafts k tokens autoregressively with a small causal LM.
 
     Cache bookkeeping per step: `propose` feeds the committed tokens not yet cached (one token, or

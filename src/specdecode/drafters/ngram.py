@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import torch
 
+from specdecode.core.protocols import Drafter
 from specdecode.core.sampling import SamplingParams
 from specdecode.core.types import Draft, ForwardMeter
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     # c, the draft's cost per token next to the target's (policies.prior_cost_ratio): no model
     # forward, so next to nothing
     cost_ratio = 0.0

@@ -26,14 +26,15 @@ import torch
 from specdecode.core.sampling import SamplingParams, draw, logits_to_probs
 from specdecode.core.tree import (
     TokenTree,
+    TreeDrafter,
     additive_mask,
     ancestor_matrix,
     check_tree_attention,
     tree_mask,
 )
 from specdecode.core.types import ForwardMeter
-from specdecode.drafters.model import DraftModelState, ModelDrafter
-from specdecode.drafters.tree_shape import TreeShape, parse_tree_spec
+from specdecode.drafters.model import DraftModelState
+from specdecode.drafters.tree_shape import TreeShape
 
 
 class _Pool:
@@ -126,7 +127,7 @@ class _Pool:
         )
 
 
-class TreeModelDrafter(DraftModelState):
+class TreeModelDrafter(DraftModelState, TreeDrafter):
     """Drafts a token tree with a small causal LM (see the module docstring)."""
 
     def __init__(
@@ -250,23 +251,3 @@ class TreeModelDrafter(DraftModelState):
         self.cache.compact(
             torch.cat([torch.arange(self._context_len), torch.tensor(fed, dtype=torch.long)])
         )
-
-
-def make_tree_drafter(spec: str, target: Any, draft: Any) -> TreeModelDrafter:
-    """`SpeculativeDecoder(tree=spec)`: wrap the draft model (a loaded or transformers model, or
-    a ModelDrafter such as early-exit:N) into a TreeModelDrafter; ValueError when that can't be.
-
-    target: the LoadedModel; its attention must take a custom 4D mask too.
-    """
-    from specdecode.models.compat import common_vocab_size
-    from specdecode.models.loading import wrap_model
-
-    shape = parse_tree_spec(spec)
-    check_tree_attention(target.model, "target")
-    if isinstance(draft, ModelDrafter):
-        return TreeModelDrafter(draft.model, shape, draft.vocab_size, draft.name)
-    if draft is None or hasattr(draft, "propose") or hasattr(draft, "propose_tree"):
-        raise ValueError(f"tree={spec!r} needs a draft model (a model or early-exit:N)")
-    loaded = wrap_model(draft)
-    vocab = common_vocab_size(target, loaded)
-    return TreeModelDrafter(loaded.model, shape, vocab, loaded.name)

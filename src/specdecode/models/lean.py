@@ -9,10 +9,10 @@ rotary embedding in seven operations per tensor. Here each layer is the model's 
 weights around four fused C++ calls (`kernels/draft_ops.cpp`: residual add + RMSNorm twice;
 rotary embedding, the cache write and attention once; SiLU times the up projection once), with
 keys/values written in place into a preallocated float32 cache (both forwards timed side by side:
-lab/notes/2026-11-30-lean-draft-forward.md). The linears are the kernel calls themselves
+docs/results.md). The linears are the kernel calls themselves
 (`direct_linear`): called through their modules, the Python around the 169 kernel calls of the
 0.5B int4 draft was a large share of its one-token forward
-(lab/notes/2026-12-01-direct-draft-linears.md). Where every projection is such a call,
+(docs/results.md). Where every projection is such a call,
 the whole layer loop runs in one C++ call (`kernels/lean_layers.cpp`: the same calls in the same
 order, so the same bits, without the interpreter between them; `NATIVE_LOOP`). A target's
 forward is the same shape of work, paid once per step, and on 4-bit weights the same overhead
@@ -24,7 +24,7 @@ Same arithmetic as the model's own forward up to rounding (norms round as its bf
 rotary embedding, the cache and attention are float32). A quantized target (`:int4`, `:int8`)
 keeps its hidden states, the residual stream between layers, in float32 instead, as llama.cpp
 does (`target_residual`): there the reference is the quantized model itself, and bfloat16 hidden
-states were a large share of its distance to float32 arithmetic (lab/benchmarks.md); the
+states were a large share of its distance to float32 arithmetic (docs/results.md); the
 linears still read bfloat16 inputs. Only for the families whose layers it
 knows (Llama, Qwen2, Mistral without a sliding window: pre-norm, rotary, grouped-query attention,
 SwiGLU); any other model keeps Hugging Face's forward.
@@ -52,7 +52,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from specdecode.core.cache import KVCache, compaction, keeps_features
+from specdecode.core.cache import Cache, KVCache, compaction, keeps_features
 from specdecode.core.store import RowPool, StoreFull, kv_shape
 from specdecode.kernels.cpu_linear import direct_linear, prefill_linear
 from specdecode.models.draft_vocab import DraftVocabHead
@@ -137,7 +137,7 @@ def target_cache(model: Any) -> KVCache | LeanCache:
 def target_residual(model: Any) -> torch.dtype | None:
     """The dtype of a target's residual stream on the lean forward: float32 where its linears
     are quantized (llama.cpp keeps its hidden states in float32: bfloat16 ones were most of the
-    distance between our 4-bit target and its float32 arithmetic, lab/benchmarks.md), else
+    distance between our 4-bit target and its float32 arithmetic, docs/results.md), else
     None, the model's own dtype (a bfloat16 target rounds as Hugging Face's forward does)."""
     from specdecode.kernels.quantize import is_quantized
 
@@ -153,7 +153,7 @@ def capacity_for(n_tokens: int) -> int:
     return capacity
 
 
-class LeanCache:
+class LeanCache(Cache):
     """KVCache's protocol (len, rollback, compact, forward) over the lean forward.
 
     Keys and values of all layers live in one float32 tensor [layers, 2, Hkv, capacity, d]
@@ -389,7 +389,7 @@ class LeanCache:
         ends = [past + n for past, n in zip(pasts, sizes, strict=True)]
         # the fused operations are row by row: the longest sequence's rows decide, not the sum.
         # A prefill chunk takes them too while its keys fit in one chunk (as fast there:
-        # lab/notes/2026-12-03-prefix-reuse.md), so a prompt's keys and values are the
+        # docs/results.md), so a prompt's keys and values are the
         # same bits however it was split, and a store row can hand a prefix on to the next
         # prompt (LeanStore)
         # A prefill of more than VERIFY_TOKENS rows (never a verification) takes PyTorch's

@@ -8,7 +8,7 @@ travel as one `GenerationRequest` (request.py); its text as one `TextStream` (te
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from specdecode.core.cache import Cache
@@ -16,14 +16,14 @@ from specdecode.core.decode import decode
 from specdecode.core.measure import clock_for
 from specdecode.core.policies import KPolicy, make_k_policy, prior_cost_ratio
 from specdecode.core.protocols import Drafter
-from specdecode.core.request import GREEDY, GenerationRequest, SamplingDefaults
+from specdecode.core.request import GREEDY, GenerationRequest, RowStart, SamplingDefaults
 from specdecode.core.sampling import SamplingParams, make_generator
 from specdecode.core.tree import TreeDrafter
 from specdecode.core.types import ForwardMeter, GenerationResult, Stats
-from specdecode.drafters.model import ModelDrafter, check_confidence
-from specdecode.drafters.tree_model import TreeModelDrafter, make_tree_drafter
+from specdecode.drafters.factory import make_drafter
+from specdecode.drafters.model import ModelDrafter
+from specdecode.drafters.tree_model import TreeModelDrafter
 from specdecode.models.compat import (
-    common_vocab_size,
     context_length,
     generation_defaults,
     logits_size,
@@ -95,21 +95,9 @@ class SpeculativeDecoder:
         )
         self.k = k
         self.time_forwards = time_forwards
-        self.drafter: Drafter | TreeDrafter | None
-        if tree is not None:
-            self.drafter = make_tree_drafter(tree, self.target, draft)
-        elif draft is None:
-            self.drafter = None
-        elif isinstance(draft, (Drafter, TreeDrafter)):
-            self.drafter = draft
-        else:
-            loaded = wrap_model(draft)
-            vocab = common_vocab_size(self.target, loaded)
-            self.drafter = ModelDrafter(loaded.model, vocab_size=vocab, name=loaded.name)
-        if confidence is not None:
-            if not hasattr(self.drafter, "confidence"):
-                raise ValueError("confidence needs a model draft (a model or early-exit:N)")
-            self.drafter.confidence = check_confidence(confidence)  # type: ignore[union-attr]
+        self.drafter: Drafter | TreeDrafter | None = make_drafter(
+            draft, self.target, tree=tree, confidence=confidence
+        )
         if isinstance(k_policy, str):
             prior = (
                 prior_cost_ratio(self.target.model, self.drafter) if k_policy == "cost" else None
@@ -179,6 +167,30 @@ class SpeculativeDecoder:
                 )
 
     # -- generation --------------------------------------------------------------------------
+
+    def resolve(
+        self,
+        prompt_ids: list[int],
+        request: GenerationRequest,
+        clock: Callable[[], float],
+        stats: Stats | None = None,
+    ) -> RowStart:
+        """`request` checked against the models for `prompt_ids` (ValueError before anything
+        runs: longer than a model's context, stop strings without a tokenizer), and resolved
+        into what its row runs with: the sampling (the model's defaults where the request
+        leaves it), the seeded generator, the EOS ids, and `stats` (fresh where None) whose
+        meter times the row's forwards on `clock` where this engine times forwards. `generate`
+        and `BatchSession.add` both start a row from it."""
+        self._check_length(len(prompt_ids), request.max_new_tokens)
+        if request.stops and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        params = request.params if request.params is not None else self.sampling_params()
+        generator = None if params.greedy else make_generator(self.target.device, request.seed)
+        eos = self.eos_token_ids if request.eos_token_ids is None else request.eos_token_ids
+        stats = stats if stats is not None else Stats()
+        if self.time_forwards:
+            stats.meter = ForwardMeter(clock)
+        return RowStart(params, generator, eos, stats)
 
     def sampling_params(
         self,
@@ -255,44 +267,38 @@ class SpeculativeDecoder:
         prefilled: Cache | None = None,
         text: TextStream | None = None,
     ) -> Iterator[list[int]]:
-        """Check what the request needs of the models (eagerly), then start the run."""
-        self._check_length(len(prompt_ids), request.max_new_tokens)
-        if request.stops and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer")
+        """Resolve the request against the models (eagerly: bad input fails here, before the
+        first token), then start the run."""
+        clock = clock_for(self.target.device)
+        row = self.resolve(prompt_ids, request, clock, stats)
         if text is None and request.stops:
             text = self.text_stream(request)
         if text is not None and (text.stops != request.stops or text.ids):
             raise ValueError("text must be a fresh text_stream(request) of this request")
-        stats = stats if stats is not None else Stats()
-        self.last_stats = stats
-        return self._run(prompt_ids, request, stats, prefilled, text)
+        self.last_stats = row.stats
+        return self._run(prompt_ids, request.max_new_tokens, row, clock, prefilled, text)
 
     def _run(
         self,
         prompt_ids: list[int],
-        request: GenerationRequest,
-        stats: Stats,
+        max_new_tokens: int,
+        row: RowStart,
+        clock: Callable[[], float],
         prefilled: Cache | None,
         text: TextStream | None,
     ) -> Iterator[list[int]]:
-        device = self.target.device
-        clock = clock_for(device)
-        if self.time_forwards:
-            stats.meter = ForwardMeter(clock)
-        params = request.params if request.params is not None else self.sampling_params()
-        generator = None if params.greedy else make_generator(device, request.seed)
-        eos = self.eos_token_ids if request.eos_token_ids is None else request.eos_token_ids
+        stats = row.stats
         start = clock()
         steps = decode(
             self.target.model,
             prompt_ids,
-            request.max_new_tokens,
+            max_new_tokens,
             drafter=self.drafter,
             k=self.k,
             k_policy=self.k_policy,
-            params=params,
-            generator=generator,
-            eos_token_ids=eos,
+            params=row.params,
+            generator=row.generator,
+            eos_token_ids=row.eos_token_ids,
             stats=stats,
             prefilled=prefilled,
             new_cache=target_cache,

@@ -29,7 +29,6 @@ import torch
 from specdecode.core.batch import Batch, Row, fork_drafter
 from specdecode.core.measure import clock_for
 from specdecode.core.request import GenerationRequest
-from specdecode.core.sampling import make_generator
 from specdecode.core.store import StaticStore, StoreFull
 from specdecode.core.types import ForwardMeter, GenerationResult, Stats
 from specdecode.models.lean import LeanCache, LeanStore, PrefixPool, target_cache
@@ -162,22 +161,14 @@ class BatchSession:
         it commits (`Batch.add`; a stop string may cut the last tokens after)."""
         decoder = self.decoder
         prompt_ids = decoder.encode_prompt(prompt, chat=request.chat)
-        decoder._check_length(len(prompt_ids), request.max_new_tokens)
+        start = decoder.resolve(prompt_ids, request, self.clock)
         if len(prompt_ids) + request.max_new_tokens > self.max_len:
             raise ValueError(
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({request.max_new_tokens}) "
                 f"exceeds the batch's {self.max_len} positions per sequence"
             )
-        if request.stops and decoder.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer")
         if not self.store.free_rows:
             raise StoreFull(f"all {self.max_rows} rows of the batch are in use")
-        params = request.params if request.params is not None else decoder.sampling_params()
-        generator = None if params.greedy else make_generator(decoder.target.device, request.seed)
-        eos = decoder.eos_token_ids if request.eos_token_ids is None else request.eos_token_ids
-        stats = Stats()
-        if decoder.time_forwards:
-            stats.meter = ForwardMeter(self.clock)
         started = self.clock()
         drafter = fork_drafter(decoder.drafter)
         if hasattr(drafter, "prefixes"):
@@ -186,10 +177,10 @@ class BatchSession:
             prompt_ids,
             request.max_new_tokens,
             drafter=drafter,
-            params=params,
-            generator=generator,
-            eos_token_ids=eos,
-            stats=stats,
+            params=start.params,
+            generator=start.generator,
+            eos_token_ids=start.eos_token_ids,
+            stats=start.stats,
             # a free row holding a prefix of this prompt (a system prompt, the same prompt
             # again) keeps it: only the rest is prefilled, to the same bits (LeanStore)
             prefilled=self.store.open_row(prompt_ids[:-1]),
@@ -197,7 +188,7 @@ class BatchSession:
             on_logits=on_logits,
         )
         text = decoder.text_stream(request) if decoder.tokenizer is not None else None
-        generation = Generation(prompt_ids, request, stats, text, row, started)
+        generation = Generation(prompt_ids, request, start.stats, text, row, started)
         self.generations.append(generation)
         self._take(generation, self.clock())
         return generation

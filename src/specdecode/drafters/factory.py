@@ -1,0 +1,125 @@
+"""The one drafter factory: a `--draft` spec loaded into what it names (`resolve_draft`), and
+whatever `SpeculativeDecoder(draft=..., tree=..., confidence=...)` was given turned into the
+drafter that runs (`make_drafter`): a model into a chain or tree drafter, a drafter as it is."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specdecode.core.draft_spec import DraftSpec, ModelSpec, resolve_draft_vocab
+from specdecode.core.protocols import Drafter
+from specdecode.core.tree import TreeDrafter, check_tree_attention
+from specdecode.drafters.eagle import EagleDrafter
+from specdecode.drafters.early_exit import EarlyExitDrafter
+from specdecode.drafters.model import ModelDrafter, check_confidence
+from specdecode.drafters.ngram import NgramDrafter
+from specdecode.drafters.tree_model import TreeModelDrafter
+from specdecode.drafters.tree_shape import parse_tree_spec
+from specdecode.kernels.cpu_linear import apply_kernel
+from specdecode.models.adapters import check_target, read_result
+from specdecode.models.compat import common_vocab_size, logits_size
+from specdecode.models.eagle_head import load_head
+from specdecode.models.loading import load_model, wrap_model
+from specdecode.models.quantized import quantize_loaded
+
+
+def make_drafter(
+    draft: Any,
+    target: Any,
+    *,
+    tree: str | None = None,
+    confidence: float | None = None,
+) -> Drafter | TreeDrafter | None:
+    """The drafter that runs for `draft`: None (autoregressive) stays None; a `Drafter` or
+    `TreeDrafter` runs as it is; a model (a LoadedModel or a transformers model) drafts a chain
+    over the vocabulary it shares with `target` (a LoadedModel). `tree` ("static:3,2,2" or
+    "dynamic:16", drafters/tree_shape.py) makes a model draft (or a ModelDrafter such as
+    early-exit:N) grow a token tree instead; `confidence` stops a model draft's chain before a
+    token whose top draft probability is below it. ValueError where the draft cannot do that."""
+    if tree is not None:
+        shape = parse_tree_spec(tree)
+        check_tree_attention(target.model, "target")
+        if isinstance(draft, ModelDrafter):
+            return TreeModelDrafter(draft.model, shape, draft.vocab_size, draft.name)
+        if draft is None or isinstance(draft, (Drafter, TreeDrafter)):
+            raise ValueError(f"tree={tree!r} needs a draft model (a model or early-exit:N)")
+        loaded = wrap_model(draft)
+        return TreeModelDrafter(loaded.model, shape, common_vocab_size(target, loaded), loaded.name)
+    if draft is None or isinstance(draft, (Drafter, TreeDrafter)):
+        drafter = draft
+    else:
+        loaded = wrap_model(draft)
+        vocab = common_vocab_size(target, loaded)
+        drafter = ModelDrafter(loaded.model, vocab_size=vocab, name=loaded.name)
+    if confidence is not None:
+        if not isinstance(drafter, ModelDrafter):
+            raise ValueError("confidence needs a model draft (a model or early-exit:N)")
+        drafter.confidence = check_confidence(confidence)
+    return drafter
+
+
+def resolve_draft(
+    spec: str | DraftSpec | None,
+    target: Any,
+    dtype: Any = "bfloat16",
+    device: Any = None,
+    draft_vocab: int | str | None = None,
+):
+    """Turn a `--draft` value (its text or its DraftSpec) into what `SpeculativeDecoder(draft=...)`
+    takes; ValueError for a bad spec (draft_spec.py), before anything is loaded.
+
+    `None` -> None (autoregressive); `early-exit:N` -> an EarlyExitDrafter over `target` (a
+    LoadedModel); `ngram` or `ngram:MIN-MAX` -> prompt lookup (default 1-3); a model is loaded
+    with `load_model`, and `MODEL:int8` / `MODEL:int4` then runs its linears on int8 / 4-bit
+    weights (bfloat16 on a CPU with AVX2 only; models/quantized.py), its bfloat16 weights freed.
+    `distilled:DIR[:int8|:int4]` loads the base draft DIR/distill.json names with DIR's adapter
+    merged (then quantized, where asked), checked against `target`'s tokenizer.
+    `eagle:DIR[:int8|:int4]` -> an EagleDrafter: DIR's head over `target`'s features
+    (models/eagle_head.py), on the kernels and the weights asked for, like a draft model's.
+
+    A draft model's output layer keeps `draft_vocab` ids (None: $SPECDECODE_DRAFT_VOCAB, else
+    draft_spec.DEFAULT_DRAFT_VOCAB; 0 or "all": every id), checked before anything is loaded.
+    """
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        spec = DraftSpec.parse(spec)
+    if spec.kind == "ngram":
+        return NgramDrafter(*spec.ngram)
+    if spec.kind == "early-exit":
+        return EarlyExitDrafter(target.model, spec.depth)
+    vocab = resolve_draft_vocab(draft_vocab)
+    if spec.kind == "distilled":
+        return _load_distilled(spec, target, dtype, device, vocab)
+    if spec.kind == "eagle":
+        return _load_eagle(spec, target, vocab)
+    return load_model(spec.model, dtype=dtype, device=device, role="draft", draft_vocab=vocab)
+
+
+def _load_distilled(spec: DraftSpec, target: Any, dtype: Any, device: Any, vocab: int | None):
+    folder = spec.distilled_dir
+    record = read_result(folder)  # a half-written or missing result fails before loading
+    check_target(record, folder, target)
+    base = ModelSpec(record["draft"], spec.model.quantization)  # type: ignore[union-attr]
+    loaded = load_model(
+        base,
+        dtype=dtype,
+        device=device,
+        role="draft",
+        adapter=folder,
+        draft_vocab=vocab,
+    )
+    loaded.name = str(spec)
+    loaded.extra["distilled"] = {"folder": folder, "base": record["draft"]}
+    return loaded
+
+
+def _load_eagle(spec: DraftSpec, target: Any, vocab: int | None):
+    folder = spec.eagle_dir
+    model = getattr(target, "model", target)
+    head, record = load_head(folder, model, vocab, getattr(target, "tokenizer", None))
+    check_target(record, folder, target, "EAGLE head")
+    loaded = wrap_model(head, name=str(spec))
+    loaded.kernel = apply_kernel(head)
+    quantize_loaded(loaded, spec.model, keep_weights=False, role="draft")  # type: ignore[arg-type]
+    return EagleDrafter(head, model, vocab_size=logits_size(model), name=str(spec))
