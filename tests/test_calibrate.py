@@ -1,4 +1,4 @@
-"""The calibration (bench/calibrate.py, bench/calibration.py): the measurement gives a well-formed
+"""The calibration (auto/calibrate.py, auto/calibration.py): the measurement gives a well-formed
 record, the cache gives it back and ignores a file from another machine or version and a corrupt
 one, `auto` picks deterministically from given numbers, and the command line parses."""
 

@@ -216,12 +216,12 @@ def test_the_task_set_is_whole_and_its_own_solutions_pass():
     for task in code:  # in this process: fast, and each in a fresh namespace
         assert f"def {task.entry_point}(" in task.solution, task.id
         exec(compile(task.solution + "\n" + task.tests, task.id, "exec"), {})
-    data = Path(__file__).parents[1] / "src/specdecode/bench/data/math_tasks.jsonl"
+    data = Path(__file__).parents[1] / "src/specdecode/data/tasks/math_tasks.jsonl"
     for line in data.read_text().splitlines():
         row = json.loads(line)
         assert eval(row["work"]) == pytest.approx(row["answer"]), row["id"]
     pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
-    assert '"bench/data/*.jsonl"' in pyproject  # installed with the package
+    assert '"data/tasks/*.jsonl"' in pyproject  # installed with the package
     assert len(load_tasks(3)) == 6
 
 

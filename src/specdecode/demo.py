@@ -19,7 +19,7 @@ DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 # drafts in bfloat16
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct:int4"
 # the default pair's tree or chain: what this machine's calibration expects to be fastest
-# (bench/calibrate.py), measured on first use
+# (auto/calibrate.py), measured on first use
 AUTO = "auto"
 DEFAULT_K = 4  # the fastest chain k with that draft (`--tree none`)
 QUICK_TARGET = "smollm2-135m-instruct"

@@ -3,7 +3,7 @@
 
 `measure` takes the measurements calibration.py describes (its docstring says how the defaults
 are chosen from them): the target's and the draft's forwards over 1..16 new tokens after a cached
-prefix (bench/costs.py, median of `REPEATS` rounds over every size after a warm-up round), a
+prefix (auto/costs.py, median of `REPEATS` rounds over every size after a warm-up round), a
 greedy chain run at k = `CHAIN_K` on the first prompt of each of `PROMPT_CATEGORIES` (its
 per-position acceptance and step overhead; its answers are the target's greedy output), and
 every tree of `TREE_CANDIDATES` replayed on those answers with the real draft (auto/replay.py:

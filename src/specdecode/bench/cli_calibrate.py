@@ -1,4 +1,4 @@
-"""`specdecode calibrate`: this machine's calibration of a target/draft pair (bench/calibrate.py),
+"""`specdecode calibrate`: this machine's calibration of a target/draft pair (auto/calibrate.py),
 measured where it is not cached, printed as tables or (`--json`) as its record."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ order rotated by the prompt's index, every variant alone and with speculation (g
 reference alone and speculative at the sampling temperature, each timed by the bench's
 `MethodRunner` and recorded as a `Record` (results.jsonl, written as it comes). After each
 prompt's runs the reference's greedy answer is the reference text every variant is scored on
-(bench/quality.py). Then every variant answers the task set alone (bench/tasks.py). compare.json
+(bench/quality.py). Then every variant answers the task set alone (data/tasks.py). compare.json
 holds one row per technique, report.md the table and the quality-vs-speed plot
 (bench/compare_report.py).
 

@@ -4,7 +4,7 @@
    each category (greedy). Greedy output does not depend on k, so one run per drafter gives the
    distribution of the accepted length L at every step start: P(L >= i) = accepted_at[i] /
    steps, and of the drafted length D (an n-gram drafter finds no match on some steps).
-2. Costs: v(n) measured directly (bench/costs.py); the draft forward time and the Python
+2. Costs: v(n) measured directly (auto/costs.py); the draft forward time and the Python
    overhead per step / per AR token from the calibration's timed forwards.
 3. Prediction for every drafter, k <= k_max and category, with D_k = min(D, k):
        step time  = E[D_k]·t_draft + E[v(D_k + 1)]·t_1 + o_step     (t_draft = 0 model-free)
