@@ -28,7 +28,7 @@ from typing import Any
 
 from specdecode.bench.runner import BenchConfig, run_bench
 from specdecode.data.suites import load_suite
-from specdecode.distill.result import read_result
+from specdecode.models.adapters import read_result
 
 LOW_ACCEPTANCE = ("chat", "creative_writing", "translation", "question_answering")
 ALPHA_GAIN, TREE_RATIO = 0.10, 1.2  # the issue's bar (issue 27)

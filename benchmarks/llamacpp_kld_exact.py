@@ -1,6 +1,6 @@
 """Each side's bfloat16 and 4-bit model against the same weights in float32, on llama.cpp's windows.
 
-    python benchmarks/llamacpp_kld_exact.py --llamacpp-bin ~/llama.cpp/build/bin --chunks 2 \\
+    python -m benchmarks.llamacpp_kld_exact --llamacpp-bin ~/llama.cpp/build/bin --chunks 2 \\
         --out runs/kld-exact
 
 After benchmarks/llamacpp_kld.py (never in CI; builds nothing): it reads that run's `--work`

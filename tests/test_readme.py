@@ -27,7 +27,12 @@ from conftest import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_PAGES = ("README.md", "docs/usage.md")  # the pages whose commands must run or be marked
-LINK_PAGES = ("README.md", "docs/*.md", "lab/notes/*.md")  # the pages whose links must resolve
+LINK_PAGES = (
+    "README.md",
+    "docs/*.md",
+    "lab/*.md",
+    "lab/notes/*.md",
+)  # the pages whose links must resolve
 MARK = re.compile(r"<!-- not run in tests: (\S.*\S) -->")
 FENCE = re.compile(r"```(\S*)")
 
@@ -128,6 +133,48 @@ def test_bash_block_runs(block: Block, scratch):
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.lang == "python"], ids=str)
 def test_python_blocks_parse(block: Block):
     ast.parse(block.text, filename=str(block))
+
+
+# the README's example loads these presets; the test swaps in tiny_folders' models (conftest.py)
+EXAMPLE_PRESETS = {"qwen2.5-coder-1.5b-instruct": "target", "qwen2.5-coder-0.5b-instruct": "draft"}
+
+
+def test_readme_python_example_runs(tiny_folders, monkeypatch, capsys):
+    """The README's Python example runs as written on a tiny target and draft (saved with a
+    chat-template tokenizer) in place of its two presets, prints its text, and each greedy
+    `generate` it calls returns what the target alone generates, token for token."""
+    import specdecode
+    from specdecode import SpeculativeDecoder
+
+    calls = []
+
+    class Recording(SpeculativeDecoder):  # what the example's `from specdecode import` gets
+        def generate(self, *args, **kwargs):
+            result = super().generate(*args, **kwargs)
+            calls.append((self, args, kwargs, result))
+            return result
+
+    monkeypatch.setattr(specdecode, "SpeculativeDecoder", Recording)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    blocks = [b for b in fenced_blocks("README.md") if b.lang == "python"]
+    assert blocks, "README.md has no ```python example"
+    for block in blocks:
+        code = block.text
+        for preset, folder in EXAMPLE_PRESETS.items():
+            code = code.replace(f'"{preset}"', repr(str(tiny_folders / folder)))
+        assert "qwen2.5" not in code, f"{block}: load the presets as {list(EXAMPLE_PRESETS)}"
+        exec(compile(code, str(block), "exec"), {"__name__": "readme_example"})
+    printed = capsys.readouterr().out
+    assert calls, "the README's example never calls SpeculativeDecoder.generate"
+    for decoder, args, kwargs, result in calls:
+        assert result.token_ids and result.stats.new_tokens == len(result.token_ids)
+        assert result.text and result.text in printed
+        params = decoder.sampling_params(
+            kwargs.get("temperature"), kwargs.get("top_k"), kwargs.get("top_p")
+        )
+        if decoder.drafter is not None and params.greedy:
+            alone = SpeculativeDecoder(decoder.target).generate(*args, **kwargs)
+            assert result.token_ids == alone.token_ids
 
 
 # --- links -------------------------------------------------------------------------------------
