@@ -1,4 +1,4 @@
-"""The one `--draft` parser (draft_spec.py): its forms, round trip and errors, and that every
+"""The one `--draft` parser (core/draft_spec.py): its forms, round trip and errors, and that every
 place that reads a draft (resolve_draft, the run config, the vLLM export, bench, tune, the
 command line) takes and refuses what it did before, before any model is loaded."""
 
@@ -167,7 +167,7 @@ def test_any_text_parses_canonically_or_is_refused_with_the_forms(text):
 
 def test_the_parser_module_imports_no_torch():
     # loaded as a file, without the package (whose __init__ imports the engine)
-    path = str(SRC / "draft_spec.py")
+    path = str(SRC / "core" / "draft_spec.py")
     code = (
         "import importlib.util, sys\n"
         f"spec = importlib.util.spec_from_file_location('draft_spec', {path!r})\n"

@@ -365,6 +365,7 @@ def test_the_cost_prior_asks_the_drafter_not_its_type():
     target = tiny_llama(seed=0)
     assert prior_cost_ratio(target, NgramDrafter()) == 0.0  # no model: drafting costs nothing
     assert prior_cost_ratio(target, SimpleNamespace(cost_ratio=0.25)) == 0.25
-    assert prior_cost_ratio(target, SimpleNamespace()) is None  # no model, no stated c
+    # the protocol's default (BaseDrafter.cost_ratio None): no model, no stated c
+    assert prior_cost_ratio(target, SimpleNamespace(cost_ratio=None)) is None
     same = prior_cost_ratio(target, ModelDrafter(target))  # parameter counts: the same model
     assert same == pytest.approx(1.0)
