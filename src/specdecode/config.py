@@ -35,6 +35,9 @@ from typing import Any
 from specdecode.core.draft_spec import DraftSpec, ModelSpec
 from specdecode.core.policies import K_POLICIES
 from specdecode.drafters.model import check_confidence
+from specdecode.drafters.tree_shape import parse_tree_spec
+from specdecode.models.fetch import cached_path
+from specdecode.models.presets import PRESETS
 
 # what a tuner may set per category
 CATEGORY_KEYS = ("draft", "k", "k_policy", "confidence", "tree")
@@ -169,11 +172,8 @@ def to_vllm_speculative_config(config: RunConfig) -> dict[str, Any]:
 
 def _vllm_model(spec: str) -> str:
     """A model vLLM can load: presets become their converted folder."""
-    from specdecode.models.presets import PRESETS
-
     if spec not in PRESETS:
         return spec
-    from specdecode.models.fetch import cached_path
 
     folder = cached_path(spec)
     if folder is None:
@@ -217,7 +217,6 @@ def _check_tree(draft: Any, tree: Any, confidence: Any, where: str = "") -> None
         return
     if not isinstance(tree, str):
         raise ValueError(f"{where}tree must be a string or null (got {tree!r})")
-    from specdecode.drafters.tree_shape import parse_tree_spec
 
     try:
         parse_tree_spec(tree)

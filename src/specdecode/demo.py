@@ -9,8 +9,15 @@ import sys
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+from tqdm import tqdm
+
+from specdecode.auto import calibrate
+from specdecode.auto.calibration import auto_setting
 from specdecode.core import metrics
+from specdecode.core.draft_spec import DraftSpec
 from specdecode.core.types import GenerationResult, Stats
+from specdecode.drafters import resolve_draft
+from specdecode.models.loading import load_model
 from specdecode.runtime.engine import SpeculativeDecoder
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
@@ -56,10 +63,7 @@ def calibrated_setting(
 ) -> tuple[int, str | None]:
     """(k, tree) of the fastest candidate in this machine's calibration of the pair (measured
     first where it is not cached); one line on stderr says which."""
-    from specdecode.auto.calibrate import calibrated
-    from specdecode.auto.calibration import auto_setting
-
-    calibration, path = calibrated(target, draft, target_spec, draft_spec)
+    calibration, path = calibrate.calibrated(target, draft, target_spec, draft_spec)
     best = calibration.best()
     print(
         f"calibration ({path}): {best.label}, expected {best.tokens_per_s:.1f} tokens/s "
@@ -95,8 +99,6 @@ def run_demo(
     progress: bool = True,
 ) -> list[DemoRow]:
     """Generate each prompt with the target alone and speculatively, interleaved, after a warm-up."""
-    from tqdm import tqdm
-
     # greedy whatever the models' generation configs say: the outputs are compared token for
     # token (temperature 0 is explicit, so no model default applies)
     options = dict(chat=True, temperature=0.0)
@@ -245,10 +247,6 @@ def main_demo(
     out: TextIO = sys.stdout,
     tree: str | None = None,
 ) -> list[DemoRow]:
-    from specdecode.core.draft_spec import DraftSpec
-    from specdecode.drafters import resolve_draft
-    from specdecode.models.loading import load_model
-
     shape = "the calibration's choice" if tree == AUTO else f"tree {tree}" if tree else f"k={k}"
     print(f"target {target_spec}, draft {draft_spec}, {shape}, {dtype}", file=sys.stderr)
     target = load_model(target_spec, dtype=dtype, device=device, role="target")

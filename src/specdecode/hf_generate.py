@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from specdecode.models.loading import LoadedModel
 from specdecode.runtime.engine import SpeculativeDecoder
@@ -73,8 +74,6 @@ class SpeculativeGenerate:
         tail = torch.tensor([new_ids], dtype=input_ids.dtype, device=input_ids.device)
         sequences = torch.cat([input_ids, tail], dim=1)  # [1, n_prompt + n_new]
         if generation_config.return_dict_in_generate:
-            from transformers.generation.utils import GenerateDecoderOnlyOutput
-
             return GenerateDecoderOnlyOutput(sequences=sequences)
         return sequences
 

@@ -31,10 +31,13 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+import transformers
+from tqdm.auto import tqdm
 
+import specdecode
 from specdecode.auto.calibration import (
     MAX_ROWS,
     MAX_TREE_NODES,
@@ -43,10 +46,22 @@ from specdecode.auto.calibration import (
     MachineKey,
     TreeRun,
 )
-
-if TYPE_CHECKING:
-    from specdecode.models.loading import LoadedModel
-    from specdecode.runtime.engine import SpeculativeDecoder
+from specdecode.auto.costs import forward_seconds
+from specdecode.auto.replay import replay
+from specdecode.core.cache import KVCache
+from specdecode.core.draft_spec import DraftSpec, ModelSpec
+from specdecode.core.measure import clock_for
+from specdecode.data.suites import load_suite
+from specdecode.drafters.model import ModelDrafter
+from specdecode.drafters.tree_shape import parse_tree_spec
+from specdecode.kernels.build import source_digest
+from specdecode.kernels.cpu import cpu_flags
+from specdecode.models.compat import context_length
+from specdecode.models.draft_vocab import kept_count
+from specdecode.models.fetch import cache_dir
+from specdecode.models.lean import draft_cache, runs_lean, target_cache
+from specdecode.models.loading import LoadedModel
+from specdecode.runtime.engine import SpeculativeDecoder
 
 RELEVANT_FLAGS = ("avx2", "avx512_bf16", "avx512_vnni", "avx512f", "fma")
 CHAIN_K = 8  # the chain run's k: every chain k = 1..CHAIN_K is predicted from it
@@ -95,9 +110,6 @@ def cpu_identity(cpuinfo: str = "/proc/cpuinfo") -> dict[str, str]:
 def _draft_parts(draft: Any, target: LoadedModel) -> tuple[Any, str]:
     """(the draft's model or None, the kernel its linears run on) for what `resolve_draft`
     returns: a LoadedModel, an early-exit drafter (the target's own layers) or a model-free one."""
-    from specdecode.drafters.model import ModelDrafter
-    from specdecode.models.loading import LoadedModel
-
     if isinstance(draft, LoadedModel):
         return draft.model, draft.kernel
     if isinstance(draft, ModelDrafter):
@@ -109,15 +121,6 @@ def _draft_parts(draft: Any, target: LoadedModel) -> tuple[Any, str]:
 
 def machine_key(target: LoadedModel, draft: Any) -> MachineKey:
     """This process's key for a calibration of `target` with `draft` (as `resolve_draft` gives)."""
-    import transformers
-
-    import specdecode
-    from specdecode.core.cache import KVCache
-    from specdecode.kernels.build import source_digest
-    from specdecode.kernels.cpu import cpu_flags
-    from specdecode.models.draft_vocab import kept_count
-    from specdecode.models.lean import runs_lean, target_cache
-
     cpu = cpu_identity()
     device = target.device
     where = "cpu" if device.type == "cpu" else f"{device.type} {torch.cuda.get_device_name(device)}"
@@ -151,16 +154,12 @@ def _absolute(name: str) -> str:
 def canonical_target(name: str) -> str:
     """The target's spec as the cache keys it: a local folder or file made absolute, a
     quantization suffix kept."""
-    from specdecode.core.draft_spec import ModelSpec
-
     spec = ModelSpec.parse(name, "target")
     return str(ModelSpec(_absolute(spec.name), spec.quantization))
 
 
 def canonical_draft(name: str) -> str:
     """The draft's spec as the cache keys it (DraftSpec's text, a local model made absolute)."""
-    from specdecode.core.draft_spec import DraftSpec, ModelSpec
-
     spec = DraftSpec.parse(name)
     if spec.model is None:
         return str(spec)
@@ -191,8 +190,6 @@ def cache_path(
 ) -> Path:
     """`root` (default: the specdecode cache dir)/machine-calibration/HASH.json for this key and
     pair (names as `canonical_target` / `canonical_draft` give them)."""
-    from specdecode.models.fetch import cache_dir
-
     blob = json.dumps(
         {"machine": asdict(key), "target": target, "draft": draft, "dtype": dtype}, sort_keys=True
     )
@@ -291,8 +288,6 @@ def calibrated(
 
 def _check_candidate(shape: str) -> str:
     """A candidate tree whose verifications and draft forwards fit the measured 1..MAX_ROWS."""
-    from specdecode.drafters.tree_shape import parse_tree_spec
-
     tree = parse_tree_spec(shape)
     if tree.dynamic:
         nodes, widest = tree.nodes, tree.width
@@ -313,8 +308,6 @@ def _check_candidate(shape: str) -> str:
 def calibration_prompts(engine: SpeculativeDecoder) -> list[tuple[str, list[int]]]:
     """(id, prompt ids): the first bench-suite prompt of each of PROMPT_CATEGORIES, in the chat
     template where the tokenizer has one; a model without a tokenizer gets seeded random ids."""
-    from specdecode.data.suites import load_suite
-
     tokenizer = engine.tokenizer
     if tokenizer is None:
         vocab = engine.target.model.get_input_embeddings().num_embeddings
@@ -345,14 +338,6 @@ def measure(
     """Measure a Calibration (module docstring) of `target` with `draft`; greedy throughout.
     `prompts`: (id, prompt ids), default `calibration_prompts`. A model-free draft calibrates
     chains only."""
-    from tqdm.auto import tqdm
-
-    from specdecode.auto.costs import forward_seconds
-    from specdecode.core.measure import clock_for
-    from specdecode.models.compat import context_length
-    from specdecode.models.lean import draft_cache, target_cache
-    from specdecode.runtime.engine import SpeculativeDecoder
-
     start = time.perf_counter()
     key = machine_key(target, draft)
     chain = SpeculativeDecoder(target, draft, k=chain_k, generation_config="none")
@@ -454,9 +439,6 @@ def _tree_run(
     done: Any,
 ) -> TreeRun:
     """`shape` replayed on every answer (auto/replay.py)."""
-    from specdecode.auto.replay import replay
-    from specdecode.runtime.engine import SpeculativeDecoder
-
     engine = SpeculativeDecoder(target, draft, tree=shape, generation_config="none")
     steps = emitted = 0
     draft_rows: Counter[int] = Counter()

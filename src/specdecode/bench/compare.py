@@ -28,8 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
+from tqdm import tqdm
 
 from specdecode.bench.aggregate import aggregate_group, baseline_map
+from specdecode.bench.compare_report import write_report
 from specdecode.bench.memory import decode_bytes
 from specdecode.bench.methods import MethodRunner, Setting
 from specdecode.bench.quality import OVERALL, QualityTally, score_text
@@ -43,10 +46,14 @@ from specdecode.bench.variants import (
     make_variant,
     parse_variants,
 )
+from specdecode.core.draft_spec import DraftSpec
 from specdecode.data.suites import BenchPrompt, interleave_by_category, load_suite
 from specdecode.data.tasks import load_tasks, pass_rates, run_tasks
+from specdecode.drafters import resolve_draft
+from specdecode.drafters.tree_shape import parse_tree_spec
+from specdecode.models import presets
 from specdecode.models.device import resolve_device, resolve_dtype
-from specdecode.models.loading import LoadedModel
+from specdecode.models.loading import LoadedModel, load_model
 
 COMPARE, RESULTS, REPORT = "compare.json", "results.jsonl", "report.md"
 MEMORY_SOURCE = "weights + key/value caches (computed)"
@@ -80,8 +87,6 @@ class CompareConfig:
         variants = parse_variants(self.variants)
         if not self.draft:
             raise ValueError("compare needs a --draft: speculation is one of the techniques")
-        from specdecode.core.draft_spec import DraftSpec
-        from specdecode.drafters.tree_shape import parse_tree_spec
 
         spec = DraftSpec.parse(self.draft)
         for tree in self.trees:
@@ -142,8 +147,6 @@ def run_compare(
 ) -> dict[str, Any]:
     """Run the comparison `config` describes and write DIR/{compare.json,report.md,...};
     `target` / `draft` (already loaded) replace loading `config.target` / `config.draft`."""
-    from specdecode.bench.compare_report import write_report
-
     variants = config.validate()
     prompts, calib_prompts = split_prompts(
         load_suite(config.prompts_file, categories=config.categories),
@@ -201,9 +204,6 @@ def _load(
 ) -> tuple[Any, Any]:
     """The reference target and the draft; each variant checked against the target before the
     draft is loaded or anything is calibrated."""
-    from specdecode.drafters import resolve_draft
-    from specdecode.models.loading import load_model
-
     if target is None:
         target = load_model(config.target, dtype=config.dtype, device=config.device)
     for variant in variants:
@@ -216,9 +216,6 @@ def _load(
 def _draft_for(config: CompareConfig, draft: Any, target: LoadedModel) -> Any:
     """The drafter over `target`: an early exit runs the variant's own first layers; any other
     draft (a model, prompt lookup) is shared by every variant."""
-    from specdecode.core.draft_spec import DraftSpec
-    from specdecode.drafters import resolve_draft
-
     if DraftSpec.parse(config.draft).kind == "early-exit":
         return resolve_draft(config.draft, target)
     return draft
@@ -256,8 +253,6 @@ def _measure(
     progress: bool,
 ) -> tuple[dict[Job, list[Record]], QualityTally]:
     """Warm up, then per prompt every job (rotated order), identity marks, quality scores."""
-    from tqdm import tqdm
-
     engine = runners[ref_name, 0.0].ar_engine
     inputs = [engine.encode_prompt(p.turns[0], chat=config.chat) for p in prompts]
     for job in tqdm(jobs, desc="warm-up", disable=not progress, leave=False):
@@ -356,8 +351,6 @@ def _result(
 ) -> dict[str, Any]:
     """compare.json: the rows (the best speculative setting per target), every setting's row,
     quality per category, the tasks, what each variant is."""
-    from specdecode.models import presets
-
     rates = {name: pass_rates(results) for name, results in task_results.items()}
     every = []
     for job in jobs:
@@ -385,7 +378,6 @@ def _result(
         for r in records[job]
         if r.first_divergence
     ]
-    import transformers
 
     return {
         "command": config.command,

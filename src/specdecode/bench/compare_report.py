@@ -55,6 +55,7 @@ def write_plot(out_dir: Path, result: dict[str, Any]) -> bool:
     rows = _plottable(result)
     if not rows:
         return False
+    # slow import (matplotlib, ~0.5 s): only when plotting
     import matplotlib
 
     matplotlib.use("Agg")

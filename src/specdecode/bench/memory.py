@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from specdecode.models.lean import LeanCache, capacity_for, target_cache
+
 
 def weights_bytes(*models: Any) -> int:
     """Bytes of the parameters and buffers of `models`, each storage counted once (a freed
@@ -65,8 +67,6 @@ def estimate_bytes(
 
 
 def _cache_bytes(model: Any, layers: int | None, n_tokens: int, lean: bool) -> int:
-    from specdecode.models.lean import capacity_for
-
     if lean:  # the lean forward's own cache: float32, preallocated
         return kv_bytes_per_token(model, layers, element=4) * capacity_for(n_tokens)
     return kv_bytes_per_token(model) * n_tokens
@@ -75,8 +75,6 @@ def _cache_bytes(model: Any, layers: int | None, n_tokens: int, lean: bool) -> i
 def decode_bytes(target: Any, drafter: Any | None, n_tokens: int) -> int:
     """`estimate_bytes` of a decode by our engine: the target and the drafter (None: the target
     alone) each counted with the cache its forward holds (lean.target_cache / the drafter's)."""
-    from specdecode.models.lean import LeanCache, target_cache
-
     draft = getattr(drafter, "model", None)
     lean_draft = isinstance(getattr(drafter, "cache", None), LeanCache)
     lean_target = isinstance(target_cache(target), LeanCache)

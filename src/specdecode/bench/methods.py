@@ -229,6 +229,8 @@ class MethodRunner:
     def _run_hf(
         self, setting: Setting, ids: list[int], max_new_tokens: int, prefilled: KVCache | None
     ) -> RunOutput:
+        # slow import (transformers, ~1 s): bench.methods is imported by the command line's
+        # parser; transformers only when the HF baseline runs
         from transformers import GenerationConfig
 
         model = self.target.model

@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from tqdm import tqdm
+
+from specdecode.models.lean import LeanCache, target_cache
 
 OVERALL = "all"
 
@@ -46,8 +49,6 @@ def answer_log_probs(
     forward it decodes with as a target (`lean.target_cache`: the lean forward where it runs,
     whose quantized targets keep float32 hidden states; else its own), so what is scored is
     what generates."""
-    from specdecode.models.lean import LeanCache, target_cache
-
     n_answer = len(answer_ids)
     if not prompt_ids or not n_answer:
         raise ValueError("scoring needs a non-empty prompt and answer")
@@ -157,8 +158,6 @@ def measure_quality(
     progress: bool = True,
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """`QualityTally.summary` over `texts` ((category, prompt ids, answer ids) each)."""
-    from tqdm import tqdm
-
     tally = QualityTally()
     for category, prompt_ids, answer_ids in tqdm(
         texts, desc="quality", unit="text", disable=not progress

@@ -212,6 +212,7 @@ def write_report(out_dir: Path, summary: dict[str, Any], records: list[Record], 
 
 
 def write_plots(out_dir: Path, summary: dict[str, Any]) -> None:
+    # slow import (matplotlib, ~0.5 s): only when plotting
     import matplotlib
 
     matplotlib.use("Agg")
@@ -303,6 +304,6 @@ def _finish(ax: Any, categories: list[str], ylabel: str, n_series: int) -> None:
 def _save(fig: Any, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # slow import: only when plotting
 
     plt.close(fig)

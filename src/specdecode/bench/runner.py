@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
+from tqdm import tqdm
 
 from specdecode.bench.aggregate import summarize
 from specdecode.bench.memory import decode_bytes, estimate_bytes
@@ -32,10 +34,14 @@ from specdecode.bench.methods import (
     tuned_setting,
 )
 from specdecode.bench.records import Record, make_record, mark_identity, top2_margin
+from specdecode.bench.report import write_report
 from specdecode.config import load_config
-from specdecode.core.draft_spec import resolve_draft_vocab
+from specdecode.core.draft_spec import DraftSpec, ModelSpec, resolve_draft_vocab
+from specdecode.core.policies import K_POLICIES
 from specdecode.data.suites import BenchPrompt, interleave_by_category, load_suite
-from specdecode.models.loading import LoadedModel
+from specdecode.drafters import resolve_draft
+from specdecode.drafters.tree_shape import parse_tree_spec
+from specdecode.models.loading import LoadedModel, load_model
 
 QUICK_TARGET = "smollm2-135m-instruct"
 QUICK_DRAFTS = ["ngram"]  # no smaller sibling shares its tokenizer here
@@ -86,9 +92,6 @@ class BenchConfig:
         for name, ks in (("--k", self.ks), ("--hf-k", self.hf_ks)):
             if ks is not None and (not ks or any(k < 1 for k in ks)):
                 raise ValueError(f"{name} takes look-aheads >= 1 (got {ks})")
-        from specdecode.core.draft_spec import DraftSpec, ModelSpec
-        from specdecode.core.policies import K_POLICIES
-        from specdecode.drafters.tree_shape import parse_tree_spec
 
         ModelSpec.parse(self.target, "target")  # `MODEL[:int8|:int4]`: the `ar` reference
 
@@ -143,9 +146,6 @@ class _Conversation:
 
 def load_bench_models(config: BenchConfig) -> tuple[LoadedModel, dict[str, Any]]:
     """The target and every draft of `config` (draft label -> what resolve_draft made of it)."""
-    from specdecode.drafters import resolve_draft
-    from specdecode.models.loading import load_model
-
     target = load_model(config.target, dtype=config.dtype, device=config.device, role="target")
     drafts = {
         spec: resolve_draft(spec, target, dtype=config.dtype, device=config.device)
@@ -184,10 +184,6 @@ def run_settings(
     progress: bool = True,
 ) -> tuple[list[Record], dict[str, Any]]:
     """Run `settings` on `prompts` with loaded models; write and return records and summary."""
-    from tqdm import tqdm
-
-    from specdecode.bench.report import write_report
-
     out_dir = Path(config.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     turns = _TurnRunner(config, target, drafts)
@@ -251,8 +247,6 @@ class _TurnRunner:
     def warm_up(self, settings: list[Setting], prompts: list[BenchPrompt], progress: bool) -> None:
         """Every setting (each tuned one as every category runs it) once, on a short generation,
         before anything is timed."""
-        from tqdm import tqdm
-
         warm = self.prompt_ids(_Conversation(prompts[0]).next_input(0, self.config.chat))
         running = dict.fromkeys(s.for_category(p.category) for s in settings for p in prompts)
         for setting in tqdm(running, desc="warm-up", disable=not progress, leave=False):
@@ -405,8 +399,6 @@ def _peak_or_estimate(
 def _write_run_info(
     out_dir: Path, config: BenchConfig, settings: list[Setting], target: LoadedModel
 ) -> None:
-    import transformers
-
     info = {
         "command": config.command or " ".join(sys.argv),
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -458,8 +450,6 @@ def load_results(out_dir: str | Path) -> list[Record]:
 
 def rerender(out_dir: str | Path) -> dict[str, Any]:
     """`specdecode report DIR`: aggregates and report again from the saved records."""
-    from specdecode.bench.report import write_report
-
     out_dir = Path(out_dir)
     records = load_results(out_dir)
     summary = summarize(records)

@@ -25,7 +25,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from specdecode.bench.serve_client import OK, Endpoint, Outcome, probe, stream_one
+from specdecode.bench.serve_report import write_report
 from specdecode.bench.serve_stats import per_request, summarize_levels, token_sources
 from specdecode.data.suites import BenchPrompt, interleave_by_category, load_suite
 
@@ -176,7 +179,6 @@ def run_load(config: LoadConfig, progress: bool = True) -> dict[str, Any]:
         records += level
     summary = build_summary(records, config, endpoint, model, started)
     (out / SUMMARY).write_text(json.dumps(summary, indent=1))
-    from specdecode.bench.serve_report import write_report
 
     write_report(out, summary)
     return summary
@@ -190,8 +192,6 @@ def run_level(
     progress: bool = True,
 ) -> list[dict[str, Any]]:
     """One level's records (in order of sending): `concurrency` closed-loop clients."""
-    from tqdm import tqdm
-
     count = config.requests_per_level
     if count is None and config.duration_s is None:
         count = default_requests(concurrency)
@@ -299,6 +299,8 @@ def build_summary(
 
 def machine_info() -> dict[str, Any]:
     """The client machine (the server may run elsewhere)."""
+    # slow import (~3 s): auto.calibrate brings torch and the engine, which this HTTP client
+    # needs for nothing else (the server it measures may run elsewhere)
     from specdecode.auto.calibrate import cpu_identity
 
     return {

@@ -167,7 +167,7 @@ def _concurrency_axis(ax: Any, runs: list[tuple[str, dict[str, Any]]]) -> None:
     levels = sorted({lv["concurrency"] for _, s in runs for lv in s["levels"]})
     if levels and levels[-1] / levels[0] >= 4:
         ax.set_xscale("log", base=2)
-        from matplotlib.ticker import NullLocator
+        from matplotlib.ticker import NullLocator  # slow import: only when plotting
 
         ax.xaxis.set_minor_locator(NullLocator())
     ax.set_xticks(levels)
@@ -177,6 +177,7 @@ def _concurrency_axis(ax: Any, runs: list[tuple[str, dict[str, Any]]]) -> None:
 
 
 def _pyplot() -> Any:
+    # slow import (matplotlib, ~0.5 s): only when plotting
     import matplotlib
 
     matplotlib.use("Agg")

@@ -20,9 +20,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
+from specdecode.core.draft_spec import ModelSpec
 from specdecode.data.suites import BenchPrompt
+from specdecode.kernels import build as kernel_build
+from specdecode.models import prune
+from specdecode.models.fetch import cache_dir
 from specdecode.models.loading import LoadedModel
+from specdecode.models.prune import shared_copy
+from specdecode.models.quantized import quantize_loaded
+from specdecode.runtime.engine import SpeculativeDecoder
 
 VARIANT_FORMS = (
     "int8, int4 (the target's linears on int8 / 4-bit weights), drop-layers=N (drop the N least "
@@ -95,9 +103,8 @@ def check_variants(variants: list[Variant], dtype: torch.dtype, device: torch.de
             f"use --dtype bfloat16 on the CPU (asked for {str(dtype).removeprefix('torch.')} on "
             f"{device}), or leave the quantized variants out"
         )
-    from specdecode.kernels.build import unavailable_reason
 
-    reason = unavailable_reason()
+    reason = kernel_build.unavailable_reason()
     if reason is not None:
         raise ValueError(
             f"variants {', '.join(quantized)} need specdecode's CPU kernels, which cannot be "
@@ -107,8 +114,6 @@ def check_variants(variants: list[Variant], dtype: torch.dtype, device: torch.de
 
 def check_fits(variant: Variant, target: LoadedModel) -> None:
     """Refuse a variant the loaded target cannot take, before any calibration runs."""
-    from specdecode.models import prune
-
     if variant.kind == "drop-layers":
         prune.check_drop_count(target.model, int(variant.value))  # type: ignore[arg-type]
     elif variant.kind == "prune-mlp":
@@ -127,10 +132,6 @@ def quantized_target(target: LoadedModel, bits: int) -> LoadedModel:
 
     Speculation over it is lossless to it, not to the bfloat16 reference.
     """
-    from specdecode.core.draft_spec import ModelSpec
-    from specdecode.models.prune import shared_copy
-    from specdecode.models.quantized import quantize_loaded
-
     check_variants([Variant(f"int{bits}")], target.dtype, target.device)
     copy = LoadedModel(
         shared_copy(target.model), target.tokenizer, target.name, dict(target.extra), target.kernel
@@ -144,8 +145,6 @@ def make_variant(
 ) -> tuple[LoadedModel, dict[str, Any]]:
     """`variant` of the reference target, and what was chosen (for the report). Pruned variants
     need `calibration` (token-id sequences); the reference itself is left as it was."""
-    from specdecode.models import prune
-
     check_fits(variant, reference)
     if variant.bits:
         return quantized_target(reference, variant.bits), {}
@@ -189,10 +188,6 @@ def calibration_sequences(
     """Each prompt's ids followed by the target's greedy answer (`max_new_tokens` at most), read
     from `cache` (a folder) when it holds them for this model and these settings, else computed
     and written there."""
-    from tqdm import tqdm
-
-    from specdecode.runtime.engine import SpeculativeDecoder
-
     engine = SpeculativeDecoder(target, generation_config="none")
     inputs = [engine.encode_prompt(p.turns[0], chat=chat) for p in prompts]
     key = _calibration_key(target, inputs, max_new_tokens)
@@ -217,8 +212,6 @@ def calibration_sequences(
 
 def calibration_cache() -> Path:
     """Where calibration text is cached: `calibration/` in the models' cache folder."""
-    from specdecode.models.fetch import cache_dir
-
     return cache_dir() / "calibration"
 
 

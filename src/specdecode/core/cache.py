@@ -138,6 +138,7 @@ class KVCache(Cache):
     """One model's key/value cache for a single sequence (batch size 1)."""
 
     def __init__(self, model: Any) -> None:
+        # slow import (transformers, ~1 s): the core is imported by the command line's parser
         from transformers import DynamicCache
 
         self.model = model
@@ -248,7 +249,7 @@ def compaction(keep: list[int] | torch.Tensor, n: int) -> tuple[torch.Tensor, in
 
 def _layers(hf: Any) -> list[Any]:
     """The per-layer key/value holders of a DynamicCache (`.keys`/`.values`: [b, h, n, d])."""
-    from transformers.cache_utils import DynamicLayer
+    from transformers.cache_utils import DynamicLayer  # slow import (transformers, ~1 s)
 
     layers = getattr(hf, "layers", None)
     if layers is None:

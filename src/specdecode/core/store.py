@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from specdecode.core.cache import Cache, compaction, tapped_features
+from specdecode.core.cache import Cache, cache_kwarg, compaction, tapped_features
 from specdecode.core.tree import additive_mask, check_tree_attention
 
 
@@ -268,8 +268,6 @@ class _RowsView:
     positions ([B, Hkv, span, d]; the mask hides what a row does not own)."""
 
     def __init__(self, store: StaticStore, rows: list[int], pasts: list[int], n: int, span: int):
-        from specdecode.core.cache import cache_kwarg
-
         self.store, self.span = store, span
         device = store.keys[0].device
         self.rows = torch.tensor(rows, device=device)  # [B]

@@ -30,6 +30,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 KINDS = ("code", "math")
 _FILES = {"code": "code_tasks.jsonl", "math": "math_tasks.jsonl"}
 MAX_NEW_TOKENS = {"code": 160, "math": 48}  # a short function; a number and a few words
@@ -126,7 +128,7 @@ def extract_number(text: str) -> float | None:
 
 
 def _limits(timeout_s: float):  # pragma: no cover - runs in the child process
-    import resource
+    import resource  # Unix only (runs in the child process)
 
     cpu = math.ceil(timeout_s) + 1
     for name, value in (
@@ -191,8 +193,6 @@ def run_tasks(
 ) -> list[dict[str, Any]]:
     """Answer every task greedily with `engine` (a SpeculativeDecoder) and check it: one
     `{"id", "kind", "passed", "reason", "new_tokens"}` per task."""
-    from tqdm import tqdm
-
     results = []
     for task in tqdm(tasks, desc=desc, unit="task", disable=not progress):
         out = engine.generate(

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from specdecode.core.request import GenerationRequest
 from specdecode.distill.prompts import DistillPrompt
@@ -198,8 +199,6 @@ def make_answers(
     """Answer every planned item the store lacks (the target's answers, through `engine`, a
     SpeculativeDecoder, `rows` at a time: `generate_each`); returns how many were made. An
     interrupt or error flushes what was made first, so the next run continues after it."""
-    from tqdm import tqdm
-
     done = store.done()
     todo = [p for p in planned if p.key not in done]
     jobs = [

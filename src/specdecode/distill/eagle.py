@@ -18,11 +18,26 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
+from specdecode.core.cache import keep_features
+from specdecode.core.draft_spec import DEFAULT_DRAFT_VOCAB
+from specdecode.core.measure import peak_memory
 from specdecode.distill.data import Answer
 from specdecode.distill.settings import DistillSettings
-from specdecode.distill.train import autocast_context
-from specdecode.models.eagle_head import EagleHead
+from specdecode.distill.train import (
+    EVAL_ANSWERS,
+    Checkpoints,
+    answers_digest,
+    autocast_context,
+    autocast_dtype,
+    train,
+    training_record,
+)
+from specdecode.models.adapters import vocab_digest
+from specdecode.models.eagle_head import EagleHead, target_fingerprint, write_head
+from specdecode.models.lean import target_cache
+from specdecode.models.loading import load_model
 
 CLS_WEIGHT = 0.1  # EAGLE's weight of the token loss against the feature regression
 
@@ -70,8 +85,6 @@ def feature_answers(
     target: Any, new_cache: Any, answers: Sequence[Answer], progress: bool = True
 ) -> list[FeatureAnswer]:
     """Every answer with the target's features over prompt + answer."""
-    from tqdm import tqdm
-
     out = []
     for answer in tqdm(answers, desc="target features", unit="answer", disable=not progress):
         ids = torch.cat([answer.prompt_ids, answer.answer_ids]).long()
@@ -159,22 +172,6 @@ def distill_head(
 ) -> dict[str, Any]:
     """Train an EAGLE-style head for `settings.target` on `answers`, write DIR/head.safetensors
     and DIR/eagle.json; the record written (`run_started`: the run's perf_counter start)."""
-    from specdecode.core.cache import keep_features
-    from specdecode.core.draft_spec import DEFAULT_DRAFT_VOCAB
-    from specdecode.core.measure import peak_memory
-    from specdecode.distill.train import (
-        EVAL_ANSWERS,
-        Checkpoints,
-        answers_digest,
-        autocast_dtype,
-        train,
-        training_record,
-    )
-    from specdecode.models.adapters import vocab_digest
-    from specdecode.models.eagle_head import target_fingerprint, write_head
-    from specdecode.models.lean import target_cache
-    from specdecode.models.loading import load_model
-
     started = time.perf_counter()
     loaded = load_model(settings.target, dtype=settings.dtype, device=device, role="target")
     target = loaded.model

@@ -31,8 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
+from specdecode.core.request import GenerationRequest
 from specdecode.data.suites import BenchPrompt, load_suite
 from specdecode.models.files import write_atomic
+from specdecode.runtime.session import DEFAULT_MAX_LEN, JobError, generate_each
 
 # category -> (what to ask for, seed topics)
 # fmt: off
@@ -259,8 +263,6 @@ def fitting_instruction(
 def _room(engine: Any, max_new_tokens: int) -> int:
     """How many tokens an instruction may take: the smallest context (the target's, a model
     draft's, a batch row's) less the answer's length."""
-    from specdecode.runtime.session import DEFAULT_MAX_LEN
-
     return min(DEFAULT_MAX_LEN, engine.context_limit() or DEFAULT_MAX_LEN) - max_new_tokens
 
 
@@ -279,10 +281,6 @@ def self_prompts(
     `max_new_tokens` long, the answers' length) from the category's training prompts as
     examples; cached in data_dir/self_prompts.jsonl (a category already there is not asked
     again); and what it took this run (attempts, dropped)."""
-    from tqdm import tqdm
-
-    from specdecode.core.request import GenerationRequest
-    from specdecode.runtime.session import JobError, generate_each
 
     def request(seed: int) -> GenerationRequest:
         params = engine.sampling_params(SELF_TEMPERATURE, top_p=SELF_TOP_P)

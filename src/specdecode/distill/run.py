@@ -19,10 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 
 from specdecode.core.draft_spec import ModelSpec
 from specdecode.core.measure import peak_memory
 from specdecode.distill.data import AnswerStore, Planned, make_answers, plan_answers
+from specdecode.distill.eagle import distill_head
 from specdecode.distill.prompts import (
     DistillPrompt,
     cached_self_prompts,
@@ -45,6 +47,10 @@ from specdecode.distill.train import (
     training_record,
 )
 from specdecode.models.adapters import draft_fingerprint, peft_modules, vocab_digest
+from specdecode.models.compat import common_vocab_size
+from specdecode.models.device import resolve_device
+from specdecode.models.loading import load_model
+from specdecode.runtime.engine import SpeculativeDecoder
 
 GENERATION_K = 4  # the chain the untrained draft speeds one answer at a time up with
 
@@ -60,8 +66,6 @@ def portable(name: str) -> str:
 
 
 def _vocab(target: Any, draft: Any) -> int:
-    from specdecode.models.compat import common_vocab_size
-
     try:
         return common_vocab_size(target, draft)
     except ValueError as err:
@@ -84,9 +88,6 @@ def run_distill(
 ) -> dict[str, Any]:
     """Distil `settings.draft` for `settings.target`; the record written to DIR/distill.json.
     ValueError for bad input, Interrupted on Ctrl-C (state kept), store.DiskFull for a full disk."""
-    from specdecode.models.device import resolve_device
-    from specdecode.models.loading import load_model
-
     settings.validate()
     if settings.kind == "lora":
         peft_modules()  # missing peft fails before anything is loaded (a head needs none)
@@ -106,8 +107,6 @@ def run_distill(
     answers = store.load([p.key for p in planned])
     keep_freed_memory(device)  # training's speed on a CPU (train.py)
     if settings.kind == "eagle":
-        from specdecode.distill.eagle import distill_head
-
         record = _record(settings, command)
         record["data"] = _data_record(settings, train_prompts, held_out, answers, self_report, made)
         record["time"] = {"data_s": round(data_s, 3)}
@@ -164,9 +163,6 @@ def _answer(
 ) -> tuple[list[Planned], dict[str, Any] | None, int]:
     """The answers training needs, made where missing: (every planned answer, what writing
     prompts took this run, answers made this run). With everything cached, no model is loaded."""
-    from specdecode import SpeculativeDecoder
-    from specdecode.models.loading import load_model
-
     temperatures, samples = settings.temperatures, settings.samples
     written = cached_self_prompts(store.dir, train_prompts, settings.self_prompts or 0)
     planned = plan_answers(train_prompts + (written or []), temperatures, samples)
@@ -222,8 +218,6 @@ def _answer(
 
 
 def _record(settings: DistillSettings, command: str) -> dict[str, Any]:
-    import transformers
-
     versions = {
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -8,6 +8,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from specdecode.core.draft_spec import DraftSpec, ModelSpec
+
 LOSSES = ("kl", "tv")  # forward KL(p_target || q_draft) or total variation, on the top-k + tail
 AUTOCAST = ("auto", "bf16", "off")
 KINDS = ("lora", "eagle")  # LoRA adapters on the draft, or an EAGLE-style head (distill/eagle.py)
@@ -102,8 +104,6 @@ class DistillSettings:
 
     def validate(self) -> None:
         """ValueError for anything wrong that needs no model (before any is loaded)."""
-        from specdecode.core.draft_spec import DraftSpec, ModelSpec
-
         ModelSpec.parse(self.target, "target")
         spec = DraftSpec.parse(self.draft)
         if spec.kind != "model":
@@ -149,8 +149,6 @@ class DistillSettings:
     def train_key(self) -> dict[str, Any]:
         """What makes a checkpoint resumable: everything training depends on but the budget
         (a larger budget continues a finished run)."""
-        from specdecode.core.draft_spec import ModelSpec
-
         keys = ("loss", "lora_rank", "lr", "batch_size", "seed", "autocast")
         base = ModelSpec.parse(self.draft, "draft").name  # trained on its own weights
         key = {**{k: getattr(self, k) for k in keys}, "draft": base, "alpha": self.alpha}

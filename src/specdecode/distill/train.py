@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from specdecode.distill.data import Answer
 from specdecode.distill.loss import distill_loss
@@ -364,8 +365,6 @@ def train(
     the final state (also checkpointed). Interrupted on Ctrl-C, after a checkpoint.
     `one_step(optimizer, batch)`: one optimizer step on a batch of `answers` (anything with a
     `tokens` count), its loss per token; default: the LoRA draft's (`_one_step`)."""
-    from tqdm import tqdm
-
     dtype = autocast_dtype(settings, device)
     if one_step is None:
 

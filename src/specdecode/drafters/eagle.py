@@ -56,6 +56,7 @@ class EagleDrafter(Drafter):
         generator: torch.Generator | None,
         meter: ForwardMeter,
     ) -> None:
+        # slow import (transformers, ~1 s): drafters are imported by the command line's parser
         from transformers import DynamicCache
 
         if self.target_cache is None:

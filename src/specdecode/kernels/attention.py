@@ -41,6 +41,7 @@ def attention_forward(
     is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
+    # slow import (transformers, ~1 s): the kernels are imported by the command line's parser
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     batch, heads, q_len, dim = query.shape
@@ -85,6 +86,7 @@ def attention_forward(
 
 def register() -> str:
     """Make NAME known to transformers (idempotent); returns NAME."""
+    # slow imports (transformers' attention and masks, ~3 s): only when a model registers NAME
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 

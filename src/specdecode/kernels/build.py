@@ -49,6 +49,8 @@ def unavailable_reason() -> str | None:
     capability = torch.backends.cpu.get_cpu_capability()
     if "AVX2" not in capability and "AVX512" not in capability:
         return f"the CPU has no AVX2 (PyTorch reports {capability})"
+    # slow import (setuptools with it, ~0.1 s): the kernels are imported by the command line's
+    # parser; cpp_extension only to check, locate or build the extension
     from torch.utils import cpp_extension
 
     if shutil.which(os.environ.get("CXX", "c++")) is None:
@@ -68,7 +70,7 @@ def build_directory() -> Path:
     then one folder per version of the kernels' sources (`source_digest`), so that checkouts and
     installs of the same sources share one build and two versions never rebuild over each
     other."""
-    from torch.utils import cpp_extension
+    from torch.utils import cpp_extension  # slow import (setuptools): see unavailable_reason
 
     base = Path(cpp_extension._get_build_directory(BUILD_NAME, False))  # a private helper
     return base / source_digest()
@@ -163,7 +165,7 @@ def extension() -> Any:
     reason = unavailable_reason()
     if reason is not None:
         raise KernelUnavailable(reason)
-    from torch.utils import cpp_extension
+    from torch.utils import cpp_extension  # slow import (setuptools): see unavailable_reason
 
     directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)

@@ -47,7 +47,7 @@ def release_pool() -> bool:
     takes over (the server's main thread once its worker starts). True when a pool was
     released; False where the runtime is not libgomp, too old, or busy (inside a parallel
     region)."""
-    import torch  # loads the runtime
+    import torch  # openmp.py needs no torch to import; here it loads the OpenMP runtime
 
     if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
         return False

@@ -53,7 +53,7 @@ def vocab_digest(tokenizer: Any) -> str | None:
 
 def peft_modules() -> Any:
     try:
-        import peft
+        import peft  # optional: specdecode[distill]
     except ImportError:
         raise ValueError(
             "distillation trains LoRA adapters with peft, which is not installed: "

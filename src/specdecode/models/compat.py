@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from specdecode.core.request import SamplingDefaults
+from specdecode.core.request import SamplingDefaults
 
 
 def logits_size(model: Any) -> int:
@@ -75,9 +74,8 @@ def generation_defaults(model: Any) -> SamplingDefaults:
     `do_sample=True` (then at its temperature, else 1.0). A config that sets sampling values
     without `do_sample=True` decodes greedily there, so its default here is greedy too.
     """
+    # slow import (transformers, ~1 s): models/ is imported by the command line's parser
     from transformers import GenerationConfig
-
-    from specdecode.core.request import SamplingDefaults
 
     config = getattr(model, "generation_config", None)
     if config is None:

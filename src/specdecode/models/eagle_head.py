@@ -23,9 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from specdecode.core.cache import cache_kwarg
+from specdecode.kernels.quantize import is_quantized, quantized_weights
 from specdecode.models.draft_vocab import DraftVocabHead, kept_ids
+from specdecode.models.fetch import sha256_file
+from specdecode.models.files import load_json, save_json, write_atomic
 
 
 def head_config(target_config: Any) -> Any:
@@ -47,6 +51,8 @@ class EagleHead(torch.nn.Module):
 
     def __init__(self, target_config: Any) -> None:
         super().__init__()
+        # slow import (transformers' model classes, ~1.5 s): eagle_head is imported by the
+        # command line's parser (through the drafters)
         from transformers import AutoModel
 
         config = head_config(target_config)
@@ -134,7 +140,6 @@ def output_weight(target: Any) -> torch.Tensor:
     embed = target.get_input_embeddings().weight
     if getattr(target.config, "tie_word_embeddings", False) and not embed.is_meta:
         return embed.detach()
-    from specdecode.kernels.quantize import quantized_weights
 
     return quantized_weights(head)
 
@@ -142,8 +147,6 @@ def output_weight(target: Any) -> torch.Tensor:
 def _float_state(source: torch.nn.Module, like: torch.nn.Module) -> dict[str, torch.Tensor]:
     """`source`'s parameters under `like`'s state-dict names, float32: a quantized target's
     linears (their bfloat16 weights freed) give their dequantized weights."""
-    from specdecode.kernels.quantize import is_quantized, quantized_weights
-
     modules = dict(source.named_modules())
     state = {}
     for name in like.state_dict():
@@ -175,11 +178,6 @@ def target_fingerprint(target: Any) -> dict[str, Any]:
 
 def write_head(out: Path, head: EagleHead, record: dict[str, Any]) -> None:
     """The trained weights, then the record naming their hash: only a whole folder loads."""
-    from safetensors.torch import save_file
-
-    from specdecode.models.fetch import sha256_file
-    from specdecode.models.files import save_json, write_atomic
-
     out.mkdir(parents=True, exist_ok=True)
     record_path = out / HEAD_RECORD
     if record_path.exists():
@@ -192,9 +190,6 @@ def write_head(out: Path, head: EagleHead, record: dict[str, Any]) -> None:
 
 def read_head_record(folder: str | Path) -> dict[str, Any]:
     """DIR/eagle.json, checked against DIR/head.safetensors; ValueError naming what is wrong."""
-    from specdecode.models.fetch import sha256_file
-    from specdecode.models.files import load_json
-
     out = Path(folder).expanduser()
     if not out.is_dir():
         raise ValueError(f"EAGLE head {folder}: no such folder")
@@ -222,8 +217,6 @@ def load_head(folder: str | Path, target: Any, vocab_size: int | None, tokenizer
     """The head in DIR for `target` (a model), in the target's dtype and device, with the
     target's output layer over `vocab_size` ids attached; ValueError if DIR's head was trained
     for a target of other shapes."""
-    from safetensors.torch import load_file
-
     record = read_head_record(folder)
     have = target_fingerprint(target)
     differ = [k for k in TARGET_FIELDS if record["target_config"].get(k) != have.get(k)]

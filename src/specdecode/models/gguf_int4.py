@@ -26,7 +26,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from specdecode.kernels.quantize import Int4Codes
+from specdecode.kernels.panels import row_major
+from specdecode.kernels.quantize import Int4Codes, drop_range
+from specdecode.models import fetch, presets
 
 # (q [N, K] uint8 in 0..63, sc [N, K / 16] int8, d [N, K / 256] float16): w = d * sc * (q - 32)
 Q6Codes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -188,8 +190,6 @@ def _let_go(data: np.ndarray) -> None:
     stay in the process while the reader lives, a whole file's worth by the last tensor. The
     decoded codes are copies; the file stays in the page cache (kernels/quantize.py
     `drop_range`)."""
-    from specdecode.kernels.quantize import drop_range
-
     if isinstance(data, np.memmap):
         drop_range(data.ctypes.data, data.nbytes)
 
@@ -257,10 +257,10 @@ def gguf_codes(model: torch.nn.Module, path: str | Path) -> tuple[GgufCodes | No
 
     Every mapped tensor's rows (a sample of them) must equal the model's weights to bfloat16
     rounding (or exactly, in float32): else the file is not the model's, and None says which."""
+    # gguf only when reading a GGUF file (~30 ms more): gguf_int4 is imported with
+    # models/quantized.py by the command line's parser
     from gguf import GGUFReader
     from gguf.quants import dequantize
-
-    from specdecode.kernels.panels import row_major
 
     reader = GGUFReader(path)
     field_ = reader.fields.get("general.architecture")
@@ -317,8 +317,6 @@ def _module_name(tensor_name: str, prefix: str | None) -> str | None:
 def preset_gguf(name: str, progress: bool = True) -> tuple[Path | None, str]:
     """Preset `name`'s GGUF file (`fetch.gguf_dir()`, rebuilt from the kept wheels when it is
     not there: never downloads), or (None, why not)."""
-    from specdecode.models import fetch, presets
-
     preset = presets.get_preset(name)
     path = fetch.gguf_dir() / preset.gguf_filename
     if path.is_file() and path.stat().st_size == preset.total_size:

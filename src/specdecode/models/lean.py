@@ -54,7 +54,10 @@ import torch.nn.functional as F
 
 from specdecode.core.cache import Cache, KVCache, compaction, keeps_features
 from specdecode.core.store import RowPool, StoreFull, kv_shape
+from specdecode.kernels.build import KernelUnavailable, extension
 from specdecode.kernels.cpu_linear import direct_linear, prefill_linear
+from specdecode.kernels.panels import on_kernel
+from specdecode.kernels.quantize import is_quantized
 from specdecode.models.draft_vocab import DraftVocabHead
 
 FAMILIES = ("llama", "qwen2", "mistral")
@@ -139,8 +142,6 @@ def target_residual(model: Any) -> torch.dtype | None:
     are quantized (llama.cpp keeps its hidden states in float32: bfloat16 ones were most of the
     distance between our 4-bit target and its float32 arithmetic, docs/results.md), else
     None, the model's own dtype (a bfloat16 target rounds as Hugging Face's forward does)."""
-    from specdecode.kernels.quantize import is_quantized
-
     return torch.float32 if any(is_quantized(m) for m in model.modules()) else None
 
 
@@ -715,8 +716,6 @@ def _fused_ops(model: Any, dtype: torch.dtype, device: torch.device, head_dim: i
     linears already run on specdecode's kernels (`--kernel off` is respected), else None."""
     if dtype != torch.bfloat16 or device.type != "cpu" or head_dim % 2:
         return None
-    from specdecode.kernels.build import KernelUnavailable, extension
-    from specdecode.kernels.panels import on_kernel
 
     if not any(on_kernel(module) for module in model.modules()):
         return None

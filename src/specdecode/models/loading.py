@@ -16,7 +16,14 @@ from typing import Any
 import torch
 
 from specdecode.core.draft_spec import ModelSpec
+from specdecode.kernels.cpu_linear import apply_kernel, resolve_mode
+from specdecode.kernels.quantize import drop_pages
+from specdecode.models import presets
+from specdecode.models.adapters import merge_adapter
 from specdecode.models.device import resolve_device, resolve_dtype
+from specdecode.models.draft_vocab import restrict_draft_vocab
+from specdecode.models.fetch import fetch_preset
+from specdecode.models.quantized import check_quantizable, quantize_loaded
 
 
 @dataclass
@@ -64,11 +71,13 @@ def wrap_model(model: Any, tokenizer: Any | None = None, name: str | None = None
 def _load_folder(
     folder: Path, dtype: torch.dtype, device: torch.device, gguf_file: str | None = None
 ):
+    # slow import (transformers' model classes, ~1.5 s): models/ is imported by the command
+    # line's parser; transformers only when a model is loaded
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs: dict[str, Any] = {}
     if gguf_file is not None:
-        from transformers import GgufConfig
+        from transformers import GgufConfig  # slow import, as above
 
         # dequantize into plain tensors: nothing of the GGUF quantizer stays attached
         kwargs = {"gguf_file": gguf_file, "quantization_config": GgufConfig(dequantize=True)}
@@ -108,18 +117,12 @@ def load_model(
     a draft's output layer keeps only that many ids (and the special ones) where it has more
     (models/draft_vocab.py); None keeps them all.
     """
-    from specdecode.kernels.cpu_linear import apply_kernel, resolve_mode
-    from specdecode.models.draft_vocab import restrict_draft_vocab
-    from specdecode.models.quantized import check_quantizable, quantize_loaded
-
     model_spec = spec if isinstance(spec, ModelSpec) else ModelSpec.parse(str(spec), role)
     # a bad mode, and a quantization that cannot run, fail before anything is loaded
     mode = resolve_mode(kernel)
     check_quantizable(model_spec, dtype, device, mode, role)
     loaded = _load(model_spec.name, dtype, device)
     if adapter is not None:
-        from specdecode.models.adapters import merge_adapter
-
         loaded.model = merge_adapter(loaded.model, adapter)
     restrict_draft_vocab(loaded, draft_vocab)  # before the kernel and quantization take the layer
     if model_spec.quantization is None or keep_weights:
@@ -143,8 +146,6 @@ def own_memory(model: torch.nn.Module) -> None:
     the model holds (docs/results.md). (A bfloat16 model keeps its
     mapping: the kernel's panels are written into its pages, kernels/panels.py `pack`.) For a
     model just loaded: nothing outside it may share its tensors."""
-    from specdecode.kernels.quantize import drop_pages
-
     # a storage that two tensors view stays as it is (copying each would untie them); a tied
     # Parameter is one tensor under two names
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if not t.is_meta}
@@ -166,11 +167,7 @@ def _load(
     spec_str = str(spec)
     path = Path(spec_str).expanduser()
 
-    from specdecode.models import presets
-
     if spec_str in presets.PRESETS:
-        from specdecode.models.fetch import fetch_preset
-
         folder = fetch_preset(spec_str)  # a folder failing the size check is fetched again
         model, tokenizer = _load_preset_folder(spec_str, folder, torch_dtype, dev)
         # `preset` / `gguf`: where `:int4` finds the file's own 4-bit codes (models/quantized.py)
@@ -213,8 +210,6 @@ def _load_preset_folder(name: str, folder: Path, dtype: torch.dtype, device: tor
 
 
 def _load_hub_id(hub_id: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    from specdecode.models import presets
-
     try:
         model, tokenizer = _load_folder(hub_id, dtype, device)  # type: ignore[arg-type]
     except OSError as err:

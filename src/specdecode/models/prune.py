@@ -27,6 +27,9 @@ from typing import Any
 
 import torch
 
+from specdecode.kernels.cpu_linear import swap_linears
+from specdecode.kernels.panels import on_kernel, row_major
+
 PANEL = 16  # kept MLP widths are rounded to whole panels of the kernels (kernels/panels.py)
 
 
@@ -75,8 +78,6 @@ def _run(model: Any, sequences: Sequence[Sequence[int]]) -> None:
 
 def _weight(linear: torch.nn.Linear) -> torch.Tensor:
     """A linear's weight [N, K] in its usual layout (also while packed in the kernels' panels)."""
-    from specdecode.kernels.panels import row_major
-
     return row_major(linear).detach()
 
 
@@ -218,9 +219,6 @@ def _sliced(linear: torch.nn.Linear, index: torch.Tensor, dim: int) -> torch.nn.
 def prune_mlp(model: Any, keep: Sequence[torch.Tensor]) -> None:
     """Keep only channels `keep[i]` (equal counts) of layer i's MLP, in place: new, smaller
     gate_proj / up_proj (rows) and down_proj (columns); linears on the CPU kernels stay there."""
-    from specdecode.kernels.cpu_linear import swap_linears
-    from specdecode.kernels.panels import on_kernel
-
     mlps = gated_mlps(model)
     widths = {int(index.numel()) for index in keep}
     if len(keep) != len(mlps) or len(widths) != 1:

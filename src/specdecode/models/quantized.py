@@ -24,6 +24,12 @@ from typing import Any
 import torch
 
 from specdecode.core.draft_spec import ModelSpec
+from specdecode.kernels import build as kernel_build
+from specdecode.kernels.build import KernelUnavailable
+from specdecode.kernels.panels import eligible
+from specdecode.kernels.quantize import is_quantized, quant_name, quantize_linears
+from specdecode.models.device import resolve_device, resolve_dtype
+from specdecode.models.gguf_int4 import gguf_codes, preset_gguf
 
 # below this share of a model's multiplied weights in quantizable nn.Linear layers, `:int4` would
 # leave it mostly in bfloat16 (GPT-2's transformers Conv1D layers are not nn.Linear)
@@ -35,15 +41,13 @@ def quantization_problem(
 ) -> tuple[str, str] | None:
     """(what stops int8 / 4-bit weights from running, what to do instead), or None when they can:
     they run on specdecode's CPU kernels only, on bfloat16 activations."""
-    from specdecode.kernels.build import unavailable_reason
-
     if dtype != torch.bfloat16:
         return f"the dtype is {_dtype_name(dtype)}", "use --dtype bfloat16"
     if device.type != "cpu":
         return f"the device is {device}", "use --device cpu"
     if kernel_mode == "off":
         return "the kernel is off (--kernel off or $SPECDECODE_KERNEL=off)", "use --kernel auto"
-    reason = unavailable_reason()
+    reason = kernel_build.unavailable_reason()
     if reason is not None:
         return (
             f"the kernel cannot run here: {reason}",
@@ -61,8 +65,6 @@ def check_quantizable(
 ) -> None:
     """ValueError, before loading, where `spec`'s quantization cannot run with these settings
     (`kernel_mode` as cpu_linear.resolve_mode gives it); nothing for an unquantized spec."""
-    from specdecode.models.device import resolve_device, resolve_dtype
-
     if spec.quantization is None:
         return
     problem = quantization_problem(resolve_dtype(dtype), resolve_device(device), kernel_mode)
@@ -85,9 +87,6 @@ def quantize_loaded(
     reads them; a distillation keeps its draft's). ValueError where that cannot run, or where
     too little of the model is in nn.Linear layers for the suffix to mean anything.
     `release_pages` (`kernels.quantize.free_weight`): for a model nothing outside shares."""
-    from specdecode.kernels.build import KernelUnavailable
-    from specdecode.kernels.quantize import quant_name, quantize_linears
-
     if spec.quantization is None:
         return loaded
     problem = quantization_problem(loaded.dtype, loaded.device)
@@ -131,8 +130,6 @@ def _file_codes(loaded: Any, spec: ModelSpec) -> Any:
     """The GGUF codes (gguf_int4.GgufCodes) of a model loaded from a GGUF file (`extra["gguf"]`,
     or a preset's, `extra["preset"]`), or None (re-quantize), with a stderr line either way
     for a GGUF-made model."""
-    from specdecode.models.gguf_int4 import gguf_codes, preset_gguf
-
     path, preset = loaded.extra.get("gguf"), loaded.extra.get("preset")
     codes, what = None, ""
     loaded.extra["int4_weights"] = "requantized"
@@ -164,9 +161,6 @@ def _cannot_run(spec: ModelSpec, role: str, problem: str, instead: str) -> Value
 def _linear_share(model: torch.nn.Module) -> float:
     """The share of `model`'s multiplied weights (all parameters but an untied input embedding,
     a lookup) that sit in bfloat16 nn.Linear layers on the CPU (quantize_linears' layers)."""
-    from specdecode.kernels.panels import eligible
-    from specdecode.kernels.quantize import is_quantized
-
     total = sum(p.numel() for p in model.parameters())
     embed = model.get_input_embeddings()
     head = model.get_output_embeddings()

@@ -14,7 +14,7 @@ __all__ = ["create_app"]
 def __getattr__(name: str) -> Any:
     # lazy, so that `specdecode --help` works without the serve extra
     if name == "create_app":
-        from specdecode.server.app import create_app
+        from specdecode.server.app import create_app  # optional: fastapi (specdecode[serve])
 
         return create_app
     raise AttributeError(name)

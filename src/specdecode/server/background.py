@@ -9,6 +9,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from specdecode.kernels import openmp
+
 
 @contextlib.contextmanager
 def serve_in_thread(
@@ -19,9 +21,7 @@ def serve_in_thread(
     The calling thread (which loaded the models, typically) lets go of its OpenMP threads first,
     as `specdecode serve` does (kernels/openmp.py); PyTorch work it runs while the server serves
     takes them back, and slows the server's forwards as long as it holds them."""
-    import uvicorn
-
-    from specdecode.kernels.openmp import release_pool
+    import uvicorn  # optional: specdecode[serve]
 
     sock = socket.socket()
     sock.bind((host, 0))  # the port is ours from here on: no race with another process
@@ -30,7 +30,7 @@ def serve_in_thread(
     server = uvicorn.Server(config)
     # uvicorn installs signal handlers only on the main thread, so this thread is safe to use
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    release_pool()  # before the worker's pool exists (the app's start-up makes it)
+    openmp.release_pool()  # before the worker's pool exists (the app's start-up makes it)
     thread.start()
     deadline = time.monotonic() + startup_timeout_s
     while not server.started:

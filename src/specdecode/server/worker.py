@@ -21,6 +21,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from jinja2 import TemplateError
+
 from specdecode.core.request import GenerationRequest
 from specdecode.core.sampling import SamplingParams
 from specdecode.core.store import StoreFull
@@ -411,8 +413,6 @@ class GenerationWorker:
 
     def _plan(self, params: GenerationParams) -> tuple[list[int], int]:
         """Prompt ids and max_new_tokens, or APIError 400 for a prompt that does not fit."""
-        from jinja2 import TemplateError
-
         try:
             ids = self.engine.encode_prompt(params.prompt, chat=params.chat)
         except (ValueError, TemplateError) as err:  # a chat template may refuse the messages
