@@ -161,3 +161,33 @@ def test_hub_id_without_the_hub_suggests_the_presets(tmp_path):
     error = done.stderr.strip().splitlines()[-1]
     assert "could not load 'someorg/some-model'" in error
     assert "smollm2-135m-instruct" in error
+
+
+def test_a_hub_id_the_hub_cannot_serve_fails_on_one_probe(monkeypatch):
+    """Without the hub, one connection attempt says so; the hub client (and its minute of
+    retries) never runs."""
+    from huggingface_hub import constants
+
+    from specdecode.models import loading
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setattr(loading, "_load_folder", lambda *a, **k: pytest.fail("the hub client ran"))
+    with pytest.raises(ValueError, match=r"cannot reach 127\.0\.0\.1:9") as caught:
+        loading.load_model("someorg/some-model")
+    assert "use a preset: smollm2-135m-instruct" in str(caught.value)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError, match="offline mode: HF_HUB_OFFLINE is set"):
+        loading.load_model("someorg/some-model")
+
+
+def test_a_hub_id_in_the_local_cache_needs_no_probe(monkeypatch):
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from specdecode.models import loading
+
+    cached = lambda repo, name: f"/hub-cache/{repo}/{name}"  # noqa: E731
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", cached)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert loading.hub_problem("someorg/some-model") is None  # transformers reads the cache

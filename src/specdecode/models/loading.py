@@ -8,10 +8,13 @@ A spec is resolved in this order: an offline preset name, a `.gguf` file, a loca
 
 from __future__ import annotations
 
+import socket
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 
@@ -209,13 +212,52 @@ def _load_preset_folder(name: str, folder: Path, dtype: torch.dtype, device: tor
         ) from err
 
 
+# how long the hub's host may take to accept a connection before a hub id is refused: a machine
+# without the hub learns it in seconds, not through a minute of the hub client's retries
+HUB_PROBE_TIMEOUT_S = 3.0
+
+
 def _load_hub_id(hub_id: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    try:
-        model, tokenizer = _load_folder(hub_id, dtype, device)  # type: ignore[arg-type]
-    except OSError as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(
-            f"could not load {hub_id!r}: it is not a local path, and the Hugging Face hub did not "
-            f"provide it ({reason}). Without the hub, use a preset: {', '.join(presets.PRESETS)}"
-        ) from None
-    return LoadedModel(model, tokenizer, name=hub_id)
+    problem = hub_problem(hub_id)
+    if problem is None:
+        try:
+            model, tokenizer = _load_folder(hub_id, dtype, device)  # type: ignore[arg-type]
+            return LoadedModel(model, tokenizer, name=hub_id)
+        except OSError as err:
+            problem = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    raise ValueError(
+        f"could not load {hub_id!r}: it is not a local path, and the Hugging Face hub did not "
+        f"provide it ({problem}). Without the hub, use a preset: {', '.join(presets.PRESETS)}"
+    )
+
+
+def hub_problem(hub_id: str, timeout_s: float = HUB_PROBE_TIMEOUT_S) -> str | None:
+    """Why the hub cannot provide `hub_id` now, found within `timeout_s`: offline mode, or no
+    connection to the hub's host; None where its config is in the local cache (transformers
+    loads it from there) or the host accepts a connection (the hub client then says the rest)."""
+    # slow import (huggingface_hub, ~0.3 s): only for a hub id
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(hub_id, "config.json"), str):
+        return None
+    if constants.HF_HUB_OFFLINE:
+        return "offline mode: HF_HUB_OFFLINE is set, and it is not in the local cache"
+    url = urlsplit(constants.ENDPOINT)
+    host, port = url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
+    outcome: list[BaseException | None] = []
+
+    def connect() -> None:  # in a thread: a slow name lookup has no timeout of its own
+        try:
+            socket.create_connection((host, port), timeout=timeout_s).close()
+            outcome.append(None)
+        except OSError as err:
+            outcome.append(err)
+
+    probe = threading.Thread(target=connect, daemon=True)
+    probe.start()
+    probe.join(timeout_s)
+    if not outcome:
+        return f"no answer from {host}:{port} within {timeout_s:g} s"
+    if outcome[0] is not None:
+        return f"cannot reach {host}:{port}: {outcome[0]}"
+    return None
