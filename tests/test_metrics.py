@@ -36,3 +36,16 @@ def test_stats_counters_and_rates():
     empty = Stats()
     assert empty.acceptance_rate is None and empty.mean_acceptance_length is None
     assert set(empty.to_dict()) >= {"steps", "acceptance_rate", "tokens_per_s"}
+
+
+def test_stats_read_by_key_as_to_dict_gives_them():
+    import json
+
+    stats = Stats(new_tokens=12, wall_time_s=2.0)
+    stats.record_step(4, 3, 4)
+    assert stats["tokens_per_s"] == stats.tokens_per_s == 6.0
+    assert stats["acceptance_rate"] == stats.acceptance_rate == 0.75
+    assert stats["cached_tokens"] == 0
+    assert json.loads(json.dumps(stats.to_dict())) == stats.to_dict()  # JSON-ready
+    with pytest.raises(KeyError, match="no 'tokens_per_second'; it has k_max"):
+        stats["tokens_per_second"]

@@ -152,6 +152,8 @@ class Stats:
         return self.meter.calls.get("draft", 0)
 
     def to_dict(self) -> dict[str, Any]:
+        """Every counter and rate by name, JSON-ready (what `--json` prints and the bench keeps);
+        a rate that has no data yet (nothing drafted, no clock) is None."""
         return {
             "k_max": self.k_max,
             "k_policy": self.k_policy,
@@ -162,6 +164,7 @@ class Stats:
             "emitted": self.emitted,
             "new_tokens": self.new_tokens,
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
             "per_position_acceptance": self.per_position_acceptance,
@@ -175,6 +178,13 @@ class Stats:
             "forward_s": dict(self.meter.seconds),
             "stop_reason": self.stop_reason,
         }
+
+    def __getitem__(self, key: str) -> Any:
+        """`stats["tokens_per_s"]`: the counter or rate of that name, as `to_dict()` gives it."""
+        values = self.to_dict()
+        if key not in values:
+            raise KeyError(f"Stats has no {key!r}; it has {', '.join(values)}")
+        return values[key]
 
 
 @dataclass
