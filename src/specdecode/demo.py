@@ -123,9 +123,9 @@ def format_table(rows: list[DemoRow]) -> str:
         "new tokens",
         "AR tok/s",
         "spec tok/s",
-        "speedup",
-        "acceptance",
-        "mean acc. len",
+        "speedup (whole run)",
+        "acceptance α",
+        "mean acc. len τ",
         "identical",
     ]
     lines = []
@@ -267,8 +267,12 @@ def main_demo(
     rows = run_demo(ar, spec, prompts, max_new_tokens)
     print(format_table(rows), file=out)
     print(
-        "\nspeedup = speculative tokens/s / autoregressive tokens/s on the same prompt, same run; "
-        "acceptance = accepted / drafted; mean acc. len = tokens emitted per target forward.",
+        "\nspeedup (whole run) = the whole generation's tokens/s, prefill included, speculative over "
+        "the target alone (AR), on the same prompt in the same run; acceptance α = accepted / "
+        "drafted; mean acc. len τ = tokens emitted per target forward. Below: c = a draft "
+        "forward's time / a one-token target forward's, v = a verification forward's time / a "
+        "one-token forward's, d = draft forwards per step; decode speedup = the same ratio "
+        "without the prefill.",
         file=out,
     )
     why = explain(rows, k, tree)

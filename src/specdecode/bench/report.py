@@ -42,7 +42,7 @@ def overall_table(summary: dict[str, Any]) -> str:
         "setting",
         "tok/s",
         "decode tok/s",
-        "speedup",
+        "decode speedup",
         "e2e speedup",
         "α",
         "τ",
@@ -78,7 +78,7 @@ def overall_table(summary: dict[str, Any]) -> str:
 
 
 def category_table(summary: dict[str, Any]) -> str:
-    """Speedup (and acceptance where drafted) of every setting in every category."""
+    """Decode speedup (and acceptance where drafted) of every setting in every category."""
     settings = summary["settings"]
     header = ["category", *settings]
     rows = []
@@ -168,11 +168,12 @@ def render_markdown(summary: dict[str, Any], records: list[Record], info: dict) 
         f"categories, {config.get('repeats', 1)} repeat(s). Machine: {info.get('machine', '?')}, "
         f"device {info.get('device', '?')}; versions {info.get('versions', {})}.",
         "",
-        "speedup = geometric mean over prompts of decode tokens/s (after the first block, prefill "
-        "excluded) / the same prompt's `ar`; e2e speedup the same on whole-generation tokens/s. "
+        "decode speedup = geometric mean over prompts of decode tokens/s (after the first block, "
+        "prefill excluded) / the same prompt's `ar`; e2e speedup the same on whole-generation "
+        "tokens/s (prefill included); the per-category and best-k tables show decode speedup. "
         "α = accepted / drafted, τ = tokens per target forward, c = draft forward / target "
         "forward, v(k) = verification forward / one-token forward (timed), ideal = "
-        "(1 - α^(k+1)) / (1 - α) / (k·c + v(k)), efficiency = speedup / ideal. A model-free "
+        "(1 - α^(k+1)) / (1 - α) / (k·c + v(k)), efficiency = decode speedup / ideal. A model-free "
         "drafter has c = 0 (its lookup is not a forward). vs hf-assisted / vs best HF: our decode "
         f"tokens/s over {summary.get('best_hf_assisted') or '-'} / "
         f"{summary.get('best_hf') or '-'} (HF's fastest settings in this run).",
@@ -255,7 +256,7 @@ def write_plots(out_dir: Path, summary: dict[str, Any]) -> None:
                 style = "k-" if category == OVERALL else "-"
                 ax.plot(*zip(*points, strict=True), style, marker="o", label=category)
         ax.axhline(1.0, color="grey", linewidth=0.8)
-        ax.set(title=f"draft {draft}", xlabel="k", ylabel="speedup over ar")
+        ax.set(title=f"draft {draft}", xlabel="k", ylabel="decode speedup over ar")
         ax.legend(fontsize=7)
     _save(fig, out_dir / "speedup_vs_k.png")
 
@@ -280,7 +281,7 @@ def write_plots(out_dir: Path, summary: dict[str, Any]) -> None:
             ax.scatter(xs, ys, label=category, s=40 if category == OVERALL else 15)
     top = max([1.0] + [r["ideal_speedup"] for r in points] + [r["speedup"] for r in points])
     ax.plot([0, top * 1.05], [0, top * 1.05], color="grey", linewidth=0.8)
-    ax.set(xlabel="ideal speedup (theory, measured α, c, v)", ylabel="measured speedup")
+    ax.set(xlabel="ideal speedup (theory, measured α, c, v)", ylabel="measured decode speedup")
     if points:
         ax.legend(fontsize=7)
     _save(fig, out_dir / "measured_vs_ideal.png")
