@@ -278,8 +278,10 @@ def calibrated(
         f"and a short greedy run, once (cached in {path})",
         file=sys.stderr,
     )
+    start = time.perf_counter()
     calibration = measure(target, draft, *names, progress=progress, **options)
     save_calibration(calibration, path)
+    print(f"calibrated in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return calibration, path
 
 
