@@ -330,7 +330,7 @@ BAD_REQUESTS = [
 
 def _bad_request(url: str, path: str, body, client: httpx.Client):
     if isinstance(body, bytes):
-        return client.post(url + path, content=body)
+        return client.post(url + path, content=body, headers={"Content-Type": "application/json"})
     base = dict(GOOD)
     if path == CH:
         base = {"model": MODEL, "messages": HI, "max_tokens": 4, "temperature": 0}
@@ -547,12 +547,14 @@ def test_timeout(models):
         response = http.post(base + C, json=long)
         assert response.status_code == 504
         assert response.json()["error"]["code"] == "timeout"
-        # a stream that times out ends like one cut by max_tokens: finish_reason "length"
+        # a stream that times out ends with finish_reason "abort" (vLLM's, not "length": it did
+        # not reach max_tokens) and an error event that says why, then [DONE]
         with http.stream("POST", base + C, json={**long, "stream": True}) as streamed:
             assert streamed.status_code == 200
             events = sse_events(streamed)
         assert events[-1] == "[DONE]"
-        assert events[-2]["choices"][0]["finish_reason"] == "length"
+        assert events[-2]["error"]["code"] == "timeout"
+        assert events[-3]["choices"][0]["finish_reason"] == "abort"
         timeouts = 'specdecode_generations_total{endpoint="/v1/completions",outcome="timeout"}'
         values = metric_values(http.get(base + "/metrics").text)
         assert values[timeouts] == 2

@@ -116,7 +116,8 @@ def test_big_body_gets_413_while_a_stream_keeps_flowing(models):
         stream = _Stream(base, {**GOOD, "max_tokens": 40})
         stream.start()
         assert _wait_for(base, "vllm:num_requests_running", 1)["vllm:num_requests_running"] == 1
-        with httpx.Client(timeout=60) as http:
+        json_body = {"Content-Type": "application/json"}  # else 415 comes first
+        with httpx.Client(timeout=60, headers=json_body) as http:
             # Content-Length says 50 MB: refused before a byte of the body is read
             declared = http.post(base + C, content=b"x" * (50 << 20))
             _error(declared, 413, "request_too_large")
@@ -320,9 +321,10 @@ def test_sigterm_ends_the_stream_with_done_and_exits_0():
             _error(queued.result(), 503)  # the queued request is let go at once
         stream.join(GRACE_S + 30)
         assert stream.status == 200 and stream.events[-1] == "[DONE]"
-        usage = stream.events[-2]["usage"]
-        final = stream.events[-3]["choices"][0]
-        assert final["finish_reason"] == "length" and usage["completion_tokens"] < 200
+        assert stream.events[-2]["error"]["code"] == "server_shutdown"  # why it was cut
+        usage = stream.events[-3]["usage"]
+        final = stream.events[-4]["choices"][0]
+        assert final["finish_reason"] == "abort" and usage["completion_tokens"] < 200
         assert proc.wait(timeout=max(0.1, sent + GRACE_S + 5 - time.monotonic())) == 0
     finally:
         if proc.poll() is None:
@@ -350,7 +352,8 @@ def test_drain_in_process_ends_stream_and_refuses_queue(models):
         drained.join(30)
         stream.join(30)
         assert stream.events[-1] == "[DONE]"
-        assert stream.events[-2]["choices"][0]["finish_reason"] == "length"
+        assert stream.events[-2]["error"]["code"] == "server_shutdown"
+        assert stream.events[-3]["choices"][0]["finish_reason"] == "abort"
         shutdown = 'specdecode_generations_total{endpoint="/v1/completions",outcome="shutdown"}'
         values = metric_values(httpx.get(base + "/metrics").text)
         assert values[shutdown] == 1

@@ -24,11 +24,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from specdecode.runtime.engine import SpeculativeDecoder
-from specdecode.server.errors import APIError, error_body, from_validation_errors
+from specdecode.server.errors import APIError, error_body, from_validation_errors, shutting_down
 from specdecode.server.limits import DEFAULT_MAX_BODY_BYTES, check_prompt_size
-from specdecode.server.middleware import CountRequests, LimitBody, RequireAPIKey
+from specdecode.server.middleware import (
+    DOCS_PATHS,
+    CountRequests,
+    LimitBody,
+    RequireAPIKey,
+    RequireJSON,
+)
 from specdecode.server.relay import Client, ClientGone, DeadlineInQueue, JobStream, sse_events
 from specdecode.server.responses import Shape
 from specdecode.server.schemas import ChatCompletionBody, CompletionBody
@@ -39,6 +46,7 @@ from specdecode.server.worker import Event, Failed, Finished, GenerationParams, 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 ENDPOINTS = (COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics")
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request": only ever in /metrics
+BODY_POLL_S = 0.05  # how often a request still reading its body checks for the drain
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -72,8 +80,16 @@ def create_app(
         metrics_auth=metrics_auth,
     )
     options.check()
+    openapi, docs, oauth2_redirect, redoc = DOCS_PATHS
+    # the API documentation: open without a key; with one, RequireAPIKey guards it (docs/server.md)
     app = FastAPI(
-        title="specdecode", summary="speculative decoding, OpenAI API", lifespan=_lifespan
+        title="specdecode",
+        summary="speculative decoding, OpenAI API",
+        lifespan=_lifespan,
+        openapi_url=openapi,
+        docs_url=docs,
+        swagger_ui_oauth2_redirect_url=oauth2_redirect,
+        redoc_url=redoc,
     )
     app.state.server = state = ServerState(engine, model_name, options)
     _install_middleware(app, state)
@@ -96,6 +112,7 @@ def _install_middleware(app: FastAPI, state: ServerState) -> None:
     # each add_middleware wraps the ones added before: innermost first (order: middleware.py)
     options = state.options
     app.add_middleware(LimitBody, max_bytes=options.max_body_bytes)
+    app.add_middleware(RequireJSON)
     if options.api_key is not None:
         app.add_middleware(RequireAPIKey, api_key=options.api_key, metrics=options.metrics_auth)
     app.add_middleware(CountRequests, metrics=state.metrics, endpoints=ENDPOINTS)
@@ -185,8 +202,26 @@ async def chat_completions(request: Request) -> Response:
 # -- generation -------------------------------------------------------------------------------
 
 
+async def _read_body(request: Request) -> bytes:
+    """The request's body; 503 at once if the server starts draining while it still arrives (its
+    job would be refused anyway, and a slow client must not hold the shutdown). LimitBody stops
+    the read at --max-body-bytes."""
+    state = _state(request)
+    reading = asyncio.ensure_future(request.body())
+    try:
+        while not state.draining:
+            done, _ = await asyncio.wait({reading}, timeout=BODY_POLL_S)
+            if done:
+                return reading.result()
+        raise shutting_down()
+    except ClientDisconnect:
+        raise APIError(CLIENT_CLOSED, "the client closed the connection") from None
+    finally:
+        reading.cancel()  # a no-op once it is done
+
+
 async def _parse(request: Request, model: type[Body]) -> Body:
-    raw = await request.body()  # LimitBody stops this read at --max-body-bytes
+    raw = await _read_body(request)
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
@@ -243,7 +278,7 @@ async def _generate(
         max_tokens=state.max_prompt_tokens,
     )
     job, events = _submit(state, params, endpoint)
-    shape = Shape(endpoint == CHAT, state.model_name)
+    shape = Shape(endpoint == CHAT, state.model_name, state.drafting)
     client = Client(request, events)
     streaming = False
     try:
@@ -253,7 +288,7 @@ async def _generate(
             stream = sse_events(shape, events, body.include_usage)
             return JobStream(stream, on_close=lambda: state.worker.cancel(job))
         outcome = await client.outcome()
-        if outcome.finish_reason in ("timeout", "cancelled"):
+        if outcome.finish_reason not in ("stop", "length"):  # cut by the server: no answer
             raise _unstarted_error(outcome.finish_reason, timeout_s)
         return JSONResponse(
             shape.response(outcome.text, outcome.finish_reason, outcome.stats, outcome.logprobs)
@@ -278,7 +313,9 @@ async def _started(client: Client, deadline: float | None, timeout_s: float | No
 
 
 def _unstarted_error(outcome: str, timeout_s: float | None) -> APIError:
-    """The error for a request that ended without an answer: timed out, or stopped by shutdown."""
+    """The error for a request that ended without an answer: it timed out (504), or the server
+    stopped it (503, for a client to retry elsewhere; a non-streamed request cut by the drain
+    gets this, not its partial text)."""
     if outcome == "timeout":
         return APIError(
             504,
@@ -286,4 +323,4 @@ def _unstarted_error(outcome: str, timeout_s: float | None) -> APIError:
             type="timeout",
             code="timeout",
         )
-    return APIError(503, "the server is shutting down", type="server_error")
+    return shutting_down()

@@ -34,6 +34,12 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
+def shutting_down(message: str = "the server is shutting down") -> APIError:
+    """503 for a request the draining server will not run (new, queued, or cut before its
+    end): a client may retry it on another replica."""
+    return APIError(503, message, type="server_error", code="server_shutdown")
+
+
 def error_body(
     message: str, type: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:

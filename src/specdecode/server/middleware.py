@@ -1,7 +1,9 @@
-"""Pure ASGI middleware (streams pass through untouched): request counts, the API key, body size.
+"""Pure ASGI middleware (streams pass through untouched): request counts, the API key, the body's
+media type and size.
 
-Outermost first: `CountRequests` (so that 401 and 413 are counted too), `RequireAPIKey` (no byte
-of an unauthenticated body is read), `LimitBody` (413 before the body is parsed).
+Outermost first: `CountRequests` (so that 401, 415 and 413 are counted too), `RequireAPIKey` (no
+byte of an unauthenticated body is read), `RequireJSON` (415 from the Content-Type header alone),
+`LimitBody` (413 before the body is parsed).
 """
 
 from __future__ import annotations
@@ -13,6 +15,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specdecode.server.errors import APIError
 from specdecode.server.telemetry import ServerMetrics
+
+# FastAPI's API documentation: the schema, and the Swagger UI and ReDoc pages that render it
+DOCS_PATHS = ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
+# methods whose body the /v1/* routes read
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
 async def send_error(send: Send, err: APIError) -> None:
@@ -29,6 +36,10 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
         if key == name:  # ASGI servers lower-case header names
             return value
     return None
+
+
+def _v1(path: str) -> bool:
+    return path == "/v1" or path.startswith("/v1/")
 
 
 class CountRequests:
@@ -52,7 +63,8 @@ class CountRequests:
 
 
 class RequireAPIKey:
-    """`Authorization: Bearer KEY` on /v1/* (and /metrics when `metrics` is true), else 401."""
+    """`Authorization: Bearer KEY` on /v1/* and the API documentation (DOCS_PATHS; and /metrics
+    when `metrics` is true), else 401."""
 
     def __init__(self, app: ASGIApp, api_key: str, metrics: bool = False) -> None:
         if not api_key:
@@ -60,7 +72,7 @@ class RequireAPIKey:
         self.app, self.key, self.metrics = app, api_key.encode(), metrics
 
     def _protected(self, path: str) -> bool:
-        return path == "/v1" or path.startswith("/v1/") or (self.metrics and path == "/metrics")
+        return _v1(path) or path in DOCS_PATHS or (self.metrics and path == "/metrics")
 
     def _authorized(self, scope: Scope) -> bool:
         value = _header(scope, b"authorization") or b""
@@ -83,6 +95,49 @@ def _unauthorized(missing: bool) -> APIError:
         else "incorrect API key provided"
     )
     return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def is_json(content_type: bytes | None) -> bool:
+    """Whether a Content-Type header says JSON: `application/json`, any case, with or without
+    parameters (`; charset=utf-8`)."""
+    if content_type is None:
+        return False
+    media_type = content_type.split(b";", 1)[0].strip().lower()
+    return media_type == b"application/json"
+
+
+class RequireJSON:
+    """415 for a request body on /v1/* that is not `Content-Type: application/json`.
+
+    What a web page can send to another origin without the browser asking first (a CORS
+    preflight) is a form (`application/x-www-form-urlencoded`, `multipart/form-data`) or
+    `text/plain`: refusing them, and a body with no Content-Type, means that no page a browser
+    visits can make it spend this server's compute. A JSON body from another origin needs a
+    preflight, which this server does not answer with CORS headers, so the browser never sends it.
+    Only the header is read, before any byte of the body."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        checked = scope["type"] == "http" and scope["method"] in BODY_METHODS
+        if checked and _v1(scope["path"]) and not is_json(_header(scope, b"content-type")):
+            await send_error(send, _not_json(_header(scope, b"content-type")))
+            return
+        await self.app(scope, receive, send)
+
+
+def _not_json(content_type: bytes | None) -> APIError:
+    sent = (
+        "no Content-Type"
+        if content_type is None
+        else f"Content-Type {content_type.decode('latin-1')!r}"
+    )
+    return APIError(
+        415,
+        f"the request body must be JSON, sent with Content-Type: application/json (got {sent})",
+        code="unsupported_media_type",
+    )
 
 
 class LimitBody:

@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from specdecode.server.responses import DONE, Shape, sse
+from specdecode.server.responses import DONE, Shape, interruption, sse
 from specdecode.server.worker import Delta, Event, Failed, Finished, Outcome
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming request checks for its client
@@ -81,7 +81,9 @@ class JobStream(StreamingResponse):
 async def sse_events(
     shape: Shape, events: asyncio.Queue[Event], include_usage: bool
 ) -> AsyncIterator[str]:
-    """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`."""
+    """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`. A generation the
+    server ended (shutdown, timeout) ends with finish_reason "abort", the usage chunk if asked
+    for, then an error event that says why (responses.interruption), then `[DONE]`."""
 
     def send(chunk: dict[str, Any]) -> str:
         if include_usage:
@@ -95,9 +97,13 @@ async def sse_events(
         if isinstance(event, Delta):
             yield send(shape.chunk(event.text, logprobs=event.logprobs))
         elif isinstance(event, Finished):
-            yield send(shape.chunk(None, event.outcome.finish_reason))
+            reason = event.outcome.finish_reason
+            yield send(shape.chunk(None, reason))
             if include_usage:
                 yield sse(shape.usage_chunk(event.outcome.stats))
+            cut = interruption(reason)
+            if cut is not None:  # ended by the server ("abort"): say why, as an error event
+                yield sse(cut.body())
             yield DONE
             return
         elif isinstance(event, Failed):  # a failure after the stream began: OpenAI's error event

@@ -2,7 +2,9 @@
 
 Strict types (no "5" for 5, no true for 1), OpenAI's ranges, and a clear 400 for parameters OpenAI
 knows but this server does not implement (n > 1, echo, penalties, tools, ...). Parameters
-nobody here knows are ignored, as OpenAI clients expect.
+nobody here knows are ignored, as OpenAI clients expect. Every text that reaches the tokenizer
+(the prompt, the messages' content, the stop strings) must be valid Unicode: JSON can spell a lone
+UTF-16 surrogate ("\ud800"), which no tokenizer takes (400 `invalid_unicode`, naming the field).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from specdecode.server.limits import MAX_STOP_CHARS, MAX_STOPS
 from specdecode.server.logprobs import MAX_TOP_CHAT, MAX_TOP_COMPLETIONS
@@ -20,6 +23,23 @@ _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
 def _unsupported(name: str, what: str) -> ValueError:
     return ValueError(f"{name} is not supported by this server ({what})")
+
+
+def check_unicode(text: str, where: str) -> str:
+    """`text`, or a validation error (`invalid_unicode`) naming `where` (e.g. "messages[0].content")
+    if it holds a lone UTF-16 surrogate: valid in a JSON string's escapes and a Python str, but no
+    Unicode character, so no tokenizer can take it (the client's error, not the server's)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        code = ord(text[err.start])
+        message = (
+            f"{where}: the text holds a lone UTF-16 surrogate (U+{code:04X}) at character "
+            f"{err.start}, which is no Unicode character: send the text as UTF-8, or a character "
+            "beyond U+FFFF as a surrogate pair"
+        )
+        raise PydanticCustomError("invalid_unicode", message) from None
+    return text
 
 
 class StreamOptions(BaseModel):
@@ -83,6 +103,8 @@ class _GenerationBody(BaseModel):
             raise ValueError(
                 f"stop: a stop string has at most {MAX_STOP_CHARS} characters (got {longest})"
             )
+        for i, stop in enumerate(stops):
+            check_unicode(stop, "stop" if isinstance(value, str) else f"stop[{i}]")
         return value
 
     @property
@@ -135,12 +157,15 @@ class CompletionBody(_GenerationBody):
     @classmethod
     def _one_prompt(cls, prompt: Any) -> str | list[int]:
         """A string or token ids; a batch of one is unwrapped, larger batches are refused."""
+        where = "prompt"
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
                 raise ValueError("batched prompts are not supported: send one prompt per request")
-            prompt = prompt[0]
+            prompt, where = prompt[0], "prompt[0]"
         if not prompt:
             raise ValueError("must not be empty")
+        if isinstance(prompt, str):
+            check_unicode(prompt, where)
         return prompt
 
 
@@ -174,6 +199,16 @@ class ChatCompletionBody(_GenerationBody):
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _unicode(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        for i, message in enumerate(messages):
+            if isinstance(message.content, str):
+                check_unicode(message.content, f"messages[{i}].content")
+            for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+                check_unicode(part.text, f"messages[{i}].content[{j}].text")
+        return messages
 
     @field_validator("top_logprobs")
     @classmethod

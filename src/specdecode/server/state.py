@@ -11,6 +11,7 @@ from typing import Any
 from specdecode.runtime.engine import SpeculativeDecoder
 from specdecode.server.errors import APIError
 from specdecode.server.limits import DEFAULT_MAX_BODY_BYTES, prompt_char_limit
+from specdecode.server.responses import drafting_card
 from specdecode.server.telemetry import ServerMetrics
 from specdecode.server.worker import OPENAI_SAMPLING, GenerationWorker
 
@@ -113,6 +114,7 @@ class ServerState:
         derived = prompt_char_limit(self.max_prompt_tokens, engine.tokenizer)
         self.max_prompt_chars = _smallest(options.max_prompt_chars, derived)
         self.generation_defaults = sampling_card(engine)
+        self.drafting = drafting_card(engine)  # what drafts: usage.speculative says it
         self.draining = False
 
     def check_model(self, name: str) -> None:
@@ -134,10 +136,12 @@ class ServerState:
         }
 
     async def drain(self, timeout_s: float) -> None:
-        """Shut down gracefully: new generation requests and queued ones get 503 and /health
-        says "draining" at once; the running generation may finish within `timeout_s`, then it
-        is ended at its next step like one cut by max_tokens (a stream gets its last chunk and
-        `[DONE]`). Returns once the worker is idle (or STEP_GRACE_S after the timeout)."""
+        """Shut down gracefully: new generation requests, queued ones and those still sending
+        their body get 503 and /health says "draining" at once; the running generations (and
+        those joining the batch) may finish within `timeout_s`, then each is ended at its next
+        step: a stream gets its last chunk with finish_reason "abort", an error event that says
+        why (`server_shutdown`) and `[DONE]`; a non-streamed request gets 503. Returns at once
+        when nothing runs, else once the worker is idle (or STEP_GRACE_S after the timeout)."""
         self.draining = True
         self.worker.drain()
         loop = asyncio.get_running_loop()

@@ -35,12 +35,14 @@ BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 K_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
 TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
 
-# vLLM's finished_reason values; specdecode's other outcomes (timeout, cancelled by the client,
-# shutdown, error) are all an "abort" there
+# vLLM's finished_reason values, and the finish_reason a client sees (responses.finish_reason):
+# "stop" (EOS, stop string), "length" (max_tokens, the context's end); specdecode's other
+# outcomes (timeout, cancelled by the client, shutdown, error) are all an "abort" there
 FINISHED_REASONS = ("stop", "length", "abort")
 
 
 def finished_reason(outcome: str) -> str:
+    """The finished_reason label (and OpenAI finish_reason) of a worker outcome."""
     return outcome if outcome in ("stop", "length") else "abort"
 
 

@@ -30,7 +30,7 @@ from specdecode.core.types import Stats
 from specdecode.kernels.openmp import release_pool
 from specdecode.runtime.engine import SpeculativeDecoder
 from specdecode.runtime.session import Generation
-from specdecode.server.errors import APIError
+from specdecode.server.errors import APIError, shutting_down
 from specdecode.server.logprobs import LogprobCollector, TokenLogprob
 from specdecode.server.telemetry import ServerMetrics
 
@@ -169,6 +169,7 @@ class GenerationWorker:
         limits = [n for n in (engine.context_limit(), self.session.max_len) if n is not None]
         self.position_limit = min(limits)
         self._waiting: deque[Job] = deque()
+        self._joining: list[Job] = []  # taken from the queue, being prefilled into the batch
         self._running: dict[Job, Running] = {}
         self._closed = False
         self._draining = False  # the server is shutting down: no new jobs
@@ -189,8 +190,9 @@ class GenerationWorker:
 
     @property
     def idle(self) -> bool:
+        """No job waits, joins the batch (its prefill) or runs."""
         with self._cond:
-            return not self._running and not self._waiting
+            return not self._running and not self._waiting and not self._joining
 
     def start(self) -> None:
         """Start the worker thread. The calling thread (the one that loaded the models and made
@@ -204,7 +206,7 @@ class GenerationWorker:
         with self._cond:
             self._closed = True
             waiting, self._waiting = list(self._waiting), deque()
-            for job in self._running:
+            for job in [*self._joining, *self._running]:
                 self._interrupt(job, "shutdown")
             self._cond.notify_all()
         for job in waiting:
@@ -221,10 +223,10 @@ class GenerationWorker:
             self._end_unstarted(job, "shutdown")
 
     def interrupt_running(self, outcome: str = "shutdown") -> None:
-        """Stop the running jobs at their next step; each ends normally, finished by
-        `outcome`."""
+        """Stop the running jobs (and those joining the batch) at their next step; each ends
+        normally, finished by `outcome`."""
         with self._cond:
-            for job in self._running:
+            for job in [*self._joining, *self._running]:
                 self._interrupt(job, outcome)
 
     def check_room(self) -> None:
@@ -235,8 +237,9 @@ class GenerationWorker:
 
     def _check_room(self) -> None:
         if self._closed or self._draining:
-            raise APIError(503, "the server is shutting down", type="server_error")
-        room = len(self._running) + len(self._waiting) < self.max_batch  # joins at once
+            raise shutting_down()
+        taken = len(self._running) + len(self._joining) + len(self._waiting)
+        room = taken < self.max_batch  # joins at once
         if not room and len(self._waiting) >= self.queue_size:
             raise APIError(
                 429,
@@ -278,13 +281,18 @@ class GenerationWorker:
                     self._cond.wait()
                 if self._closed and not self._running:
                     return
-                joining = []
-                while self._waiting and len(self._running) + len(joining) < self.max_batch:
+                while self._waiting and len(self._running) + len(self._joining) < self.max_batch:
                     job = self._waiting.popleft()
                     job.started = time.monotonic()
-                    joining.append(job)
+                    self._joining.append(job)  # not idle: the drain waits for (and ends) it
+                joining = list(self._joining)
             for job in joining:
-                self._join(job)
+                try:
+                    self._join(job)
+                finally:  # ended in its join (or running: _join moved it)
+                    with self._cond:
+                        if job in self._joining:
+                            self._joining.remove(job)
             if self.session.generations:
                 self._step()
 
@@ -318,6 +326,7 @@ class GenerationWorker:
         running = Running(generation, logprobs=collector)
         with self._cond:
             self._running[job] = running
+            self._joining.remove(job)  # from joining to running at once: never idle between
         job.deliver(Started(len(prompt_ids)))
         self._news(job, running)
 
