@@ -79,10 +79,11 @@ def fork_drafter(drafter: Drafter | TreeDrafter | None) -> Drafter | TreeDrafter
 def propose_chains(
     drafters: Sequence[Drafter], contexts: Sequence[list[int]], k: int
 ) -> list[Draft]:
-    """Each drafter's chain of up to k tokens after its context: drafters of one class through
-    its `propose_many` (model drafters: one forward per depth for all of them), else one by one."""
+    """Each drafter's chain of up to k tokens after its context: several drafters of one class
+    through its `propose_many` (model drafters: one forward per depth for all of them), else one
+    by one (one row's drafter proposes alone, as before batching)."""
     kind = type(drafters[0])
-    if all(type(d) is kind for d in drafters):
+    if len(drafters) > 1 and all(type(d) is kind for d in drafters):
         return kind.propose_many(drafters, contexts, [k] * len(drafters))
     return [d.propose(ctx, k) for d, ctx in zip(drafters, contexts, strict=True)]
 

@@ -625,7 +625,7 @@ class PrefixPool:
     drafters/model.py), at most `size`, for the next sequences to start from: `take(tokens)`
     hands out the one holding the longest prefix of `tokens` that is bit for bit what a
     prefill would compute (`LeanCache.reusable_prefix`), rolled back to it; None when none
-    holds any. A batch session's rows share one (batch_session.py), as its target rows share
+    holds any. A batch session's rows share one (runtime/session.py), as its target rows share
     the store."""
 
     def __init__(self, size: int) -> None:

@@ -83,7 +83,7 @@ def usage(stats: Stats, drafting: dict[str, Any] | None = None) -> dict[str, Any
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.new_tokens,
         "total_tokens": stats.prompt_tokens + stats.new_tokens,
-        # prompt positions kept from an earlier request's row, not prefilled (batch_session.py)
+        # prompt positions kept from an earlier request's row, not prefilled (runtime/session.py)
         "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
         "completion_tokens_details": {
             "accepted_prediction_tokens": stats.accepted,

@@ -1,7 +1,7 @@
 """Continuous batching on one thread: the queue in front of the model, and the running batch.
 
 Every call into the engine, the tokenizer included, runs on the worker's single thread. Up to
-`max_batch` generations decode together in one `BatchSession` (batch_session.py): between two
+`max_batch` generations decode together in one `BatchSession` (runtime/session.py): between two
 steps, waiting requests join the batch (each validated before it joins, so a bad request never
 touches the running ones) and finished, cancelled or expired ones leave it. Beyond the batch,
 requests wait in a bounded FIFO; a full queue refuses at once (429). Cancellation (client gone,
