@@ -185,6 +185,7 @@ def plan(args: argparse.Namespace) -> tuple[BenchConfig, dict[str, Any], list[di
         drafts=[original, distilled],
         methods=["ar", "spec"],
         ks=[int(k) for k in args.k.split(",") if k.strip()],
+        policies=["fixed"],  # acceptance per k: chains of that k every step
         trees=args.tree or [],
         temperature=args.temperature,
         seed=args.seed,

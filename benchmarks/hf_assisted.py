@@ -43,7 +43,10 @@ def main() -> None:
 
     target = load_model(args.target, dtype=args.dtype, device="cpu")
     draft = load_model(args.draft, dtype=args.dtype, device="cpu")
-    ar, spec = SpeculativeDecoder(target), SpeculativeDecoder(target, draft, k=args.k)
+    ar, spec = (
+        SpeculativeDecoder(target),
+        SpeculativeDecoder(target, draft, k=args.k, k_policy="fixed"),
+    )
     default_schedule = dict(draft.model.generation_config.to_dict())
     constant = {
         "num_assistant_tokens_schedule": "constant",

@@ -42,7 +42,7 @@ def engine_for(name: str, target, draft) -> SpeculativeDecoder:
         raise SystemExit(f"unknown configuration {name!r} (ar, kN, costN)")
     fixed, most = match.groups()
     if fixed is not None:
-        return SpeculativeDecoder(target, draft, k=int(fixed))
+        return SpeculativeDecoder(target, draft, k=int(fixed), k_policy="fixed")
     if most is not None:
         return SpeculativeDecoder(target, draft, k=int(most), k_policy="cost")
     return SpeculativeDecoder(target, None)

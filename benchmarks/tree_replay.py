@@ -115,7 +115,9 @@ def main() -> None:
     for setting in args.setting:
         kind, _, value = setting.partition("=")
         k = int(value) if kind == "k" else 1
-        engine = SpeculativeDecoder(target, draft, k=k, tree=value if kind == "tree" else None)
+        engine = SpeculativeDecoder(
+            target, draft, k=k, k_policy="fixed", tree=value if kind == "tree" else None
+        )
         # per category: emitted, steps, draft forwards, rows, then the modeled cost per scenario
         totals: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0, 0] + [0.0] * len(scenarios))
         for prompt in prompts:

@@ -116,6 +116,7 @@ def test_speculative_decoding_on_it_is_exact(factory, seed):
     draft = noisy_copy(target, 0.05, seed=seed)
     prompt = [1 + seed, 2, 3]
     settings = ({"k": 1}, {"k": 4}, {"tree": "static:3,2,1"}, {"tree": "dynamic:6"})
+    settings = tuple({**kw, "k_policy": "fixed"} for kw in settings)  # step for step
     on_sdpa = [SpeculativeDecoder(target, draft, **kw).generate(prompt, 40) for kw in settings]
     assert use_decode_attention(target) and use_decode_attention(draft)
     expected = SpeculativeDecoder(target).generate(prompt, max_new_tokens=40).token_ids

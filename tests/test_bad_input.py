@@ -14,7 +14,7 @@ from conftest import char_tokenizer, tiny_llama
 @pytest.fixture(scope="module")
 def engine():
     target = tiny_llama(seed=0)
-    return SpeculativeDecoder(target, tiny_llama(seed=1), k=2)
+    return SpeculativeDecoder(target, tiny_llama(seed=1), k=2, k_policy="fixed")
 
 
 @pytest.mark.parametrize(
@@ -38,7 +38,7 @@ def test_api_rejects_bad_settings(engine, kwargs, message):
 @pytest.mark.parametrize("k", [0, -1, 2.5])
 def test_api_rejects_bad_k(k):
     with pytest.raises(ValueError, match="k must be an integer >= 1"):
-        SpeculativeDecoder(tiny_llama(), tiny_llama(seed=1), k=k)
+        SpeculativeDecoder(tiny_llama(), tiny_llama(seed=1), k=k, k_policy="fixed")
 
 
 def test_api_rejects_empty_and_invalid_prompts(engine):
@@ -78,7 +78,9 @@ def test_differently_padded_vocabularies_use_the_common_vocabulary():
     tok = char_tokenizer()
     target = tiny_llama(seed=0, vocab=48)
     draft = tiny_llama(seed=1, vocab=40)  # a smaller padded embedding, same tokenizer
-    engine = SpeculativeDecoder(wrap_model(target, tok), wrap_model(draft, tok), k=3)
+    engine = SpeculativeDecoder(
+        wrap_model(target, tok), wrap_model(draft, tok), k=3, k_policy="fixed"
+    )
     expected = SpeculativeDecoder(wrap_model(target, tok)).generate([1, 2, 3], 30).token_ids
     assert engine.generate([1, 2, 3], 30).token_ids == expected
     sampled = engine.generate([1, 2, 3], 30, temperature=1.0, seed=1).token_ids

@@ -24,7 +24,7 @@ def models():
     return wrap_model(target, tokenizer, name="tiny"), noisy_copy(target, 0.05)
 
 
-@pytest.mark.parametrize("options", [{"k": 3}, {"tree": "dynamic:6,3,2"}, {}])
+@pytest.mark.parametrize("options", [{"k": 3, "k_policy": "fixed"}, {"tree": "dynamic:6,3,2"}, {}])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_generate_batch_answers_each_prompt_as_alone(models, options, temperature):
     target, draft = models
@@ -40,7 +40,7 @@ def test_generate_batch_answers_each_prompt_as_alone(models, options, temperatur
 
 def test_generate_batch_stop_strings_end_their_row_only(models):
     target, draft = models
-    engine = SpeculativeDecoder(target, draft, k=3)
+    engine = SpeculativeDecoder(target, draft, k=3, k_policy="fixed")
     plain = engine.generate(PROMPTS[1], 12).text
     stop = plain[3:5]
     batch = engine.generate_batch(PROMPTS[:2], 12, stop=stop)
@@ -52,7 +52,7 @@ def test_generate_batch_stop_strings_end_their_row_only(models):
 
 def test_generate_batch_refuses_bad_input_before_running(models):
     target, draft = models
-    engine = SpeculativeDecoder(target, draft, k=3)
+    engine = SpeculativeDecoder(target, draft, k=3, k_policy="fixed")
     with pytest.raises(ValueError, match="non-empty list"):
         engine.generate_batch([], 4)
     with pytest.raises(ValueError, match="non-empty list"):
@@ -65,7 +65,7 @@ def test_generate_batch_refuses_bad_input_before_running(models):
 
 def test_a_session_adds_steps_and_cancels(models):
     target, draft = models
-    engine = SpeculativeDecoder(target, draft, k=3)
+    engine = SpeculativeDecoder(target, draft, k=3, k_policy="fixed")
     session = engine.batch_session(max_rows=2, max_len=64)
     request = GenerationRequest(10, SamplingParams())
     first = session.add(PROMPTS[0], request)
@@ -89,7 +89,7 @@ def test_a_session_adds_steps_and_cancels(models):
 
 def test_the_first_token_comes_from_the_prefill(models):
     target, draft = models
-    engine = SpeculativeDecoder(target, draft, k=3)
+    engine = SpeculativeDecoder(target, draft, k=3, k_policy="fixed")
     alone = engine.generate(PROMPTS[1], 10)
     session = engine.batch_session(max_rows=2, max_len=64)
     request = GenerationRequest(10, SamplingParams())
@@ -114,7 +114,7 @@ def test_the_first_token_comes_from_the_prefill(models):
 
 def test_a_failing_draft_prefill_ends_its_generation_only(models):
     target, draft = models
-    engine = SpeculativeDecoder(target, draft, k=3)
+    engine = SpeculativeDecoder(target, draft, k=3, k_policy="fixed")
     session = engine.batch_session(max_rows=2, max_len=64)
     request = GenerationRequest(10, SamplingParams())
     good = session.add(PROMPTS[0], request, begin_draft=False)

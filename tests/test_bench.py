@@ -411,6 +411,7 @@ def test_bench_runs_a_tuned_config_per_category(tiny_folders, tmp_path):
         target=str(tiny_folders / "target"),
         draft=draft,
         k=2,
+        k_policy="fixed",
         dtype="float32",
         per_category={"qa": {"draft": "ngram", "k": 3}, "writing": {"tree": "static:2,1"}},
     )

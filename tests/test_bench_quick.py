@@ -16,14 +16,14 @@ def test_bench_quick_end_to_end(tmp_path, capsys):
     out = tmp_path / "quick"
     assert main(["bench", "--quick", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "| spec[ngram] k=2 |" in printed and "report.md" in printed
+    assert "| spec[ngram] k=2 cost |" in printed  # the default policy and "report.md" in printed
 
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["settings"] == [
         "ar",
-        "spec[ngram] k=2",
-        "spec[ngram] k=4",
+        "spec[ngram] k=2 cost",
+        "spec[ngram] k=4 cost",
         "hf-ar",
         "hf-prompt-lookup k=2",
         "hf-prompt-lookup k=4",

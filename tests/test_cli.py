@@ -55,6 +55,7 @@ def test_generate_text_with_tokenizer(tmp_path, capsys):
     tokenizer.save_pretrained(tmp_path / "m")
     argv = ["generate", "--target", str(tmp_path / "m"), "--draft", str(tmp_path / "m")]
     argv += ["--dtype", "float32"]  # in bfloat16 batched and one-token forwards may differ
+    argv += ["--k-policy", "fixed"]  # a draft as large as its target: the cost policy would not
     assert main([*argv, "--prompt", "hello", "--max-new-tokens", "8", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert isinstance(out["text"], str)

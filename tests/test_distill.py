@@ -259,7 +259,7 @@ def test_the_loss_falls_and_the_distilled_draft_is_lossless(pair, distilled):
         expected = ar.generate(text, max_new_tokens=20, chat=True).token_ids
         for name, d in (("original", original), ("distilled", draft)):
             for tree in (None, "static:2,2,1"):
-                out = SpeculativeDecoder(target, d, k=3, tree=tree).generate(
+                out = SpeculativeDecoder(target, d, k=3, tree=tree, k_policy="fixed").generate(
                     text, max_new_tokens=20, chat=True
                 )
                 assert out.token_ids == expected, (name, tree, prompt.id)  # lossless
@@ -349,7 +349,7 @@ def test_the_kept_distributions_are_the_targets_on_its_answers(pair, tmp_path, r
 
     target = load_model(str(pair / "target"), dtype=torch.float32)
     draft = load_model(str(pair / "draft"), dtype=torch.float32) if rows == 1 else None
-    engine = SpeculativeDecoder(target, draft, k=3, generation_config="none")
+    engine = SpeculativeDecoder(target, draft, k=3, generation_config="none", k_policy="fixed")
     prompts = [
         DistillPrompt(f"p{i}", "qa", text) for i, text in enumerate(["tell me", "a cat is", "x"])
     ]

@@ -88,7 +88,7 @@ def test_greedy_output_is_the_targets_with_a_draft_vocabulary(k):
     target = tiny_llama(seed=0)
     draft = restricted(noisy_copy(target, 0.05), 48)
     plain = SpeculativeDecoder(target, None)
-    engine = SpeculativeDecoder(target, draft, k=k)
+    engine = SpeculativeDecoder(target, draft, k=k, k_policy="fixed")
     for prompt in ([4, 5, 6], [60, 70, 80, 90]):
         expected = plain.generate(prompt, 40).token_ids
         result = engine.generate(prompt, 40)
@@ -104,7 +104,7 @@ def test_sampling_keeps_the_targets_distribution_with_a_draft_vocabulary():
     target = tiny_llama(seed=3, vocab=vocab)
     draft = restricted(noisy_copy(target, 0.3), 3)  # ids 3, 4, 5 never drafted
     exact = exact_step_joint(target, params)
-    engine = SpeculativeDecoder(target, draft, k=4)
+    engine = SpeculativeDecoder(target, draft, k=4, k_policy="fixed")
     n = 2000
     counts, results = first_step_draws(engine, params, n)
     assert sum(r.stats.drafted for r in results) >= 2 * n

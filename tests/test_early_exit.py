@@ -21,7 +21,7 @@ def test_early_exit_is_lossless_and_shares_weights(arch):
     for depth in (1, 2, 3):
         drafter = EarlyExitDrafter(target, depth)
         for temperature in (0.0,):
-            result = SpeculativeDecoder(target, drafter, k=3).generate(
+            result = SpeculativeDecoder(target, drafter, k=3, k_policy="fixed").generate(
                 [1, 2, 3], 30, temperature=temperature
             )
             assert result.token_ids == expected

@@ -64,7 +64,7 @@ def test_resolve_each_option_from_the_call_then_the_model_then_the_fallback():
 
 def test_unset_options_take_the_model_defaults():
     target = with_config(tiny_llama(0), **QWEN_LIKE)
-    engine = SpeculativeDecoder(target, noisy_copy(target, 0.05), k=3)
+    engine = SpeculativeDecoder(target, noisy_copy(target, 0.05), k=3, k_policy="fixed")
     assert engine.generation_defaults == SamplingDefaults(0.7, 20, 0.8)
     options = dict(max_new_tokens=24, seed=5, eos_token_ids=[])
     explicit = engine.generate(PROMPT, temperature=0.7, top_k=20, top_p=0.8, **options)
@@ -124,7 +124,7 @@ def test_demo_stays_greedy_whatever_the_model_says():
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     target = wrap_model(with_config(tiny_llama(2, vocab=len(tokenizer)), **QWEN_LIKE), tokenizer)
     ar = SpeculativeDecoder(target)
-    spec = SpeculativeDecoder(target, target.model, k=3)
+    spec = SpeculativeDecoder(target, target.model, k=3, k_policy="fixed")
     (row,) = run_demo(ar, spec, [("chat", "hello")], max_new_tokens=12, progress=False)
     plain = wrap_model(tiny_llama(2, vocab=len(tokenizer)), tokenizer)
     greedy = SpeculativeDecoder(plain).generate("hello", 12, chat=True).token_ids

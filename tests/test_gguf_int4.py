@@ -172,7 +172,9 @@ def test_int4_of_a_gguf_model_computes_with_the_files_codes(tmp_path, arch):
             assert q.dtype == torch.int8 and scale.shape == (module.weight.shape[0],), hf
 
     alone = SpeculativeDecoder(loaded).generate([1, 2, 3], max_new_tokens=24).token_ids
-    result = SpeculativeDecoder(loaded, draft, k=3).generate([1, 2, 3], max_new_tokens=24)
+    result = SpeculativeDecoder(loaded, draft, k=3, k_policy="fixed").generate(
+        [1, 2, 3], max_new_tokens=24
+    )
     assert result.token_ids == alone and result.stats.drafted > 0
 
 

@@ -27,7 +27,7 @@ def test_speculative_greedy_equals_autoregressive(arch):
     rates = {}
     for name, draft in _drafts(target, arch_seed=len(arch)).items():
         for k in range(1, 9):
-            engine = SpeculativeDecoder(target, draft, k=k)
+            engine = SpeculativeDecoder(target, draft, k=k, k_policy="fixed")
             for prompt in PROMPTS:
                 result = engine.generate(prompt, max_new_tokens=32)
                 assert result.token_ids == references[tuple(prompt)], (name, k, prompt)
@@ -44,7 +44,9 @@ def test_speculative_greedy_equals_autoregressive(arch):
 def test_identical_draft_accepts_everything(arch, k):
     target = ARCHS[arch](seed=1)
     expected = SpeculativeDecoder(target).generate([3, 4, 5], max_new_tokens=30).token_ids
-    result = SpeculativeDecoder(target, target, k=k).generate([3, 4, 5], max_new_tokens=30)
+    result = SpeculativeDecoder(target, target, k=k, k_policy="fixed").generate(
+        [3, 4, 5], max_new_tokens=30
+    )
     assert result.token_ids == expected
     assert result.stats.acceptance_rate == 1.0
     assert all(rate == 1.0 for rate in result.stats.per_position_acceptance)
@@ -61,13 +63,15 @@ def test_many_seeds_and_a_draft_of_another_architecture(seed):
     expected = SpeculativeDecoder(target).generate(prompt, max_new_tokens=25).token_ids
     for draft_model in (draft, noisy_copy(target, 0.05, seed=seed)):
         for k in (2, 5):
-            got = SpeculativeDecoder(target, draft_model, k=k).generate(prompt, max_new_tokens=25)
+            got = SpeculativeDecoder(target, draft_model, k=k, k_policy="fixed").generate(
+                prompt, max_new_tokens=25
+            )
             assert got.token_ids == expected
 
 
 def test_stream_yields_the_same_tokens_step_by_step(llama_pair):
     target, draft = llama_pair
-    engine = SpeculativeDecoder(target, draft, k=4)
+    engine = SpeculativeDecoder(target, draft, k=4, k_policy="fixed")
     chunks = list(engine.stream([1, 2, 3], max_new_tokens=33))
     assert [t for c in chunks for t in c] == engine.generate([1, 2, 3], 33).token_ids
     assert all(1 <= len(c) <= 5 for c in chunks)

@@ -55,7 +55,7 @@ def test_ngram_drafting_is_lossless_greedy(arch):
     ar = SpeculativeDecoder(target)
     accepted = 0
     for k in range(1, 9):
-        engine = SpeculativeDecoder(target, NgramDrafter(1, 3), k=k)
+        engine = SpeculativeDecoder(target, NgramDrafter(1, 3), k=k, k_policy="fixed")
         for prompt in prompts:
             result = engine.generate(prompt, max_new_tokens=40)
             assert result.token_ids == ar.generate(prompt, max_new_tokens=40).token_ids
@@ -87,7 +87,7 @@ def test_ngram_sampling_keeps_the_target_distribution():
         after = torch.tensor([[*prompt, a] for a in range(vocab)])
         second = target(after).logits[:, -1].softmax(-1)  # [V, V]
     exact = (first[:, None] * second).flatten()
-    engine = SpeculativeDecoder(wrap_model(target), NgramDrafter(1, 3), k=3)
+    engine = SpeculativeDecoder(wrap_model(target), NgramDrafter(1, 3), k=3, k_policy="fixed")
     counts = torch.zeros(vocab * vocab)
     for seed in range(3000):
         result = engine.generate(prompt, max_new_tokens=3, temperature=1.0, seed=seed)

@@ -335,8 +335,10 @@ def test_confidence_truncates_drafts_and_keeps_the_cache_exact():
 def test_confidence_through_the_engine():
     target = tiny_llama(seed=0)
     draft = noisy_copy(target, 0.05, seed=1)
-    plain = SpeculativeDecoder(target, draft, k=6).generate([1, 2, 3], 32)
-    cut = SpeculativeDecoder(target, draft, k=6, confidence=0.1).generate([1, 2, 3], 32)
+    plain = SpeculativeDecoder(target, draft, k=6, k_policy="fixed").generate([1, 2, 3], 32)
+    cut = SpeculativeDecoder(target, draft, k=6, confidence=0.1, k_policy="fixed").generate(
+        [1, 2, 3], 32
+    )
     assert cut.token_ids == plain.token_ids
     assert cut.stats.drafted < plain.stats.drafted
     assert cut.stats.acceptance_rate > plain.stats.acceptance_rate  # the unsure drafts were cut

@@ -120,7 +120,7 @@ PROMPTS = [SYSTEM + "the cat sat", SYSTEM + "the cat ran", SYSTEM + "the cat ran
 
 
 @needs_kernel()
-@pytest.mark.parametrize("options", [{"k": 3}, {"tree": "dynamic:6,3,2"}, {}])
+@pytest.mark.parametrize("options", [{"k": 3, "k_policy": "fixed"}, {"tree": "dynamic:6,3,2"}, {}])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_rows_that_keep_a_prefix_answer_as_alone(engines, options, temperature):
     target, draft = engines
@@ -173,8 +173,8 @@ def test_the_server_reports_the_kept_prefix_in_usage_and_metrics(engines):
     from specdecode.server.background import serve_in_thread
 
     target, draft = engines
-    engine = SpeculativeDecoder(target, draft, k=3)
-    reference = SpeculativeDecoder(target, draft, k=3)
+    engine = SpeculativeDecoder(target, draft, k=3, k_policy="fixed")
+    reference = SpeculativeDecoder(target, draft, k=3, k_policy="fixed")
     prompts = [SYSTEM + "the cat sat", SYSTEM + "the dog ran"]
     cached = []
     with serve_in_thread(create_app(engine, "tiny")) as base:

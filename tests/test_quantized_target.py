@@ -57,7 +57,9 @@ def test_speculation_over_a_quantized_target_is_that_target_alone(pairs, arch, b
         assert result.token_ids == expected, kwargs
         assert result.stats.drafted > 0, kwargs
     early_exit = resolve_draft("early-exit:1", target)  # the quantized target's first layer
-    result = SpeculativeDecoder(target, early_exit, k=2).generate(PROMPT, max_new_tokens=40)
+    result = SpeculativeDecoder(target, early_exit, k=2, k_policy="fixed").generate(
+        PROMPT, max_new_tokens=40
+    )
     assert result.token_ids == expected
 
 

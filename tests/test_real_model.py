@@ -36,7 +36,7 @@ def test_greedy_completion_is_sensible(smollm):
 @pytest.mark.parametrize("draft", ["early-exit:12", "early-exit:28"])
 def test_speculative_greedy_equals_autoregressive_with_chat_template(smollm, draft):
     ar = SpeculativeDecoder(smollm)
-    spec = SpeculativeDecoder(smollm, resolve_draft(draft, smollm), k=3)
+    spec = SpeculativeDecoder(smollm, resolve_draft(draft, smollm), k=3, k_policy="fixed")
     for prompt in PROMPTS:
         expected = ar.generate(prompt, max_new_tokens=40, chat=True)
         got = spec.generate(prompt, max_new_tokens=40, chat=True)
@@ -46,7 +46,9 @@ def test_speculative_greedy_equals_autoregressive_with_chat_template(smollm, dra
 
 
 def test_stop_string_on_real_text(smollm):
-    engine = SpeculativeDecoder(smollm, resolve_draft("early-exit:20", smollm), k=3)
+    engine = SpeculativeDecoder(
+        smollm, resolve_draft("early-exit:20", smollm), k=3, k_policy="fixed"
+    )
     free = engine.generate("List the days of the week.", max_new_tokens=40, chat=True)
     assert "Tuesday" in free.text
     cut = engine.generate("List the days of the week.", 40, chat=True, stop="Tuesday")

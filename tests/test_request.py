@@ -40,7 +40,7 @@ def test_options_are_normalised():
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_a_request_generates_what_the_keyword_options_do(temperature):
     target = tiny_llama(seed=0)
-    engine = SpeculativeDecoder(target, noisy_copy(target, 0.05), k=3)
+    engine = SpeculativeDecoder(target, noisy_copy(target, 0.05), k=3, k_policy="fixed")
     options = dict(max_new_tokens=20, temperature=temperature, top_k=40, top_p=0.9, seed=3)
     by_keywords = engine.generate([1, 2, 3], **options, eos_token_ids=[])
     sampling = SamplingParams(temperature=temperature, top_k=40, top_p=0.9)
@@ -55,7 +55,7 @@ def test_a_request_carries_stop_strings_and_the_chat_flag():
     tokenizer = char_tokenizer()
     tokenizer.chat_template = "{% for m in messages %}u: {{ m['content'] }}\na: {% endfor %}"
     target = wrap_model(tiny_llama(seed=2, vocab=len(tokenizer)), tokenizer)
-    engine = SpeculativeDecoder(target, target.model, k=4)
+    engine = SpeculativeDecoder(target, target.model, k=4, k_policy="fixed")
     free = engine.generate("hello", 40, eos_token_ids=[], chat=True)
     stop = free.text[10:12]
     request = GenerationRequest(40, stop=stop, eos_token_ids=(), chat=True)

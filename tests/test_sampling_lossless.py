@@ -179,7 +179,7 @@ def test_speculative_sampling_matches_target_distribution(params):
     target = tiny_llama(seed=3, vocab=VOCAB)
     draft = noisy_copy(tiny_llama(seed=4, vocab=VOCAB), 0.0)  # an unrelated draft
     exact = exact_step_joint(target, params)
-    engine = SpeculativeDecoder(target, draft, k=4)
+    engine = SpeculativeDecoder(target, draft, k=4, k_policy="fixed")
     n = 3000
     counts, results = first_step_draws(engine, params, n)
     assert (
@@ -197,7 +197,7 @@ def test_speculative_sampling_matches_target_distribution(params):
 
 def test_seeded_sampling_is_reproducible(llama_pair):
     target, draft = llama_pair
-    engine = SpeculativeDecoder(target, draft, k=3)
+    engine = SpeculativeDecoder(target, draft, k=3, k_policy="fixed")
     runs = [engine.generate([4, 5], 30, temperature=1.0, seed=s).token_ids for s in (7, 7, 8)]
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
@@ -208,7 +208,7 @@ def test_all_prefixes_are_reachable():
     params = SamplingParams(temperature=2.0)
     target = tiny_llama(seed=5, vocab=4)
     draft = tiny_llama(seed=6, vocab=4)
-    engine = SpeculativeDecoder(target, draft, k=2)
+    engine = SpeculativeDecoder(target, draft, k=2, k_policy="fixed")
     seen = {tuple(engine.generate([1], 2, temperature=2.0, seed=s).token_ids) for s in range(600)}
     assert seen == set(itertools.product(range(4), repeat=2))
     assert params.temperature == 2.0

@@ -61,7 +61,7 @@ def models():
 def make_engine(models, cls=SpeculativeDecoder) -> SpeculativeDecoder:
     """A fresh engine (its own drafter cache) over the shared, stateless tiny models."""
     target, draft = models
-    return cls(target, draft, k=3)
+    return cls(target, draft, k=3, k_policy="fixed")
 
 
 @pytest.fixture(scope="module")

@@ -64,7 +64,7 @@ TREE = "dynamic:11,8,3,0.2,0.05"
 
 def test_usage_reports_the_tree_that_ran(models):
     target, draft = models
-    engine = SpeculativeDecoder(target, draft, k=4, tree=TREE)
+    engine = SpeculativeDecoder(target, draft, k=4, tree=TREE, k_policy="fixed")
     body = {**GOOD, "prompt": "hello", "max_tokens": 16}
     with serving(engine) as base, httpx.Client(timeout=60) as http:
         spec = http.post(base + C, json=body).json()["usage"]["speculative"]

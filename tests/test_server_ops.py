@@ -431,8 +431,10 @@ def test_models_say_the_generation_defaults_and_requests_use_them():
         ),
         ("none", {"temperature": 1.0, "top_p": 1.0, "top_k": None}, dict(temperature=1.0)),
     ]:
-        reference = SpeculativeDecoder(target, draft, k=3, generation_config=mode)
-        with serving(SpeculativeDecoder(target, draft, k=3, generation_config=mode)) as base:
+        reference = SpeculativeDecoder(target, draft, k=3, generation_config=mode, k_policy="fixed")
+        with serving(
+            SpeculativeDecoder(target, draft, k=3, generation_config=mode, k_policy="fixed")
+        ) as base:
             (model,) = httpx.get(f"{base}/v1/models").json()["data"]
             sources = ["temperature", "top_k", "top_p"] if mode == "auto" else []
             assert model["generation_defaults"] == {**card, "from_generation_config": sources}

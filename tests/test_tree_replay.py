@@ -27,7 +27,9 @@ def test_replay_counts_what_a_real_generation_does(setting):
     draft = noisy_copy(target, 0.05, seed=7)  # accepts some, rejects some
     prompt, n = [1, 2, 3], 24
     answer = SpeculativeDecoder(target).generate(prompt, max_new_tokens=n).token_ids
-    engine = SpeculativeDecoder(target, draft, k=setting.get("k", 1), tree=setting.get("tree"))
+    engine = SpeculativeDecoder(
+        target, draft, k=setting.get("k", 1), tree=setting.get("tree"), k_policy="fixed"
+    )
     stats = engine.generate(prompt, max_new_tokens=n).stats
 
     steps = tree_replay.replay(engine, prompt, answer, setting.get("k", 1))

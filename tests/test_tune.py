@@ -114,6 +114,7 @@ def test_tune_end_to_end_on_tiny_models(tiny_folders, tmp_path):
     config = BenchConfig(
         target=str(tiny_folders / "target"),
         drafts=[str(tiny_folders / "draft"), "ngram"],
+        policies=["fixed"],  # tune's own default: chains at each k (cost: `--k-policy`)
         max_new_tokens=10,
         prompts_file=str(tiny_folders / "prompts.jsonl"),
         limit=1,

@@ -134,7 +134,8 @@ def add_policy_args(parser: argparse.ArgumentParser) -> None:
         "--k-policy",
         choices=K_POLICIES,
         default=None,
-        help="how k is chosen each step: fixed (default), heuristic (HF's +2/-1), cost (model)",
+        help="how k is chosen each step: cost (default: measured costs, k = 0 where drafting "
+        "does not pay), fixed (k every step), heuristic (HF's +2/-1)",
     )
     parser.add_argument(
         "--confidence",

@@ -50,7 +50,7 @@ class RunConfig:
     target: str | None = None  # preset, local folder, .gguf or hub id, [:int8|:int4]
     draft: str | None = None  # None = autoregressive
     k: int = 4  # fixed k / heuristic's starting k / cost's k_max
-    k_policy: str = "fixed"  # one of policies.K_POLICIES
+    k_policy: str = "cost"  # one of policies.K_POLICIES
     confidence: float | None = None  # stop a model draft below this top probability
     tree: str | None = None  # a token-tree shape for a model draft; None = a chain
     dtype: str = "bfloat16"

@@ -294,7 +294,7 @@ def main_demo(
     if tree == AUTO:
         k, tree = calibrated_setting(target, draft, target_spec, draft_spec, k)
     ar = SpeculativeDecoder(target)
-    spec = SpeculativeDecoder(target, draft, k=k, tree=tree)
+    spec = SpeculativeDecoder(target, draft, k=k, k_policy="fixed", tree=tree)  # calibrated
     prompts = DEMO_PROMPTS[:limit] if limit else DEMO_PROMPTS
     rows = run_demo(ar, spec, prompts, max_new_tokens)
     print(format_table(rows), file=out)

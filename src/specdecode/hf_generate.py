@@ -87,7 +87,9 @@ class SpeculativeGenerate:
             draft = LoadedModel(draft, name=type(draft).__name__)
         # "none": `config` is transformers' prepared one, the model's generation config merged
         # in already, and its None values mean "off" (e.g. no top-k), not "the model's"
-        engine = SpeculativeDecoder(target, draft, k=self.k, generation_config="none")
+        engine = SpeculativeDecoder(
+            target, draft, k=self.k, k_policy="fixed", generation_config="none"
+        )
         sampling = _sampling(config)
         seed = None
         if sampling["temperature"] > 0:  # HF samples from torch's global generator: so do we

@@ -342,7 +342,7 @@ def measure(
     chains only."""
     start = time.perf_counter()
     key = machine_key(target, draft)
-    chain = SpeculativeDecoder(target, draft, k=chain_k, generation_config="none")
+    chain = SpeculativeDecoder(target, draft, k=chain_k, k_policy="fixed", generation_config="none")
     draft_model = getattr(chain.drafter, "model", None)  # None: a model-free draft
     shapes = [_check_candidate(s) for s in trees] if draft_model is not None else []
     prompts = list(prompts) if prompts is not None else calibration_prompts(chain)

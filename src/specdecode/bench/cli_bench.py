@@ -56,7 +56,7 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         "--k-policy",
         type=csv_list,
         default=None,
-        help="comma-separated k policies for spec (default fixed)",
+        help="comma-separated k policies for spec (default cost)",
     )
     bench.add_argument(
         "--tree",
@@ -183,7 +183,7 @@ def handle_bench(args: argparse.Namespace) -> int:
         drafts=args.draft or (QUICK_DRAFTS if args.quick else []),
         methods=args.methods,
         ks=args.k or ([2, 4] if args.quick else [1, 2, 4, 6, 8]),
-        policies=args.k_policy or ["fixed"],
+        policies=args.k_policy or ["cost"],
         trees=args.tree or [],
         hf_ks=args.hf_k,
         temperature=args.temperature,

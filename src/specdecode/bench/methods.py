@@ -26,6 +26,7 @@ from specdecode.core.request import GenerationRequest
 from specdecode.core.sampling import SamplingParams
 from specdecode.core.types import Stats
 from specdecode.drafters.model import ModelDrafter
+from specdecode.drafters.suffix import SuffixDrafter, pool_of
 from specdecode.models.lean import target_cache
 from specdecode.models.loading import LoadedModel
 from specdecode.runtime.engine import SpeculativeDecoder
@@ -129,10 +130,11 @@ def plan_settings(
             settings.append(Setting(method))
         elif method == "spec":
             settings += [
-                Setting("spec", label, k, policy)
+                # a suffix draft sizes its own trees: no k to vary
+                Setting("spec", label, 0 if isinstance(drafts[label], SuffixDrafter) else k, policy)
                 for label in drafts
                 for policy in policies
-                for k in ks
+                for k in (ks[:1] if isinstance(drafts[label], SuffixDrafter) else ks)
             ]
             settings += [
                 Setting("spec", label, 0, "fixed", tree)
@@ -217,6 +219,9 @@ class MethodRunner:
         self, setting: Setting, ids: list[int], max_new_tokens: int, prefilled: Cache | None
     ) -> RunOutput:
         engine = self.engine(setting)
+        pool = pool_of(engine.drafter)
+        if pool is not None:  # each generation drafts from itself alone: prompts and repeats
+            pool.clear()  # would otherwise find each other's outputs (docs/usage.md)
         stats = Stats()
         request = GenerationRequest(max_new_tokens, self.params, self.seed)
         prefilled = prefilled.copy() if prefilled is not None else None

@@ -54,7 +54,7 @@ class BenchConfig:
     drafts: list[str] = field(default_factory=list)
     methods: list[str] | None = None  # None: every method that applies
     ks: list[int] = field(default_factory=lambda: [1, 2, 4, 6, 8])
-    policies: list[str] = field(default_factory=lambda: ["fixed"])
+    policies: list[str] = field(default_factory=lambda: ["cost"])
     trees: list[str] = field(default_factory=list)  # token-tree shapes, for model drafts
     hf_ks: list[int] | None = None  # k of HF's constant-k settings (None: the same as ks)
     temperature: float = 0.0

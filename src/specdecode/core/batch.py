@@ -184,6 +184,7 @@ class Batch:
             return
         try:
             row.drafter.follow(row.state.target_cache)
+            row.drafter.share_costs(self.policy)
             with torch.inference_mode():  # the draft's prefill: no autograd graph
                 row.drafter.begin(row.state.tokens, row.params, row.generator, self.meter)
         except BaseException:
@@ -221,7 +222,9 @@ class Batch:
         results = verify_rows([r.state.target_cache for r in rows], verifications, self.meter)
         self._observe(rows, results, spent)
         for row, result in zip(rows, results, strict=True):
-            self._commit(row, result, min(k, max(row.allowed, 0)) if row.drafter else 0)
+            # what the step asked of the row: a chain's k, a tree's own depth (trees take no k)
+            asked = result.depth if isinstance(row.drafter, TreeDrafter) else k
+            self._commit(row, result, min(asked, max(row.allowed, 0)) if row.drafter else 0)
         return stepped
 
     def _begin_drafts(self, rows: list[Row], k: int) -> list[Row]:
@@ -271,8 +274,13 @@ class Batch:
             drafts.update(zip(group, proposed, strict=True))
         out = []
         for i, r in enumerate(rows):
+            tree = None
             if isinstance(r.drafter, TreeDrafter) and r.allowed > 0:
                 tree = r.drafter.propose_tree(r.state.tokens, r.allowed)
+                if not len(tree):  # nothing worth drafting: a plain step, without a tree mask
+                    r.drafter.observe_path([])
+                    tree = None
+            if tree is not None:
                 out.append(
                     tree_verification(r.state, r.drafter, tree, r.params, r.generator, r.stats)
                 )

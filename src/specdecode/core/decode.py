@@ -61,10 +61,15 @@ def decode(
         stats=stats,
         prefilled=prefilled,
     )
-    if row.committed:  # the first token, from the prefill
-        yield row.committed
-    while not row.done:
-        batch.step()
-        if row.error is not None:
-            raise row.error
-        yield row.committed
+    try:
+        if row.committed:  # the first token, from the prefill
+            yield row.committed
+        while not row.done:
+            batch.step()
+            if row.error is not None:
+                raise row.error
+            yield row.committed
+    finally:  # finished, failed or closed early: the drafter ends its sequence (`end`)
+        if row.drafting:
+            row.drafting = False
+            row.drafter.end()  # type: ignore[union-attr]

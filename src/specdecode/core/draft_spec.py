@@ -1,5 +1,7 @@
 """The `--draft` text, parsed once: `MODEL`, `MODEL:int8`, `MODEL:int4`, `ngram`, `ngram:MIN-MAX`,
-`early-exit:N`, `distilled:DIR[:int8|:int4]` (a draft trained for its target by
+`suffix[:OPTIONS]` (suffix drafting over the request and earlier outputs, drafters/suffix.py;
+OPTIONS as `SuffixOptions` reads them), `MODEL+suffix[:OPTIONS]` (a hybrid: each step the model's
+chain or the suffix's tree, whichever is worth more; drafters/hybrid.py), `early-exit:N`, `distilled:DIR[:int8|:int4]` (a draft trained for its target by
 `specdecode distill`: DIR/distill.json names the base draft, DIR/adapter holds what it learnt) or
 `eagle:DIR[:int8|:int4]` (an EAGLE-style head over the target's features, trained by
 `specdecode distill --kind eagle`: DIR/eagle.json and DIR/head.safetensors).
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 Quantization = Literal["int8", "int4"]
-DraftKind = Literal["model", "ngram", "early-exit", "distilled", "eagle"]
+DraftKind = Literal["model", "ngram", "suffix", "hybrid", "early-exit", "distilled", "eagle"]
 
 # MODEL:int8 runs its linears on int8 weights; MODEL:int4 on 4-bit weights (groups of 32, a tied
 # output layer int8); both on the CPU kernel, for a draft or a target (models/quantized.py)
@@ -31,10 +33,14 @@ DRAFT_VOCAB_ENV = "SPECDECODE_DRAFT_VOCAB"
 
 MODEL_FORMS = "expected MODEL, MODEL:int8 or MODEL:int4 (int8 / 4-bit weights)"
 DRAFT_FORMS = (
-    "a draft is MODEL, MODEL:int8, MODEL:int4, ngram, ngram:MIN-MAX, early-exit:N, "
-    "distilled:DIR[:int8|:int4] or eagle:DIR[:int8|:int4] (e.g. qwen2.5-coder-0.5b-instruct:int4, "
-    "ngram:1-3, early-exit:8, distilled:runs/distill:int4, eagle:runs/eagle:int4)"
+    "a draft is MODEL, MODEL:int8, MODEL:int4, ngram, ngram:MIN-MAX, suffix[:OPTIONS], "
+    "MODEL+suffix[:OPTIONS], early-exit:N, distilled:DIR[:int8|:int4] or eagle:DIR[:int8|:int4] "
+    "(e.g. qwen2.5-coder-0.5b-instruct:int4, ngram:1-3, suffix, suffix:depth=8,pool=off, "
+    "qwen2.5-coder-0.5b-instruct:int4+suffix, early-exit:8, distilled:runs/distill:int4, "
+    "eagle:runs/eagle:int4)"
 )
+SUFFIX = "suffix"
+HYBRID = "+suffix"  # what joins a model and the suffix drafter in a hybrid's spec
 DISTILLED = "distilled:"  # the prefix of a distilled draft's spec
 EAGLE = "eagle:"  # the prefix of an EAGLE-style head's spec
 _FOLDER_KINDS = {"distilled": DISTILLED, "eagle": EAGLE}  # kinds named by a trained folder
@@ -96,6 +102,83 @@ def _name_problem(name: str) -> str | None:
 
 
 @dataclass(frozen=True)
+class SuffixOptions:
+    """The suffix drafter's limits (drafters/suffix.py), written `suffix:KEY=VALUE,...`:
+    `depth` (deepest tree level), `nodes` (most nodes per tree), `factor` (nodes per matched
+    token: a short match drafts a small tree), `min-prob` (the least share of the votes a node
+    needs), `pool` (`on`: earlier outputs are drafted from too; `off`: this request only) and
+    `pool-tokens` (the pool's size; the oldest outputs are evicted first)."""
+
+    depth: int = 16
+    nodes: int = 32
+    factor: float = 4.0
+    min_prob: float = 0.1
+    pool: bool = True
+    pool_tokens: int = 65536
+
+    def __post_init__(self) -> None:
+        problem = _suffix_problem(self)
+        if problem:
+            raise ValueError(f"bad suffix options: {problem}")
+
+    def __str__(self) -> str:
+        given = []
+        for key, value in self._items():
+            if value != getattr(SuffixOptions, key.replace("-", "_")):
+                text = ("on" if value else "off") if isinstance(value, bool) else f"{value:g}"
+                given.append(f"{key}={text}")
+        return SUFFIX + (":" + ",".join(given) if given else "")
+
+    def _items(self) -> list[tuple[str, int | float | bool]]:
+        return [(key, getattr(self, key.replace("-", "_"))) for key in _SUFFIX_KEYS]
+
+    @classmethod
+    def parse(cls, text: str) -> SuffixOptions:
+        """`suffix` or `suffix:KEY=VALUE,...` -> SuffixOptions (ValueError naming the keys)."""
+        head, sep, rest = text.partition(":")
+        if head != SUFFIX or (sep and not rest):
+            raise ValueError(f"bad suffix draft {text!r}: {SUFFIX_FORMS}")
+        values: dict[str, object] = {}
+        for item in rest.split(",") if rest else []:
+            key, eq, value = item.strip().partition("=")
+            if not eq or key not in _SUFFIX_KEYS:
+                raise ValueError(f"bad suffix option {item!r} in {text!r}: {SUFFIX_FORMS}")
+            values[key.replace("-", "_")] = _suffix_value(key, value.strip(), text)
+        return cls(**values)  # type: ignore[arg-type]
+
+
+_SUFFIX_KEYS = ("depth", "nodes", "factor", "min-prob", "pool", "pool-tokens")
+SUFFIX_FORMS = (
+    "suffix or suffix:KEY=VALUE,... with keys depth, nodes, pool-tokens (integers >= 1; "
+    "pool-tokens >= 0), factor (> 0), min-prob (0 to 1), pool (on or off), e.g. "
+    "suffix:depth=8,pool=off"
+)
+
+
+def _suffix_value(key: str, value: str, text: str) -> int | float | bool:
+    try:
+        if key == "pool":
+            if value not in ("on", "off"):
+                raise ValueError(value)
+            return value == "on"
+        if key in ("factor", "min-prob"):
+            return float(value)
+        if not _NUMBER.fullmatch(value):
+            raise ValueError(value)
+        return int(value)
+    except ValueError:
+        raise ValueError(f"bad suffix option {key}={value!r} in {text!r}: {SUFFIX_FORMS}") from None
+
+
+def _suffix_problem(o: SuffixOptions) -> str | None:
+    if o.depth < 1 or o.nodes < 1 or o.pool_tokens < 0:
+        return "depth and nodes need >= 1, pool-tokens >= 0"
+    if not 0 < o.factor < float("inf") or not 0 <= o.min_prob <= 1:
+        return "factor needs > 0 and min-prob 0 to 1"
+    return None
+
+
+@dataclass(frozen=True)
 class DraftSpec:
     """What drafts: `kind` "model" (`model` set), "ngram" (`ngram` = (MIN, MAX) n-gram sizes),
     "early-exit" (`depth` = the target's layers it runs), "distilled" (`model`: its name is the
@@ -107,24 +190,29 @@ class DraftSpec:
     model: ModelSpec | None = None
     ngram: tuple[int, int] | None = None
     depth: int | None = None
+    suffix: SuffixOptions | None = None
 
     def __post_init__(self) -> None:
-        # kind -> its field
+        # kind -> its fields
         fields = {
-            "model": "model",
-            "ngram": "ngram",
-            "early-exit": "depth",
-            "distilled": "model",
-            "eagle": "model",
+            "model": ["model"],
+            "ngram": ["ngram"],
+            "suffix": ["suffix"],
+            "hybrid": ["model", "suffix"],
+            "early-exit": ["depth"],
+            "distilled": ["model"],
+            "eagle": ["model"],
         }
         if self.kind not in fields:
             raise ValueError(f"bad draft kind {self.kind!r}: {DRAFT_FORMS}")
-        given = [name for name in dict.fromkeys(fields.values()) if getattr(self, name) is not None]
-        if given != [fields[self.kind]]:
+        names = ("model", "ngram", "depth", "suffix")
+        given = [name for name in names if getattr(self, name) is not None]
+        if given != fields[self.kind]:
             raise ValueError(
-                f"a {self.kind} DraftSpec sets {fields[self.kind]} alone (got {given})"
+                f"a {self.kind} DraftSpec sets {' and '.join(fields[self.kind])} alone "
+                f"(got {given})"
             )
-        if self.kind == "model" and _kind(self.model.name) != "model":  # would not read back
+        if self.kind in ("model", "hybrid") and _kind(self.model.name) != "model":
             raise _bad_draft(str(self.model), f"a model's name reads as {_kind(self.model.name)}")
         problem = _number_problem(self.ngram, self.depth)
         if problem:
@@ -143,11 +231,20 @@ class DraftSpec:
     @property
     def is_model_draft(self) -> bool:
         """A model or early exit: drafts from a model's distribution, which trees and
-        --confidence need (an n-gram draft proposes tokens without probabilities; an EAGLE
-        head drafts chains only, so far)."""
-        return self.kind not in ("ngram", "eagle")
+        --confidence need (n-gram and suffix drafts propose tokens without probabilities; an
+        EAGLE head drafts chains only, so far; a hybrid sizes its own drafts)."""
+        return self.kind not in ("ngram", "suffix", "hybrid", "eagle")
+
+    @property
+    def loads_model(self) -> bool:
+        """Whether the draft loads a model of its own (a hybrid's model included)."""
+        return self.kind in ("model", "hybrid", "distilled", "eagle")
 
     def __str__(self) -> str:
+        if self.kind == "suffix":
+            return str(self.suffix)
+        if self.kind == "hybrid":
+            return f"{self.model}+{self.suffix}"
         if self.kind == "ngram":
             return f"ngram:{self.ngram[0]}-{self.ngram[1]}"  # type: ignore[index]
         if self.kind == "early-exit":
@@ -159,6 +256,17 @@ class DraftSpec:
     @classmethod
     def parse(cls, text: str) -> DraftSpec:
         """A `--draft` value -> DraftSpec (ValueError naming the allowed forms if bad)."""
+        if text == SUFFIX or text.startswith(SUFFIX + ":"):
+            return cls("suffix", suffix=SuffixOptions.parse(text))
+        model, plus, options = text.rpartition(HYBRID)
+        if plus and (not options or options.startswith(":")):
+            if not model:
+                raise _bad_draft(text, "a hybrid draft is MODEL+suffix[:OPTIONS]")
+            part = cls.parse(model)
+            if part.kind != "model":
+                raise _bad_draft(text, f"a hybrid drafts with a model, not {part.kind}")
+            suffix = SuffixOptions.parse(SUFFIX + options)
+            return cls("hybrid", model=part.model, suffix=suffix)
         head, quantization = _split_quantization(text)
         kind = _kind(head)
         if quantization is not None and (kind not in ("model", *_FOLDER_KINDS) or not head):

@@ -32,6 +32,10 @@ TRUSTED_SAMPLES = 3
 # recent forwards whose time against their size's own estimate gives the machine's speed: a
 # shared VM's speed drifts, and every size's time moves with it (`CostK`, speed)
 SPEED_WINDOW = 3
+# the largest target forward (rows) whose time the cost policy keeps: a chain's k_max + 1 per
+# row, or a token tree's nodes + 1 (drafters size their trees from these times: `verify_cost`)
+MAX_TIMED_ROWS = 64
+PRIOR_VERIFY_SLOPE = 0.05  # v(n) = 1 + slope (n - 1) before anything is measured
 
 
 @runtime_checkable
@@ -199,7 +203,7 @@ class CostK(KPolicy):
         k_max: int,
         *,
         cost_ratio: float = 0.25,
-        verify_slope: float = 0.05,
+        verify_slope: float = PRIOR_VERIFY_SLOPE,
         prior_acceptance: float = 0.6,
         prior_weight: float = 2.0,
         memory: int = 32,
@@ -241,6 +245,23 @@ class CostK(KPolicy):
         """T(rows): seconds of a target forward over that many rows (None before any timed
         step)."""
         return _estimate(self._target, rows, self.verify_slope)
+
+    def verify_cost(self, rows: int) -> float:
+        """T(rows) / T(1): a target forward over `rows` rows (a token tree's nodes + 1) next to
+        one over a single row, measured where anything is, else the prior slope; >= 1."""
+        t1 = self._target_time(1)
+        if t1 is None:
+            return 1 + self.verify_slope * (rows - 1)
+        return max(1.0, (self._target_time(rows) or t1) / t1)
+
+    def draft_cost(self, seconds_per_depth: float | None) -> float:
+        """c for a draft whose forward takes `seconds_per_depth` (a drafter that times its own
+        forwards: drafters/hybrid.py) next to the target's single-row forward; the prior
+        `cost_ratio` when either is not measured yet."""
+        t1 = self._target_time(1)
+        if seconds_per_depth is None or t1 is None:
+            return self.cost_ratio
+        return seconds_per_depth / self._speed / t1
 
     def costs(self, rows: int = 1) -> tuple[float, list[float]]:
         """(c, [v(0) .. v(k_max)]) for a batch of `rows` sequences, from measurements where
@@ -332,14 +353,15 @@ class CostK(KPolicy):
             for j in range(min(accepted + 1, drafted, self.k_max)):
                 self._accept[j].add(1.0 if j < accepted else 0.0)
         depth = max(drafted for drafted, _ in rows)
-        if target_s is not None and verified <= len(rows) * (self.k_max + 1):
+        if target_s is not None and verified <= max(len(rows) * (self.k_max + 1), MAX_TIMED_ROWS):
             seen = self._target.get(verified)
             if seen is not None and seen.n >= TRUSTED_SAMPLES and seen.value > 0:
                 self._speed_ratios.append(target_s / seen.value)
                 self._speed = statistics.median(self._speed_ratios)
             self._target.setdefault(verified, _Median(self.memory)).add(target_s / self._speed)
         # per drafted depth: with confidence stops the one unused forward is charged to them
-        if draft_s is not None and depth:
+        # (a step with no draft forward, a suffix or n-gram draft's, says nothing of its cost)
+        if draft_s and depth:
             per_depth = draft_s / depth / self._speed
             self._draft.setdefault(len(rows), _Median(self.memory)).add(per_depth)
 
@@ -381,6 +403,15 @@ def _estimate(seen_times: dict[int, _Median], n: int, prior_slope: float) -> flo
     else:
         slope = t0 * prior_slope / (1 + prior_slope * (i0 - 1))
     return max(t0 + slope * (n - i0), 0.1 * min(t for _, t in seen))
+
+
+def verify_cost(policy: object, rows: int) -> float:
+    """v(rows), a target forward over `rows` rows next to one over a single row: the batch's
+    cost policy's measurement (`CostK.verify_cost`), else the prior slope (any other policy,
+    or none)."""
+    if isinstance(policy, CostK):
+        return policy.verify_cost(rows)
+    return 1 + PRIOR_VERIFY_SLOPE * (rows - 1)
 
 
 def make_k_policy(name: str, k: int, *, cost_ratio: float | None = None) -> KPolicy:

@@ -3,7 +3,7 @@
 The core codes against these protocols only; the implementations live in drafters/ and the core
 never imports them (docs/architecture.md, Invariants 5). The tree drafter's protocol sits with the
 token tree it proposes (tree.py). A drafter subclasses its protocol: the optional hooks
-(`follow`, `end`, `propose_many`, `cost_ratio`) are declared here with defaults that do nothing
+(`follow`, `share_costs`, `end`, `propose_many`, `cost_ratio`) are declared here with defaults that do nothing
 special, so the core calls them on every drafter and never asks whether one has them.
 """
 
@@ -38,6 +38,11 @@ class BaseDrafter(Protocol):
     def follow(self, target_cache: Cache) -> None:
         """Before `begin`: the target cache of the sequence, for a drafter that reads the
         target's features (drafters/eagle.py). Default: nothing."""
+
+    def share_costs(self, policy: object) -> None:
+        """Before `begin`: the batch's k policy, whose measured costs a drafter that sizes its
+        own draft reads (`policies.verify_cost`: a suffix tree, a hybrid's choice). Default:
+        nothing."""
 
     def end(self) -> None:
         """The sequence is over (finished, cancelled or failed): give back what `begin` took

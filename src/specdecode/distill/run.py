@@ -180,7 +180,9 @@ def _answer(
     # rows > 1: the answers are batched, by the target alone (a batch's target forward over
     # many rows costs little more than over one; a draft would add its forwards to each step)
     drafter = helper if settings.rows == 1 else None
-    engine = SpeculativeDecoder(target, drafter, k=GENERATION_K, generation_config="none")
+    engine = SpeculativeDecoder(
+        target, drafter, k=GENERATION_K, k_policy="fixed", generation_config="none"
+    )
     report = None
     try:
         if settings.self_prompts:

@@ -7,12 +7,15 @@ from __future__ import annotations
 from typing import Any
 
 from specdecode.core.draft_spec import DraftSpec, ModelSpec, resolve_draft_vocab
+from specdecode.core.policies import prior_cost_ratio
 from specdecode.core.protocols import Drafter
 from specdecode.core.tree import TreeDrafter, check_tree_attention
 from specdecode.drafters.eagle import EagleDrafter
 from specdecode.drafters.early_exit import EarlyExitDrafter
+from specdecode.drafters.hybrid import HybridDrafter
 from specdecode.drafters.model import ModelDrafter, check_confidence
 from specdecode.drafters.ngram import NgramDrafter
+from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.drafters.tree_model import TreeModelDrafter
 from specdecode.drafters.tree_shape import parse_tree_spec
 from specdecode.kernels.cpu_linear import apply_kernel
@@ -41,6 +44,8 @@ def make_drafter(
         check_tree_attention(target.model, "target")
         if isinstance(draft, ModelDrafter):
             return TreeModelDrafter(draft.model, shape, draft.vocab_size, draft.name)
+        if isinstance(draft, (SuffixDrafter, HybridDrafter)):
+            raise ValueError(f"tree={tree!r}: {draft.name} drafts trees of its own shape")
         if draft is None or isinstance(draft, (Drafter, TreeDrafter)):
             raise ValueError(f"tree={tree!r} needs a draft model (a model or early-exit:N)")
         loaded = wrap_model(draft)
@@ -69,7 +74,9 @@ def resolve_draft(
     takes; ValueError for a bad spec (draft_spec.py), before anything is loaded.
 
     `None` -> None (autoregressive); `early-exit:N` -> an EarlyExitDrafter over `target` (a
-    LoadedModel); `ngram` or `ngram:MIN-MAX` -> prompt lookup (default 1-3); a model is loaded
+    LoadedModel); `ngram` or `ngram:MIN-MAX` -> prompt lookup (default 1-3); `suffix[:OPTIONS]`
+    -> a SuffixDrafter; `MODEL+suffix[:OPTIONS]` -> a HybridDrafter of MODEL (loaded as below)
+    and a SuffixDrafter; a model is loaded
     with `load_model`, and `MODEL:int8` / `MODEL:int4` then runs its linears on int8 / 4-bit
     weights (bfloat16 on a CPU with AVX2 only; models/quantized.py), its bfloat16 weights freed.
     `distilled:DIR[:int8|:int4]` loads the base draft DIR/distill.json names with DIR's adapter
@@ -86,6 +93,8 @@ def resolve_draft(
         spec = DraftSpec.parse(spec)
     if spec.kind == "ngram":
         return NgramDrafter(*spec.ngram)
+    if spec.kind == "suffix":
+        return SuffixDrafter(spec.suffix)
     if spec.kind == "early-exit":
         return EarlyExitDrafter(target.model, spec.depth)
     vocab = resolve_draft_vocab(draft_vocab)
@@ -93,7 +102,20 @@ def resolve_draft(
         return _load_distilled(spec, target, dtype, device, vocab)
     if spec.kind == "eagle":
         return _load_eagle(spec, target, vocab)
-    return load_model(spec.model, dtype=dtype, device=device, role="draft", draft_vocab=vocab)
+    loaded = load_model(spec.model, dtype=dtype, device=device, role="draft", draft_vocab=vocab)
+    if spec.kind == "hybrid":
+        return hybrid_drafter(loaded, target, spec.suffix)
+    return loaded
+
+
+def hybrid_drafter(draft: Any, target: Any, options: Any = None) -> HybridDrafter:
+    """`MODEL+suffix`: `draft` (a model, loaded or not) drafting chains over the vocabulary it
+    shares with `target` (a LoadedModel), in turns with a SuffixDrafter of `options`."""
+    loaded = wrap_model(draft)
+    model = ModelDrafter(loaded.model, common_vocab_size(target, loaded), loaded.name)
+    prior = prior_cost_ratio(target.model, model)
+    suffix = SuffixDrafter(options)
+    return HybridDrafter(model, suffix, prior_cost=prior if prior is not None else 0.25)
 
 
 def _load_distilled(spec: DraftSpec, target: Any, dtype: Any, device: Any, vocab: int | None):

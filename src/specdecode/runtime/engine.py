@@ -57,9 +57,10 @@ class SpeculativeDecoder:
     """Generate with `target`, drafted by `draft`; `draft=None` is the autoregressive baseline.
 
     `draft` is a loaded model (`load_model`), a transformers model, or any `Drafter`.
-    `k_policy` chooses each step's look-ahead (policies.py): "fixed" drafts `k` every step,
-    "heuristic" starts at `k` and moves between 1 and 2k, "cost" picks from 0..k (k is k_max);
-    or pass any `KPolicy`. `confidence` stops a model draft early when the draft's top
+    `k_policy` chooses each step's look-ahead (policies.py): "cost" (the default) picks from
+    0..k (k is k_max) what its measured costs say pays, drafting nothing where nothing does;
+    "fixed" drafts `k` every step, "heuristic" starts at `k` and moves between 1 and 2k; or
+    pass any `KPolicy`. `confidence` stops a model draft early when the draft's top
     probability falls below it. `time_forwards=False` skips per-forward timing (on CUDA each
     timed forward synchronises); the cost policy then decides from priors only.
     `tree` ("static:3,2,2,1,1" or "dynamic:16", see drafters/tree_shape.py) drafts a token tree
@@ -75,7 +76,7 @@ class SpeculativeDecoder:
         draft: LoadedModel | Drafter | Any | None = None,
         k: int = 4,
         *,
-        k_policy: str | KPolicy = "fixed",
+        k_policy: str | KPolicy = "cost",
         confidence: float | None = None,
         time_forwards: bool = True,
         tree: str | None = None,
@@ -100,7 +101,9 @@ class SpeculativeDecoder:
         )
         if isinstance(k_policy, str):
             prior = (
-                prior_cost_ratio(self.target.model, self.drafter) if k_policy == "cost" else None
+                prior_cost_ratio(self.target.model, self.drafter)
+                if k_policy == "cost" and self.drafter is not None
+                else None
             )
             k_policy = make_k_policy(k_policy, k, cost_ratio=prior)
         self.k_policy: KPolicy = k_policy

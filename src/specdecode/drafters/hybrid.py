@@ -1,0 +1,189 @@
+"""Hybrid drafting (`MODEL+suffix`): each step, for each row, the suffix tree or the model's
+chain, whichever promises more tokens per unit of time, or neither.
+
+The choice is measured, not guessed: the suffix tree's promise is its nodes' calibrated
+acceptance (drafters/suffix.py) over the verification cost v(n) of its nodes; the model's is the
+expected accepted tokens of a chain of k (its acceptance per position, learnt from the steps it
+drafted) over k·c + v(k + 1), with c the model's own forward time (timed here) over the target's
+single-row forward and v measured by the batch's cost policy (`policies.verify_cost`; priors
+until measured). A step where neither beats one plain target forward drafts nothing.
+
+The model's draft cache sits still while the suffix drafts: its next chain first feeds the tokens
+committed since, in one forward (`ModelDrafter.propose`'s catch-up), so sitting out costs
+nothing but that catch-up. The model's chain goes to the target as a one-branch tree carrying
+the draft's probabilities, which tree verification treats exactly as chain verification does:
+greedy output is the target's, sampling stays lossless.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import deque
+from typing import Any
+
+import torch
+
+from specdecode.core.policies import CostK, verify_cost
+from specdecode.core.sampling import SamplingParams
+from specdecode.core.tree import TokenTree, TreeDrafter
+from specdecode.core.types import ForwardMeter
+from specdecode.drafters.model import ModelDrafter
+from specdecode.drafters.suffix import SuffixDrafter
+
+PRIOR_ACCEPTANCE = 0.6  # a model chain's acceptance per position before any is measured
+PRIOR_WEIGHT = 2.0  # in steps: how soon measured acceptance outweighs the prior
+MEMORY = 32  # steps after which old acceptance fades
+# a row drafts one model token after this many steps without the model, so that an acceptance
+# learnt low (a passage the model could not guess) is measured again; rare enough that a model
+# that never pays costs little (one draft forward and its catch-up per EXPLORE_EVERY steps)
+EXPLORE_EVERY = 64
+
+
+class _Acceptance:
+    """a_j per chain position (P(accepted | the ones before were)), a running mean that
+    fades after MEMORY samples, shrunk towards the previous position's (the first towards the
+    prior); shared by every row of the drafter."""
+
+    def __init__(self, positions: int) -> None:
+        self.n = [0] * positions
+        self.mean = [0.0] * positions
+
+    def grow(self, positions: int) -> None:
+        extra = positions - len(self.n)
+        if extra > 0:
+            self.n += [0] * extra
+            self.mean += [0.0] * extra
+
+    def add(self, drafted: int, accepted: int) -> None:
+        for j in range(min(accepted + 1, drafted, len(self.n))):
+            self.n[j] = min(self.n[j] + 1, MEMORY)
+            self.mean[j] += ((1.0 if j < accepted else 0.0) - self.mean[j]) / self.n[j]
+
+    def estimate(self) -> list[float]:
+        out, prior = [], PRIOR_ACCEPTANCE
+        for n, mean in zip(self.n, self.mean, strict=True):
+            prior = (n * mean + PRIOR_WEIGHT * prior) / (n + PRIOR_WEIGHT)
+            out.append(prior)
+        return out
+
+
+class HybridDrafter(TreeDrafter):
+    """`model` (a chain drafter) and `suffix` drafting in turns, chosen per step and row (the
+    module docstring). `k_max`: the longest chain the model drafts (the batch's policy's
+    k_max once shared). Forks share the learnt acceptance and timings; each row has its own
+    draft cache and suffix index."""
+
+    cost_ratio = None  # the model's: `prior_cost_ratio` reads `self.model`
+
+    def __init__(
+        self,
+        model: ModelDrafter,
+        suffix: SuffixDrafter,
+        k_max: int = 4,
+        prior_cost: float = 0.25,
+    ) -> None:
+        self.drafter, self.suffix = model, suffix
+        self.model = model.model  # what context limits and cost priors read
+        self.name = f"{model.name}+{suffix.name}"
+        self.k_max = k_max
+        self.prior_cost = prior_cost  # c before the forwards are timed (policies.prior_cost_ratio)
+        self.costs: Any = None
+        self.acceptance = _Acceptance(k_max)
+        # the model's seconds per drafted depth, recent ones (shared by the rows)
+        self.draft_seconds: deque[float] = deque(maxlen=MEMORY)
+        self.chosen = {"suffix": 0, "model": 0, "none": 0}  # steps each way, every row
+        self._used: tuple[str, int] | None = None
+
+    def __copy__(self) -> HybridDrafter:
+        # a row's own model cache and suffix index; the learnt estimates stay shared
+        new = object.__new__(HybridDrafter)
+        new.__dict__.update(self.__dict__)
+        new.drafter = copy.copy(self.drafter)
+        new.suffix = copy.copy(self.suffix)
+        return new
+
+    def share_costs(self, policy: object) -> None:
+        self.costs = policy
+        self.suffix.share_costs(policy)
+        self.k_max = max(1, int(getattr(policy, "k_max", self.k_max)))  # every KPolicy's
+        self.acceptance.grow(self.k_max)
+
+    def begin(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        generator: object,
+        meter: ForwardMeter,
+    ) -> None:
+        self.meter = meter
+        self.suffix.begin(prompt_ids, params, generator, meter)
+        self.drafter.begin(prompt_ids, params, generator, meter)  # type: ignore[arg-type]
+        self._used = None
+        self._since_model = 0
+
+    def end(self) -> None:
+        self.suffix.end()
+        self.drafter.end()
+
+    def _draft_cost(self) -> float:
+        """c: the model's forward over the target's, measured where both are."""
+        recent = sorted(self.draft_seconds)
+        seconds = recent[len(recent) // 2] if recent else None
+        if isinstance(self.costs, CostK) and seconds is not None:
+            return self.costs.draft_cost(seconds)
+        return self.prior_cost
+
+    def model_rate(self, limit: int) -> tuple[int, float]:
+        """(k, rate): the model chain's best length up to `limit` and its expected tokens per
+        single-row target time."""
+        c = self._draft_cost()
+        best, best_rate, emitted, reach = 0, 0.0, 1.0, 1.0
+        for k, a in enumerate(self.acceptance.estimate()[:limit], start=1):
+            reach *= a
+            emitted += reach
+            rate = emitted / (k * c + verify_cost(self.costs, k + 1))
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best, best_rate
+
+    def propose_tree(self, context: list[int], max_depth: int) -> TokenTree:
+        proposal = self.suffix.suggest(context, max_depth)
+        n, suffix_rate = proposal.best_size(self.costs)
+        k, model_rate = self.model_rate(min(self.k_max, max_depth))
+        plain = 1.0 / verify_cost(self.costs, 1)
+        self._since_model += 1
+        if self._since_model >= EXPLORE_EVERY:  # measure the model's acceptance again
+            k, model_rate = max(k, 1), float("inf")
+        if n and suffix_rate >= model_rate and suffix_rate > plain:
+            self._count("suffix")
+            return self.suffix.take(proposal, n)
+        if k and model_rate > plain:
+            self._count("model")
+            return self._model_tree(context, k)
+        self._count("none")
+        return self.suffix.take(proposal, 0)
+
+    def _count(self, way: str) -> None:
+        self.chosen[way] += 1
+        self._used = (way, 0)
+
+    def _model_tree(self, context: list[int], k: int) -> TokenTree:
+        before = self.meter.seconds.get("draft", 0.0)
+        draft = self.drafter.propose(context, k)
+        if self.meter.clock is not None:  # untimed forwards: the prior cost stands
+            spent = self.meter.seconds.get("draft", 0.0) - before
+            self.draft_seconds.append(spent / max(1, int(draft.tokens.shape[0])))
+        drafted = int(draft.tokens.shape[0])
+        self._used = ("model", drafted)
+        parents = torch.arange(-1, drafted - 1, dtype=torch.long)  # a chain: each below the last
+        return TokenTree(draft.tokens, parents, q_draft=draft.q_draft)
+
+    def observe_path(self, path: list[int]) -> None:
+        way, drafted = self._used or ("none", 0)
+        if way == "model":
+            self._since_model = 0
+            self.acceptance.add(drafted, len(path))
+            self.drafter.observe(len(path))
+        else:
+            self.suffix.observe_path(path)
+        self._used = None

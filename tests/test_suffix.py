@@ -1,0 +1,293 @@
+"""Suffix drafting and the hybrid: the trees they draft, losslessness, the pool across requests,
+and their place in the engine (drafters/suffix.py, drafters/hybrid.py)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from specdecode import SpeculativeDecoder
+from specdecode.core.draft_spec import DraftSpec, SuffixOptions
+from specdecode.core.policies import CostK, FixedK, verify_cost
+from specdecode.core.sampling import SamplingParams
+from specdecode.core.types import ForwardMeter
+from specdecode.drafters import (
+    HybridDrafter,
+    SuffixDrafter,
+    SuffixPool,
+    hybrid_drafter,
+    resolve_draft,
+)
+from specdecode.models.loading import wrap_model
+
+from conftest import ARCHS, tiny_llama
+
+
+def _suggest(context, max_depth=16, pool_outputs=(), **options):
+    drafter = SuffixDrafter(SuffixOptions(**options))
+    for output in pool_outputs:
+        drafter.pool.add(output)
+    drafter.begin(list(context), SamplingParams(), None, ForwardMeter())
+    return drafter.suggest(list(context), max_depth)
+
+
+def _tree_paths(proposal, n):
+    """Each node's root-to-node tokens, for the first n nodes."""
+    paths = []
+    for token, parent in zip(proposal.tokens[:n], proposal.parents[:n], strict=True):
+        paths.append((*paths[parent], token) if parent >= 0 else (token,))
+    return paths
+
+
+def test_votes_of_every_occurrence_shape_the_tree():
+    # [1, 2] occurred three times after an 8: followed by 3 4, 3 5 and 3 4
+    context = [8, 1, 2, 3, 4, 8, 1, 2, 3, 5, 8, 1, 2, 3, 4, 7, 1, 2]
+    proposal = _suggest(context)
+    assert proposal.length == 2  # [7, 1, 2] never occurred before
+    paths = _tree_paths(proposal, len(proposal.tokens))
+    assert paths[:2] == [(3,), (3, 4)]
+    assert proposal.shares[:2] == [1.0, pytest.approx(2 / 3)]
+    assert (3, 5) in paths
+    # parents always come first, and every prefix of the order is a tree
+    for i, parent in enumerate(proposal.parents):
+        assert parent < i
+    assert proposal.shares == sorted(proposal.shares, reverse=True)
+    # the longest match alone votes: [8, 1, 2] after another 8 matches one occurrence more deeply
+    longer = _suggest([*context[:-3], 3, 5, 8, 1, 2])
+    assert longer.length == 5 and _tree_paths(longer, 2) == [(3,), (3, 4)]
+    assert longer.shares[:2] == [1.0, 1.0]
+
+
+def test_no_match_drafts_nothing_and_short_matches_draft_small_trees():
+    assert _suggest([1, 2, 3, 4, 5]).tokens == []
+    assert _suggest([7]).tokens == []
+    # a 2-token match with factor 1 keeps at most 2 nodes
+    context = [5, 6, 1, 2, 3, 4, 7, 8, 9, 1, 2]
+    assert len(_suggest(context, factor=1.0).tokens) <= 2
+    assert len(_suggest(context, factor=8.0).tokens) > 2
+    # depth bounds the deepest level; max_depth (what the row may still emit) too
+    long = [*range(10, 40), 10, 11]
+    shallow = _suggest(long, depth=5)
+    assert max(len(p) for p in _tree_paths(shallow, len(shallow.tokens))) == 5
+    assert len(_suggest(long, max_depth=3).tokens) == 3
+
+
+def test_min_prob_drops_rare_branches():
+    # ten occurrences of [1, 2] followed by 3, one followed by 4
+    context = [1, 2, 3, 0] * 10 + [1, 2, 4, 0] + [1, 2]
+    every = _suggest(context, min_prob=0.0, nodes=64, factor=100.0)
+    assert (4,) in _tree_paths(every, len(every.tokens))
+    pruned = _suggest(context, min_prob=0.2, nodes=64, factor=100.0)
+    assert (4,) not in _tree_paths(pruned, len(pruned.tokens))
+
+
+def test_the_tree_is_sized_by_its_verification_cost():
+    # ten occurrences: the first 4 levels have 9 votes in 10, the next 4 have 8, then 7
+    context = [1, 2, 3, 0] * 10 + [1, 2, 4, 0] + [1, 2]
+    proposal = _suggest(context)
+    assert proposal.shares[3:5] == [pytest.approx(0.9), pytest.approx(0.8)]
+    cheap, _ = proposal.best_size(None)  # the prior: v grows 5% a row
+    assert cheap == len(proposal.tokens) == 12
+    # v grows 0.85 a row: a node pays while its acceptance beats 0.85 x the tokens so far
+    steep, rate = proposal.best_size(CostK(4, verify_slope=0.85))
+    assert steep == 4 and rate == pytest.approx((1 + 4 * 0.9) / (1 + 4 * 0.85))
+    assert proposal.best_size(CostK(4, verify_slope=1.5))[0] == 0  # no tree pays
+
+
+def test_verify_cost_is_measured_where_the_policy_is_timed():
+    policy = CostK(4)
+    assert verify_cost(policy, 1) == 1.0
+    assert verify_cost(FixedK(4), 11) == pytest.approx(1.5)  # the prior
+    for _ in range(3):
+        policy.observe_step([(0, 0)], None, 0.010, 1)
+        policy.observe_step([(15, 3)], 0.0, 0.030, 16)
+    assert policy.verify_cost(16) == pytest.approx(3.0)
+    assert policy.verify_cost(1) == 1.0
+    assert policy.draft_cost(0.005) == pytest.approx(0.5)
+    assert policy.draft_cost(None) == policy.cost_ratio
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_suffix_drafting_is_lossless_greedy(arch):
+    target = wrap_model(ARCHS[arch](seed=0))
+    prompts = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [7, 8, 9] * 5, [30], list(range(40, 60)) * 2, [30]]
+    ar = SpeculativeDecoder(target)
+    engine = SpeculativeDecoder(target, SuffixDrafter(), k_policy="fixed")
+    accepted = 0
+    for prompt in prompts:
+        result = engine.generate(prompt, max_new_tokens=40)
+        assert result.token_ids == ar.generate(prompt, max_new_tokens=40).token_ids
+        accepted += result.stats.accepted
+    assert accepted > 0  # the random models loop, so lookups hit
+    # the batch: every row drafts its own tree (or none), outputs as alone
+    batch = engine.generate_batch(prompts, max_new_tokens=40)
+    assert [r.token_ids for r in batch] == [
+        ar.generate(p, max_new_tokens=40).token_ids for p in prompts
+    ]
+
+
+def test_the_pool_carries_earlier_outputs_to_later_requests():
+    target = wrap_model(tiny_llama(seed=0, layers=4))
+    engine = SpeculativeDecoder(target, SuffixDrafter(), k_policy="fixed")
+    alone = SpeculativeDecoder(target, SuffixDrafter(SuffixOptions(pool=False)), k_policy="fixed")
+    prompt = [30]  # nothing to look up in the prompt
+    first = engine.generate(prompt, max_new_tokens=40)
+    again = engine.generate(prompt, max_new_tokens=40)
+    assert again.token_ids == first.token_ids
+    assert again.stats.accepted > first.stats.accepted + 20  # the first output, drafted again
+    assert again.stats.steps < first.stats.steps / 3
+    report = engine.drafter.pool.report()
+    assert report["outputs"] == 2 and report["tokens"] == 80 and report["bytes"] > 0
+    # pool=off: each request alone
+    assert alone.generate(prompt, max_new_tokens=40).stats.accepted == first.stats.accepted
+    assert alone.generate(prompt, max_new_tokens=40).stats.accepted == first.stats.accepted
+    assert alone.drafter.pool is None
+
+
+def test_the_pool_is_bounded_and_evicts_the_oldest():
+    pool = SuffixPool(max_tokens=100)
+    for i in range(10):
+        pool.add([i] * 30)
+    report = pool.report()
+    assert report["tokens"] <= 100 and report["outputs"] == 3 and report["evicted"] == 7
+    assert [m.text.ids[0] for m in pool.matches([9, 9], 64)][:1] == [9]
+    assert pool.matches([0, 0], 64) == []  # evicted
+    big = SuffixPool(max_tokens=10)
+    big.add(list(range(50)))  # longer than the pool: its last 10 tokens
+    assert big.report()["tokens"] == 10
+    SuffixPool(0).add([1, 2, 3])  # a pool of nothing stays empty
+
+
+def test_a_corrupted_pool_never_breaks_a_request():
+    target = wrap_model(tiny_llama(seed=0))
+    engine = SpeculativeDecoder(target, SuffixDrafter(), k_policy="fixed")
+    expected = SpeculativeDecoder(target).generate([30], max_new_tokens=20).token_ids
+    engine.generate([30], max_new_tokens=20)
+    engine.drafter.pool._texts.append("not a text")  # what a bug or a stray write might leave
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert engine.generate([30], max_new_tokens=20).token_ids == expected
+    assert any("suffix pool failed" in str(w.message) for w in caught)
+    report = engine.drafter.pool.report()
+    assert report["faults"] == 1
+    assert engine.generate([30], max_new_tokens=20).token_ids == expected  # and it goes on
+
+
+def _hybrid(target, **options):
+    draft = tiny_llama(seed=0, layers=1)
+    return hybrid_drafter(draft, target, SuffixOptions(**options))
+
+
+@pytest.mark.parametrize("policy", ["fixed", "cost"])
+def test_the_hybrid_is_lossless_greedy_and_uses_both_parts(policy):
+    target = wrap_model(tiny_llama(seed=0, layers=4))
+    ar = SpeculativeDecoder(target)
+    hybrid = _hybrid(target)
+    engine = SpeculativeDecoder(target, hybrid, k=3, k_policy=policy)
+    prompts = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [30], list(range(40, 60)) * 2, [30], [5, 6]]
+    for prompt in prompts:
+        assert (
+            engine.generate(prompt, max_new_tokens=40).token_ids
+            == ar.generate(prompt, max_new_tokens=40).token_ids
+        )
+    assert hybrid.chosen["suffix"] > 0 and hybrid.chosen["model"] > 0
+    batch = engine.generate_batch(prompts, max_new_tokens=30)  # rows choose on their own
+    assert [r.token_ids for r in batch] == [
+        ar.generate(p, max_new_tokens=30).token_ids for p in prompts
+    ]
+
+
+def test_the_hybrid_model_chain_sits_out_and_catches_up():
+    target = wrap_model(tiny_llama(seed=0, layers=4))
+    hybrid = _hybrid(target)
+    hybrid.begin([1, 2, 3], SamplingParams(), None, ForwardMeter())
+    context = [1, 2, 3]
+    first = hybrid._model_tree(context, 2)
+    hybrid._used = ("model", 2)
+    hybrid.observe_path([])  # nothing accepted
+    context += [4, 5, 6, 7]  # four steps the suffix drafted
+    later = hybrid._model_tree(context, 2)
+    assert len(hybrid.drafter.cache) == len(context) + 1  # caught up, one drafted token held
+    alone = _chain_drafter()
+    alone.begin(list(context), SamplingParams(), None, ForwardMeter())
+    assert later.tokens.tolist() == alone.propose(context, 2).tokens.tolist()
+    assert first.parents.tolist() == [-1, 0]
+
+
+def _chain_drafter():
+    """A fresh chain drafter over the draft model `_hybrid` builds."""
+    from specdecode.drafters import ModelDrafter
+
+    draft = tiny_llama(seed=0, layers=1)
+    return ModelDrafter(draft, vocab_size=draft.config.vocab_size)
+
+
+def test_suffix_and_hybrid_sampling_keep_the_target_distribution():
+    """Deterministic suffix trees and the hybrid's model chains: the first two tokens' joint
+    law is the target's (the first step really drafts: the prompt holds 1 followed by every
+    id, and the first token follows a 1)."""
+    from test_sampling_lossless import chi_square, chi_square_limit
+
+    vocab = 6
+    target_model = tiny_llama(seed=3, vocab=vocab)
+    target = wrap_model(target_model)
+    prompt = [1, 0, 1, 1, 1, 2, 1, 3, 1, 4, 1, 5, 0, 1]
+    with torch.no_grad():
+        first = target_model(torch.tensor([prompt])).logits[0, -1].softmax(-1)  # [V]
+        after = torch.tensor([[*prompt, a] for a in range(vocab)])
+        second = target_model(after).logits[:, -1].softmax(-1)  # [V, V]
+    exact = (first[:, None] * second).flatten()
+    suffix = SuffixDrafter(SuffixOptions(pool=False, min_prob=0.0))
+    hybrid = hybrid_drafter(tiny_llama(seed=4, vocab=vocab, layers=1), target)
+    hybrid.suffix.pool = None
+    hybrid.prior_cost = 0.01  # the model's chain pays: both parts draft
+    for drafter in (suffix, hybrid):
+        engine = SpeculativeDecoder(target, drafter, k=3, k_policy="fixed")
+        counts = torch.zeros(vocab * vocab)
+        drafted = 0
+        for seed in range(3000):
+            result = engine.generate(prompt, max_new_tokens=3, temperature=1.0, seed=seed)
+            counts[result.token_ids[0] * vocab + result.token_ids[1]] += 1
+            drafted += result.stats.drafted > 0
+        assert drafted > 2500  # the first step drafted, nearly always
+        assert chi_square(counts, exact) < chi_square_limit(vocab * vocab)
+    assert hybrid.chosen["model"] > 0
+
+
+def test_spec_strings_and_refusals():
+    assert str(DraftSpec.parse("suffix")) == "suffix"
+    spec = DraftSpec.parse("suffix:depth=8,pool=off,min-prob=0.2")
+    assert spec.kind == "suffix" and spec.suffix == SuffixOptions(depth=8, pool=False, min_prob=0.2)
+    assert DraftSpec.parse(str(spec)) == spec
+    hybrid = DraftSpec.parse("some/model:int4+suffix:nodes=8")
+    assert hybrid.kind == "hybrid" and str(hybrid.model) == "some/model:int4"
+    assert hybrid.suffix.nodes == 8 and DraftSpec.parse(str(hybrid)) == hybrid
+    assert resolve_draft("suffix:pool=off", None).pool is None
+    for bad, why in [
+        ("suffix:", "suffix or suffix:KEY=VALUE"),
+        ("suffix:depth=0", "depth and nodes need >= 1"),
+        ("suffix:deep=3", "bad suffix option 'deep=3'"),
+        ("suffix:pool=maybe", "pool"),
+        ("suffix:factor=nan", "factor"),
+        ("ngram+suffix", "a hybrid drafts with a model"),
+        ("+suffix", "MODEL\\+suffix"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            DraftSpec.parse(bad)
+    target = wrap_model(tiny_llama(seed=0))
+    with pytest.raises(ValueError, match="drafts trees of its own shape"):
+        SpeculativeDecoder(target, SuffixDrafter(), tree="dynamic:8")
+    with pytest.raises(ValueError, match="confidence needs a model draft"):
+        SpeculativeDecoder(target, _hybrid(target), confidence=0.5)
+
+
+def test_the_default_policy_is_the_measured_one():
+    target = wrap_model(tiny_llama(seed=0))
+    engine = SpeculativeDecoder(target, SuffixDrafter())
+    assert isinstance(engine.k_policy, CostK)
+    assert isinstance(
+        SpeculativeDecoder(target, SuffixDrafter(), k_policy="fixed").k_policy, FixedK
+    )
+    assert isinstance(HybridDrafter, type)
