@@ -25,8 +25,12 @@ from specdecode.models.loading import wrap_model
 from conftest import ARCHS, tiny_llama
 
 
-def _suggest(context, max_depth=16, pool_outputs=(), **options):
+def _suggest(context, max_depth=16, pool_outputs=(), rho=None, **options):
+    """The drafter's proposal after `context`; `rho`: its calibration's prior (1: the votes'
+    shares as they are)."""
     drafter = SuffixDrafter(SuffixOptions(**options))
+    if rho is not None:
+        drafter.calibration.prior = rho
     for output in pool_outputs:
         drafter.pool.add(output)
     drafter.begin(list(context), SamplingParams(), None, ForwardMeter())
@@ -44,20 +48,22 @@ def _tree_paths(proposal, n):
 def test_votes_of_every_occurrence_shape_the_tree():
     # [1, 2] occurred three times after an 8: followed by 3 4, 3 5 and 3 4
     context = [8, 1, 2, 3, 4, 8, 1, 2, 3, 5, 8, 1, 2, 3, 4, 7, 1, 2]
-    proposal = _suggest(context)
+    proposal = _suggest(context, rho=1.0)
     assert proposal.length == 2  # [7, 1, 2] never occurred before
     paths = _tree_paths(proposal, len(proposal.tokens))
     assert paths[:2] == [(3,), (3, 4)]
-    assert proposal.shares[:2] == [1.0, pytest.approx(2 / 3)]
+    assert proposal.gains[:2] == [1.0, pytest.approx(2 / 3)]  # shares of the votes
     assert (3, 5) in paths
     # parents always come first, and every prefix of the order is a tree
     for i, parent in enumerate(proposal.parents):
         assert parent < i
-    assert proposal.shares == sorted(proposal.shares, reverse=True)
+    assert proposal.gains == sorted(proposal.gains, reverse=True)
     # the longest match alone votes: [8, 1, 2] after another 8 matches one occurrence more deeply
-    longer = _suggest([*context[:-3], 3, 5, 8, 1, 2])
+    longer = _suggest([*context[:-3], 3, 5, 8, 1, 2], rho=1.0)
     assert longer.length == 5 and _tree_paths(longer, 2) == [(3,), (3, 4)]
-    assert longer.shares[:2] == [1.0, 1.0]
+    assert longer.gains[:2] == [1.0, 1.0]
+    # before any tree is verified, a drafted token is believed with the prior rho per level
+    assert _suggest(context).gains[:2] == [pytest.approx(0.6), pytest.approx(2 / 3 * 0.36)]
 
 
 def test_no_match_drafts_nothing_and_short_matches_draft_small_trees():
@@ -86,14 +92,32 @@ def test_min_prob_drops_rare_branches():
 def test_the_tree_is_sized_by_its_verification_cost():
     # ten occurrences: the first 4 levels have 9 votes in 10, the next 4 have 8, then 7
     context = [1, 2, 3, 0] * 10 + [1, 2, 4, 0] + [1, 2]
-    proposal = _suggest(context)
-    assert proposal.shares[3:5] == [pytest.approx(0.9), pytest.approx(0.8)]
+    proposal = _suggest(context, rho=1.0)
+    assert proposal.gains[3:5] == [pytest.approx(0.9), pytest.approx(0.8)]
     cheap, _ = proposal.best_size(None)  # the prior: v grows 5% a row
     assert cheap == len(proposal.tokens) == 12
     # v grows 0.85 a row: a node pays while its acceptance beats 0.85 x the tokens so far
     steep, rate = proposal.best_size(CostK(4, verify_slope=0.85))
     assert steep == 4 and rate == pytest.approx((1 + 4 * 0.9) / (1 + 4 * 0.85))
     assert proposal.best_size(CostK(4, verify_slope=1.5))[0] == 0  # no tree pays
+
+
+def test_rho_learns_what_the_target_keeps_per_match_length():
+    drafter = SuffixDrafter()
+    context = [1, 2, 3, 4, 5, 6, 7, 8] * 4 + [1, 2]
+    drafter.begin(context, SamplingParams(), None, ForwardMeter())
+    before = drafter.suggest(context, 16)
+    for _ in range(20):  # the target keeps one token of each chain, then disagrees
+        drafter.take(before, len(before.tokens))
+        drafter.observe_path([0])
+    after = drafter.suggest(context, 16)
+    assert drafter.calibration.rho(before.length) < 0.6 < before.gains[0] / 0.6 + 0.01
+    assert after.gains[0] < before.gains[0] and after.best_size(None)[0] < before.best_size(None)[0]
+    assert drafter.calibration.rho(2) == 0.6  # another match length learnt nothing
+    for _ in range(400):  # a walk that reaches the leaf fails nowhere; old evidence fades
+        drafter.take(after, 1)
+        drafter.observe_path([0])
+    assert drafter.calibration.rho(after.length) > 0.9
 
 
 def test_verify_cost_is_measured_where_the_policy_is_timed():

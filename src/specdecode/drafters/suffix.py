@@ -168,39 +168,42 @@ class SuffixPool:
 
 
 class _Calibration:
-    """Accepted tokens over the votes' estimate of them, per match-length bucket: the votes of
-    a short match promise more than the target keeps. Shared by every row of the drafter."""
+    """rho, per match-length bucket: the chance that the target keeps a drafted token the votes
+    back fully, learnt from the trees it verified (each accepted token a success; a walk that
+    stopped where the tree went on, one failure). A node's estimated acceptance is its share of
+    the votes x rho^depth: the votes of a short match, or of a text the output has left, promise
+    more than the target keeps, and the more so the deeper. Shared by every row of the drafter."""
 
-    def __init__(self, prior_weight: float = 4.0, memory: float = 256.0) -> None:
-        self.prior_weight, self.memory = prior_weight, memory
-        self.accepted = [0.0] * len(_BUCKETS)
-        self.promised = [0.0] * len(_BUCKETS)
+    def __init__(self, prior: float = 0.6, weight: float = 4.0, memory: float = 256.0) -> None:
+        self.prior, self.weight, self.memory = prior, weight, memory
+        self.kept = [0.0] * len(_BUCKETS)
+        self.judged = [0.0] * len(_BUCKETS)
 
     @staticmethod
     def bucket(length: int) -> int:
         return max(i for i, low in enumerate(_BUCKETS) if length >= low)
 
-    def factor(self, length: int) -> float:
+    def rho(self, length: int) -> float:
         b = self.bucket(length)
-        return (self.accepted[b] + self.prior_weight) / (self.promised[b] + self.prior_weight)
+        return (self.kept[b] + self.weight * self.prior) / (self.judged[b] + self.weight)
 
-    def add(self, length: int, promised: float, accepted: int) -> None:
+    def add(self, length: int, kept: int, judged: int) -> None:
         b = self.bucket(length)
-        fade = max(0.0, 1.0 - promised / self.memory)  # old evidence fades as new comes
-        self.accepted[b] = self.accepted[b] * fade + accepted
-        self.promised[b] = self.promised[b] * fade + promised
+        fade = max(0.0, 1.0 - judged / self.memory)  # old evidence fades as new comes
+        self.kept[b] = self.kept[b] * fade + kept
+        self.judged[b] = self.judged[b] * fade + judged
 
 
 @dataclass
 class SuffixProposal:
     """What the suffix index suggests for one step: the tree's nodes in the order to keep them
-    (most votes first; every parent before its children), with each node's estimated acceptance
-    (votes x calibration), and the match length they came from."""
+    (the likeliest first; every parent before its children), with each node's estimated
+    acceptance (its share of the votes x rho^depth, `_Calibration`), and the match length they
+    came from."""
 
     tokens: list[int]
     parents: list[int]  # index into these lists; -1: a child of the root
-    shares: list[float]  # the node's share of the votes
-    gains: list[float]  # its estimated acceptance: the share x the match length's calibration
+    gains: list[float]  # each node's estimated acceptance, non-increasing
     length: int
 
     def best_size(self, costs: object) -> tuple[int, float]:
@@ -232,9 +235,8 @@ class SuffixDrafter(TreeDrafter):
         self._text = _Text()
         self._row: list[int] = []
         self._prompt_len = 0
-        self._last: tuple[int, float] | None = (
-            None  # (match length, votes' promise) of the last tree
-        )
+        # the last tree's match length and the nodes with children (-1: the root)
+        self._last: tuple[int, set[int]] | None = None
 
     def begin(
         self,
@@ -269,7 +271,7 @@ class SuffixDrafter(TreeDrafter):
         if self.pool is not None:
             found += self.pool.matches(context, MAX_VOTERS)
         if not found or depth <= 0:
-            return SuffixProposal([], [], [], [], 0)
+            return SuffixProposal([], [], [], 0)
         length = max(m.length for m in found)
         voters = [m for m in found if m.length == length][:MAX_VOTERS]
         # the trie of what followed each voter: node -> votes
@@ -290,23 +292,23 @@ class SuffixDrafter(TreeDrafter):
                     depths.append(depths[node] + 1 if node >= 0 else 1)
                 votes[child] += 1
                 node = child
-        # the most-voted nodes first: a child never has more votes than its parent, and at
-        # equal votes the shallower comes first, so every prefix of this order is a tree
+        # the likeliest nodes first: a child's share of the votes is at most its parent's, and
+        # it sits one level deeper, so its estimate is lower and at a tie the shallower comes
+        # first: every prefix of this order is a tree
         limit = min(opts.nodes, max(1, round(opts.factor * length)))
         floor = opts.min_prob * len(voters)
-        order = heapq.nsmallest(
-            limit,
-            (i for i in range(len(tokens)) if votes[i] >= floor),
-            key=lambda i: (-votes[i], depths[i], i),
-        )
+        rho = self.calibration.rho(length)
+        gain = {
+            i: votes[i] / len(voters) * rho ** depths[i]
+            for i in range(len(tokens))
+            if votes[i] >= floor
+        }
+        order = heapq.nsmallest(limit, gain, key=lambda i: (-gain[i], depths[i], i))
         renumber = {old: new for new, old in enumerate(order)}
-        shares = [votes[i] / len(voters) for i in order]
-        factor = self.calibration.factor(length)
         return SuffixProposal(
             [tokens[i] for i in order],
             [renumber[parents[i]] if parents[i] >= 0 else -1 for i in order],
-            shares,
-            [min(1.0, share * factor) for share in shares],
+            [gain[i] for i in order],
             length,
         )
 
@@ -317,13 +319,17 @@ class SuffixDrafter(TreeDrafter):
 
     def take(self, proposal: SuffixProposal, n: int) -> TokenTree:
         """The proposal's first n nodes as the step's tree, remembered for `observe_path`."""
-        self._last = (proposal.length, sum(proposal.shares[:n])) if n else None
+        # what observe_path needs: the match length, and which nodes had children
+        self._last = (proposal.length, set(proposal.parents[:n])) if n else None
         return _topological(proposal, n)
 
     def observe_path(self, path: list[int]) -> None:
         if self._last is not None:
-            length, promised = self._last  # what the raw votes promised
-            self.calibration.add(length, promised, len(path))
+            length, parents = self._last
+            # the walk stopped below the last accepted node (or the root, -1): a failure
+            # where that node had children, none of them the target's token
+            stopped_early = (path[-1] if path else -1) in parents
+            self.calibration.add(length, len(path), len(path) + stopped_early)
         self._last = None
 
     def end(self) -> None:
