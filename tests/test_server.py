@@ -762,3 +762,23 @@ def test_a_tree_requests_usage_and_metrics_count_its_nodes():
     }
     assert samples["specdecode_tree_nodes_verified_total"] == 10
     assert samples["vllm:spec_decode_num_draft_tokens_total"] == 6  # depths: α = 3 / 6
+
+
+def test_a_suffix_draft_serves_its_pool_and_reports_it(models):
+    from specdecode.drafters import SuffixDrafter
+
+    target, _ = models
+    alone = SpeculativeDecoder(target)
+    engine = SpeculativeDecoder(target, SuffixDrafter())
+    body = {**GOOD, "prompt": "hello", "max_tokens": 16, "temperature": 0}
+    with serving(engine) as base, httpx.Client(timeout=30) as http:
+        first = http.post(base + C, json=body).json()
+        again = http.post(base + C, json=body).json()  # drafts from the first one's output
+        metrics = metric_values(http.get(base + "/metrics").text)
+    expected = alone.generate("hello", max_new_tokens=16, temperature=0).text
+    assert first["choices"][0]["text"] == again["choices"][0]["text"] == expected
+    speculative = again["usage"]["speculative"]
+    assert speculative["drafter"] == "tree" and speculative["tree"] == "suffix"
+    assert again["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] > 0
+    assert metrics["specdecode_suffix_pool_tokens"] == 32  # both outputs
+    assert metrics["specdecode_suffix_pool_bytes"] > 0

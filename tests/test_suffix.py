@@ -307,6 +307,19 @@ def test_spec_strings_and_refusals():
         SpeculativeDecoder(target, _hybrid(target), confidence=0.5)
 
 
+def test_suffix_drafts_export_to_vllms_suffix_method():
+    from specdecode.config import RunConfig, to_vllm_speculative_config
+
+    exported = to_vllm_speculative_config(RunConfig(target="t", draft="suffix:depth=8,pool=off"))
+    assert exported["method"] == "suffix" and exported["num_speculative_tokens"] == 8
+    assert exported["suffix_decoding_max_cached_requests"] == 0
+    assert "suffix_decoding_max_cached_requests" not in to_vllm_speculative_config(
+        RunConfig(target="t", draft="suffix")
+    )
+    with pytest.raises(ValueError, match="one speculative method per engine"):
+        to_vllm_speculative_config(RunConfig(target="t", draft="some/model+suffix"))
+
+
 def test_the_default_policy_is_the_measured_one():
     target = wrap_model(tiny_llama(seed=0))
     engine = SpeculativeDecoder(target, SuffixDrafter())

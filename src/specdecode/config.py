@@ -35,6 +35,7 @@ from typing import Any
 from specdecode.core.draft_spec import DraftSpec, ModelSpec
 from specdecode.core.policies import K_POLICIES
 from specdecode.drafters.model import check_confidence
+from specdecode.drafters.suffix import MAX_MATCH
 from specdecode.drafters.tree_shape import parse_tree_spec
 from specdecode.models.fetch import cached_path
 from specdecode.models.presets import PRESETS
@@ -133,7 +134,13 @@ def to_vllm_speculative_config(config: RunConfig) -> dict[str, Any]:
 
     A model draft -> {"method": "draft_model", "model": ..., "num_speculative_tokens": k};
     `ngram:MIN-MAX` -> {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min":
-    MIN, "prompt_lookup_max": MAX}. vLLM drafts a fixed number of tokens, so an adaptive
+    MIN, "prompt_lookup_max": MAX}; `suffix[:OPTIONS]` -> vLLM's suffix decoding, {"method":
+    "suffix", "num_speculative_tokens": depth, "suffix_decoding_max_tree_depth": the longest
+    match plus depth, "suffix_decoding_max_spec_factor": factor,
+    "suffix_decoding_min_token_prob": min-prob}, and "suffix_decoding_max_cached_requests": 0
+    for `pool=off` (vLLM bounds its pool in requests, not tokens: its own default otherwise).
+    A hybrid has no vLLM equivalent (one method per engine). vLLM drafts a fixed number of
+    tokens, so an adaptive
     policy exports its k (the largest it would try) and `confidence` is not exported; a
     `MODEL:int8` or `MODEL:int4` draft exports MODEL. A preset exports the folder it was
     converted to (fetch it first). ValueError for no draft, for early-exit drafts and for token
@@ -154,6 +161,23 @@ def to_vllm_speculative_config(config: RunConfig) -> dict[str, Any]:
             f"{draft!r}: a distilled draft is an adapter merged at load time, which vLLM's "
             "draft-model method does not load; export the base draft, or merge and save it first"
         )
+    if spec.kind == "hybrid":
+        raise ValueError(
+            f"{draft!r}: vLLM runs one speculative method per engine, not a model and suffix "
+            "decoding in turns; export the model or `suffix` alone"
+        )
+    if spec.kind == "suffix":
+        options = spec.suffix
+        exported: dict[str, Any] = {
+            "method": "suffix",
+            "num_speculative_tokens": options.depth,
+            "suffix_decoding_max_tree_depth": MAX_MATCH + options.depth,
+            "suffix_decoding_max_spec_factor": options.factor,
+            "suffix_decoding_min_token_prob": options.min_prob,
+        }
+        if not options.pool:
+            exported["suffix_decoding_max_cached_requests"] = 0
+        return exported
     if spec.kind == "ngram":
         low, high = spec.ngram
         return {

@@ -257,7 +257,8 @@ def run_tune(
     target, drafts = load_bench_models(config)
     records, cal_summary, direct = _calibrate(config, target, drafts, k_max, calibration, progress)
     v = verify_costs(target.model, k_max + 1)  # step 2 (the other costs come from the records)
-    rows = predictions(records, config.drafts, k_max, v, cal_summary)  # step 3: chains
+    chains = [d for d in config.drafts if not sizes_itself(d)]
+    rows = predictions(records, chains, k_max, v, cal_summary)  # step 3: chains
     rows += calibrated(cal_summary, direct)  # ... and what adapts as it runs
     best = recommend(rows)
     result: dict[str, Any] = {
@@ -290,6 +291,12 @@ def _tune_prompts(
     return calibration, validation
 
 
+def sizes_itself(draft: str) -> bool:
+    """A draft that picks its own tree or chain each step (`suffix`, `MODEL+suffix`): measured
+    as it runs, never extrapolated from one k."""
+    return DraftSpec.parse(draft).kind in ("suffix", "hybrid")
+
+
 def _calibrate(
     config: BenchConfig,
     target: LoadedModel,
@@ -303,7 +310,11 @@ def _calibrate(
     # fixed-k chains at k_max (extrapolated to every k), then the adaptive policies and trees
     policies = ["fixed", *(p for p in config.policies if p != "fixed")]
     candidates = plan_settings(["spec"], drafts, [k_max], policies, config.trees)
-    direct = [s for s in candidates if s.policy != "fixed" or s.tree is not None]
+    direct = [
+        s
+        for s in candidates
+        if s.policy != "fixed" or s.tree is not None or sizes_itself(s.draft or "")
+    ]
     records, summary = run_settings(
         replace(config, out=str(Path(config.out) / "calibration")),
         target,

@@ -35,7 +35,7 @@ from specdecode.core.step import (
     prefill,
     verify_rows,
 )
-from specdecode.core.tree import TreeDrafter
+from specdecode.core.tree import TokenTree, TreeDrafter
 from specdecode.core.tree_decode import tree_verification
 from specdecode.core.types import Draft, ForwardMeter, Stats, StepResult
 
@@ -86,6 +86,26 @@ def propose_chains(
     if len(drafters) > 1 and all(type(d) is kind for d in drafters):
         return kind.propose_many(drafters, contexts, [k] * len(drafters))
     return [d.propose(ctx, k) for d, ctx in zip(drafters, contexts, strict=True)]
+
+
+def is_chain(tree: TokenTree) -> bool:
+    """A deterministic tree of one branch (each node below the one before), which verifies as
+    the chain it is: the same acceptance rule (one candidate per position; with i.i.d. draws,
+    `tree.draws`, a repeat is a second candidate, so such a tree stays a tree)."""
+    n = len(tree)
+    expected = torch.arange(-1, n - 1, device=tree.parents.device)
+    return tree.draws is None and bool((tree.parents == expected).all())
+
+
+class _PathOf:
+    """A tree drafter's chain-shaped tree verified as a chain: the tokens accepted, told to it
+    as the path they are (nodes 0..n-1), as a chain drafter is told their count."""
+
+    def __init__(self, drafter: TreeDrafter) -> None:
+        self.drafter = drafter
+
+    def observe(self, n_accepted: int) -> None:
+        self.drafter.observe_path(list(range(n_accepted)))
 
 
 class Batch:
@@ -280,6 +300,14 @@ class Batch:
                 if not len(tree):  # nothing worth drafting: a plain step, without a tree mask
                     r.drafter.observe_path([])
                     tree = None
+                elif is_chain(tree):  # one branch: a chain's causal forward, no tree mask
+                    draft = Draft(tree.tokens, tree.q_draft)
+                    path = _PathOf(r.drafter)
+                    r.stats.nodes_verified += len(tree)  # still a tree's nodes, as counted
+                    out.append(
+                        chain_verification(r.state, path, draft, r.params, r.generator)  # type: ignore[arg-type]
+                    )
+                    continue
             if tree is not None:
                 out.append(
                     tree_verification(r.state, r.drafter, tree, r.params, r.generator, r.stats)

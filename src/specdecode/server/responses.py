@@ -54,7 +54,8 @@ def interruption(outcome_reason: str) -> APIError | None:
 def drafting_card(engine: SpeculativeDecoder) -> dict[str, Any]:
     """What drafts for `engine`'s requests, as `usage.speculative` reports it: `drafter` "tree",
     "chain" or None (no draft); for a token tree its shape (`tree`, e.g.
-    "dynamic:11,8,3,0.2,0.05") and `tree_depth`, the most tokens one step may accept."""
+    "dynamic:11,8,3,0.2,0.05", or the drafter's name where it shapes its own: "suffix") and
+    `tree_depth`, the most tokens one step may accept (None where each step decides)."""
     drafter = engine.drafter
     if drafter is None:
         return {"drafter": None, "tree": None, "tree_depth": None}
@@ -63,7 +64,8 @@ def drafting_card(engine: SpeculativeDecoder) -> dict[str, Any]:
         depth = getattr(shape, "max_depth", None)
         return {
             "drafter": "tree",
-            "tree": None if shape is None else str(shape),
+            # a drafter that shapes its own trees (suffix, hybrid) names itself
+            "tree": drafter.name if shape is None else str(shape),
             "tree_depth": depth,
         }
     return {"drafter": "chain", "tree": None, "tree_depth": None}

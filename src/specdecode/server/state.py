@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from specdecode.drafters.suffix import pool_of
 from specdecode.runtime.engine import SpeculativeDecoder
 from specdecode.server.errors import APIError
 from specdecode.server.limits import DEFAULT_MAX_BODY_BYTES, prompt_char_limit
@@ -107,6 +108,7 @@ class ServerState:
             lambda: self.worker.queue_depth,
             lambda: self.worker.running,
             store_bytes=session.store_bytes,
+            pool=pool.report if (pool := pool_of(engine.drafter)) is not None else None,
         )
         self.worker.metrics = self.metrics
         # the prompt limits known without tokenizing (the worker checks the exact count)

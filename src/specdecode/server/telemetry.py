@@ -53,6 +53,7 @@ class ServerMetrics:
         queue_depth: Callable[[], float],
         running: Callable[[], float],
         store_bytes: float = 0.0,
+        pool: Callable[[], dict[str, int]] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
@@ -66,6 +67,17 @@ class ServerMetrics:
             "bytes of the target's preallocated key/value store",
             lambda: store_bytes,
         )
+        if pool is not None:  # a suffix draft's pool of earlier outputs (drafters/suffix.py)
+            self.pool_tokens = self._gauge(
+                "specdecode_suffix_pool_tokens",
+                "tokens of earlier outputs the suffix pool holds (at most its pool-tokens)",
+                lambda: pool()["tokens"],
+            )
+            self.pool_bytes = self._gauge(
+                "specdecode_suffix_pool_bytes",
+                "bytes the suffix pool holds, roughly (its tokens and their index)",
+                lambda: pool()["bytes"],
+            )
         self.batch_size = self._histogram(
             "specdecode_batch_size", "generations in the batch at each step", BATCH_BUCKETS
         )
