@@ -3,6 +3,7 @@ and their place in the engine (drafters/suffix.py, drafters/hybrid.py)."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -221,6 +222,24 @@ def test_the_hybrid_is_lossless_greedy_and_uses_both_parts(policy):
     assert [r.token_ids for r in batch] == [
         ar.generate(p, max_new_tokens=30).token_ids for p in prompts
     ]
+
+
+def test_the_hybrid_learns_each_rows_acceptance_from_the_pairs():
+    target = wrap_model(tiny_llama(seed=0, layers=4))
+    hybrid = _hybrid(target)
+    hybrid.begin([1, 2, 3], SamplingParams(), None, ForwardMeter())
+    for _ in range(20):  # one prompt where the model's chains are always kept
+        hybrid._used = ("model", 4)
+        hybrid.observe_path([0, 1, 2, 3])
+    fresh = copy.copy(hybrid)  # the next row starts from the pair's estimate
+    fresh.begin([4, 5, 6], SamplingParams(), None, ForwardMeter())
+    assert fresh.row_acceptance.estimate(fresh.acceptance.estimate())[0] > 0.9
+    for _ in range(6):  # a prompt where the model's first token is always wrong
+        fresh._used = ("model", 4)
+        fresh.observe_path([])
+    assert fresh.row_acceptance.estimate(fresh.acceptance.estimate())[0] < 0.3
+    assert fresh.acceptance.estimate()[0] > 0.6  # the pair's moves slowly, over every row
+    assert fresh.model_rate(4)[1] < hybrid.model_rate(4)[1]
 
 
 def test_the_hybrid_model_chain_sits_out_and_catches_up():

@@ -41,8 +41,10 @@ EXPLORE_EVERY = 64
 
 class _Acceptance:
     """a_j per chain position (P(accepted | the ones before were)), a running mean that
-    fades after MEMORY samples, shrunk towards the previous position's (the first towards the
-    prior); shared by every row of the drafter."""
+    fades after MEMORY samples, shrunk towards a prior: given priors per position, or else the
+    previous position's estimate (the first's: PRIOR_ACCEPTANCE). The drafter keeps one over
+    every row it drafted (the pair's) and one per row (the prompt's), the first the second's
+    prior."""
 
     def __init__(self, positions: int) -> None:
         self.n = [0] * positions
@@ -59,9 +61,10 @@ class _Acceptance:
             self.n[j] = min(self.n[j] + 1, MEMORY)
             self.mean[j] += ((1.0 if j < accepted else 0.0) - self.mean[j]) / self.n[j]
 
-    def estimate(self) -> list[float]:
+    def estimate(self, priors: list[float] | None = None) -> list[float]:
         out, prior = [], PRIOR_ACCEPTANCE
-        for n, mean in zip(self.n, self.mean, strict=True):
+        for j, (n, mean) in enumerate(zip(self.n, self.mean, strict=True)):
+            prior = priors[j] if priors is not None else prior
             prior = (n * mean + PRIOR_WEIGHT * prior) / (n + PRIOR_WEIGHT)
             out.append(prior)
         return out
@@ -88,7 +91,8 @@ class HybridDrafter(TreeDrafter):
         self.k_max = k_max
         self.prior_cost = prior_cost  # c before the forwards are timed (policies.prior_cost_ratio)
         self.costs: Any = None
-        self.acceptance = _Acceptance(k_max)
+        self.acceptance = _Acceptance(k_max)  # every row's: the pair's, shared by the forks
+        self.row_acceptance = _Acceptance(k_max)  # this row's (`begin` starts it anew)
         # the model's seconds per drafted depth, recent ones (shared by the rows)
         self.draft_seconds: deque[float] = deque(maxlen=MEMORY)
         self.chosen = {"suffix": 0, "model": 0, "none": 0}  # steps each way, every row
@@ -107,6 +111,7 @@ class HybridDrafter(TreeDrafter):
         self.suffix.share_costs(policy)
         self.k_max = max(1, int(getattr(policy, "k_max", self.k_max)))  # every KPolicy's
         self.acceptance.grow(self.k_max)
+        self.row_acceptance.grow(self.k_max)
 
     def begin(
         self,
@@ -120,6 +125,7 @@ class HybridDrafter(TreeDrafter):
         self.drafter.begin(prompt_ids, params, generator, meter)  # type: ignore[arg-type]
         self._used = None
         self._since_model = 0
+        self.row_acceptance = _Acceptance(self.k_max)
 
     def end(self) -> None:
         self.suffix.end()
@@ -138,7 +144,9 @@ class HybridDrafter(TreeDrafter):
         single-row target time."""
         c = self._draft_cost()
         best, best_rate, emitted, reach = 0, 0.0, 1.0, 1.0
-        for k, a in enumerate(self.acceptance.estimate()[:limit], start=1):
+        # the row's own evidence first (acceptance depends on the prompt), the pair's before it
+        estimate = self.row_acceptance.estimate(self.acceptance.estimate())
+        for k, a in enumerate(estimate[:limit], start=1):
             reach *= a
             emitted += reach
             rate = emitted / (k * c + verify_cost(self.costs, k + 1))
@@ -183,6 +191,7 @@ class HybridDrafter(TreeDrafter):
         if way == "model":
             self._since_model = 0
             self.acceptance.add(drafted, len(path))
+            self.row_acceptance.add(drafted, len(path))
             self.drafter.observe(len(path))
         else:
             self.suffix.observe_path(path)
