@@ -103,3 +103,7 @@ def test_the_demo_says_what_it_will_fetch_and_keep_before_it_starts(tmp_path, mo
     out = io.StringIO()
     demo.announce_fetch([demo.DEFAULT_TARGET], out)
     assert out.getvalue() == ""
+    # a hybrid's model is fetched like a draft model; suffix drafting fetches nothing
+    out = io.StringIO()
+    demo.announce_fetch([demo.DEFAULT_TARGET, f"{demo.DEFAULT_DRAFT}+suffix", "suffix"], out)
+    assert f"{draft.total_size / 1e9:.2f} GB to download" in out.getvalue()

