@@ -13,6 +13,7 @@ A real uvicorn server on 127.0.0.1 over the tiny models of test_server.py; the S
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -140,29 +142,37 @@ def _exit_after_sigterm(proc: subprocess.Popen) -> tuple[int, float]:
     return status, time.monotonic() - sent
 
 
-def test_sigterm_on_an_idle_server_exits_within_2_s(tiny_folders):
+@contextlib.contextmanager
+def _running_cli(tiny_folders: Path) -> Iterator[tuple[subprocess.Popen, int]]:
+    """`specdecode serve` started and up (`_serve_cli`), killed at the end if still running."""
     port = _free_port()
     proc = _serve_cli(tiny_folders, port)
     try:
         _wait_up(f"http://127.0.0.1:{port}", proc)
-        status, took = _exit_after_sigterm(proc)
+        yield proc, port
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _check_clean_exit(proc: subprocess.Popen, status: int, took: float) -> None:
     assert status == 0, proc.stdout.read().decode(errors="replace")
     assert took < 2.0, f"exited {took:.2f} s after SIGTERM"
+
+
+def test_sigterm_on_an_idle_server_exits_within_2_s(tiny_folders):
+    with _running_cli(tiny_folders) as (proc, _):
+        status, took = _exit_after_sigterm(proc)
+    _check_clean_exit(proc, status, took)
 
 
 def test_sigterm_does_not_wait_for_a_half_sent_body(tiny_folders):
     """No generation runs: a client still sending its body (and one idle keep-alive client)
     must not hold the exit. The half-sent request gets 503 at once, not a 500 after uvicorn's
     flush timeout."""
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
-    proc = _serve_cli(tiny_folders, port)
-    try:
-        _wait_up(base, proc)
+    with _running_cli(tiny_folders) as (proc, port):
+        base = f"http://127.0.0.1:{port}"
         with httpx.Client(timeout=10) as keep_alive:
             assert keep_alive.get(base + "/health").status_code == 200
             sock = socket.create_connection(("127.0.0.1", port), timeout=10)
@@ -172,12 +182,7 @@ def test_sigterm_does_not_wait_for_a_half_sent_body(tiny_folders):
             status, took = _exit_after_sigterm(proc)
             answer = sock.recv(65536)
             sock.close()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert status == 0, proc.stdout.read().decode(errors="replace")
-    assert took < 2.0, f"exited {took:.2f} s after SIGTERM"
+    _check_clean_exit(proc, status, took)
     assert answer.startswith(b"HTTP/1.1 503"), answer
     assert b'"code":"server_shutdown"' in answer, answer
 

@@ -235,11 +235,6 @@ class DraftSpec:
         EAGLE head drafts chains only, so far; a hybrid sizes its own drafts)."""
         return self.kind not in ("ngram", "suffix", "hybrid", "eagle")
 
-    @property
-    def loads_model(self) -> bool:
-        """Whether the draft loads a model of its own (a hybrid's model included)."""
-        return self.kind in ("model", "hybrid", "distilled", "eagle")
-
     def __str__(self) -> str:
         if self.kind == "suffix":
             return str(self.suffix)

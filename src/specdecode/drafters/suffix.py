@@ -321,7 +321,11 @@ class SuffixDrafter(TreeDrafter):
         """The proposal's first n nodes as the step's tree, remembered for `observe_path`."""
         # what observe_path needs: the match length, and which nodes had children
         self._last = (proposal.length, set(proposal.parents[:n])) if n else None
-        return _topological(proposal, n)
+        # the proposal's order lists parents before children: its first n nodes are a tree
+        return TokenTree(
+            torch.tensor(proposal.tokens[:n], dtype=torch.long),
+            torch.tensor(proposal.parents[:n], dtype=torch.long),
+        )
 
     def observe_path(self, path: list[int]) -> None:
         if self._last is not None:
@@ -343,12 +347,3 @@ def pool_of(drafter: object) -> SuffixPool | None:
     """The suffix pool a drafter drafts from (a suffix drafter's, a hybrid's), or None."""
     suffix = getattr(drafter, "suffix", drafter)
     return suffix.pool if isinstance(suffix, SuffixDrafter) else None
-
-
-def _topological(proposal: SuffixProposal, n: int) -> TokenTree:
-    """The first n nodes of the proposal as a TokenTree: its order lists parents before
-    children, so the first n are a tree as they are."""
-    return TokenTree(
-        torch.tensor(proposal.tokens[:n], dtype=torch.long),
-        torch.tensor(proposal.parents[:n], dtype=torch.long),
-    )
