@@ -119,7 +119,9 @@ def test_speculation_over_a_lean_target_equals_the_target_alone(bits):
     for prompt in prompts:
         expected = ar.generate(prompt, max_new_tokens=40).token_ids
         for options in ({"k": 1}, {"k": 4}, {"k": 9}, {"tree": "dynamic:6,4,2"}):
-            got = SpeculativeDecoder(target, draft, **options).generate(prompt, max_new_tokens=40)
+            got = SpeculativeDecoder(target, draft, k_policy="fixed", **options).generate(
+                prompt, max_new_tokens=40
+            )
             assert got.token_ids == expected, (prompt, options)
 
 
@@ -184,7 +186,7 @@ def test_a_long_prefill_may_take_pytorchs_product_and_the_output_stays_the_targe
     draft = on_kernel(noisy_copy(tiny_llama(seed=7, layers=3, **WIDE), 0.05, seed=8), 4)
     expected = SpeculativeDecoder(model).generate(prompt.tolist(), max_new_tokens=30).token_ids
     for options in ({"k": 4}, {"tree": "dynamic:6,4,2"}):
-        got_ids = SpeculativeDecoder(model, draft, **options).generate(
+        got_ids = SpeculativeDecoder(model, draft, k_policy="fixed", **options).generate(
             prompt.tolist(), max_new_tokens=30
         )
         assert got_ids.token_ids == expected, options
