@@ -194,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     from specdecode.server.cli_serve import add_serve_parser
 
     add_serve_parser(sub)  # imports nothing of the server until `serve` runs
+    from specdecode.server.cli_run_batch import add_run_batch_parser
+
+    add_run_batch_parser(sub)  # likewise
     from specdecode.bench.cli_bench import add_bench_parsers
     from specdecode.bench.cli_calibrate import add_calibrate_parser
 

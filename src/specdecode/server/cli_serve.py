@@ -28,38 +28,21 @@ MISSING_EXTRA = (
 )
 
 
-def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "serve",
-        help="an OpenAI-compatible HTTP server with speculative decoding and live metrics",
-        description=(
-            "Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics "
-            "(Prometheus). Up to --max-batch generations decode together (continuous "
-            "batching); other requests wait in a bounded queue."
-        ),
-    )
+def add_served_engine_args(parser: argparse.ArgumentParser, timeout_default: float) -> None:
+    """The engine and its batch, as `serve` and `run-batch` take them."""
     add_model_args(parser)  # --target, --draft, --dtype, --device, --kernel
     add_drafting_args(parser)  # --k, --tree
     add_policy_args(parser)  # --k-policy, --confidence, --config
     add_generation_config_arg(parser, "OpenAI's defaults, temperature 1 and top_p 1")
     parser.add_argument(
-        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)"
-    )
-    parser.add_argument("--port", type=int, default=8000, help="default 8000")
-    parser.add_argument(
         "--model-name", default=None, help="the model id clients send (default: the target's name)"
-    )
-    parser.add_argument(
-        "--queue-size",
-        type=int,
-        default=16,
-        help="requests that may wait while one generates; more get 429 (default 16)",
     )
     parser.add_argument(
         "--timeout",
         type=float,
-        default=600.0,
-        help="seconds per request from its arrival, queueing included; 0 = none (default 600)",
+        default=timeout_default,
+        help="seconds per request from its arrival, queueing included; 0 = none "
+        f"(default {timeout_default:g})",
     )
     parser.add_argument(
         "--max-batch",
@@ -87,6 +70,45 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         default=None,
         help="refuse longer text prompts before tokenizing them (default: the token limit times "
         "the longest vocabulary entry, a bound no fitting prompt exceeds)",
+    )
+
+
+def check_served_engine_args(args: argparse.Namespace) -> None:
+    """Fail on bad numbers of `add_served_engine_args` before any model is loaded."""
+    if isinstance(args.k, int) and args.k < 1:  # "auto" is resolved with the models
+        raise ValueError(f"k must be an integer >= 1 (got {args.k})")
+    if args.max_batch < 1:
+        raise ValueError(f"max-batch must be >= 1 (got {args.max_batch})")
+    if args.max_len is not None and args.max_len < 2:
+        raise ValueError(f"max-len must be >= 2 positions (got {args.max_len})")
+    if args.timeout < 0:
+        raise ValueError(f"timeout must be >= 0 seconds (got {args.timeout})")
+    for name in ("max_prompt_tokens", "max_prompt_chars"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"{name.replace('_', '-')} must be >= 1 (got {value})")
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server with speculative decoding and live metrics",
+        description=(
+            "Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics "
+            "(Prometheus). Up to --max-batch generations decode together (continuous "
+            "batching); other requests wait in a bounded queue."
+        ),
+    )
+    add_served_engine_args(parser, timeout_default=600.0)
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)"
+    )
+    parser.add_argument("--port", type=int, default=8000, help="default 8000")
+    parser.add_argument(
+        "--queue-size",
+        type=int,
+        default=16,
+        help="requests that may wait while one generates; more get 429 (default 16)",
     )
     parser.add_argument(
         "--max-body-bytes",
@@ -120,20 +142,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 def _check_args(args: argparse.Namespace) -> None:
     """Fail on bad numbers before any model is loaded."""
-    if isinstance(args.k, int) and args.k < 1:  # "auto" is resolved with the models
-        raise ValueError(f"k must be an integer >= 1 (got {args.k})")
+    check_served_engine_args(args)
     if args.queue_size < 0:
         raise ValueError(f"queue-size must be >= 0 (got {args.queue_size})")
-    if args.max_batch < 1:
-        raise ValueError(f"max-batch must be >= 1 (got {args.max_batch})")
-    if args.max_len is not None and args.max_len < 2:
-        raise ValueError(f"max-len must be >= 2 positions (got {args.max_len})")
-    if args.timeout < 0:
-        raise ValueError(f"timeout must be >= 0 seconds (got {args.timeout})")
-    for name in ("max_prompt_tokens", "max_prompt_chars"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ValueError(f"{name.replace('_', '-')} must be >= 1 (got {value})")
     if args.max_body_bytes < 1:
         raise ValueError(f"max-body-bytes must be >= 1 (got {args.max_body_bytes})")
     if args.graceful_timeout < 0:
