@@ -49,7 +49,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         "--draft",
         default=None,
         help="draft: a model (same forms as --target; MODEL:int8 / MODEL:int4 runs it on int8 / "
-        "4-bit weights), early-exit:N or ngram[:MIN-MAX]",
+        "4-bit weights), early-exit:N, ngram[:MIN-MAX], suffix[:OPTIONS] or MODEL+suffix",
     )
     parser.add_argument("--dtype", default=None, help="bfloat16 (default), float32, float16")
     parser.add_argument(
