@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from specdecode import SpeculativeDecoder
+from specdecode.core.policies import FixedK
 from specdecode.core.request import GenerationRequest
 from specdecode.core.sampling import SamplingParams
 from specdecode.core.store import StoreFull
@@ -135,3 +136,34 @@ def test_a_failing_draft_prefill_ends_its_generation_only(models):
     engine.drafter.__class__ = type("Broken", (type(engine.drafter),), {"begin": broken})
     with pytest.raises(RuntimeError, match="draft prefill failed"):
         engine.generate_batch(PROMPTS[:2], 10)
+
+
+class Exploring(FixedK):
+    """k = 2 every step, each step a policy's exploration (`exploring`); `knows` whether any
+    drafted token was judged yet (`knows_acceptance`)."""
+
+    exploring = True
+
+    def __init__(self, knows: bool) -> None:
+        super().__init__(2)
+        self.knows_acceptance = knows
+
+
+@pytest.mark.parametrize("knows", [True, False])
+def test_an_exploration_pays_no_draft_prefill_once_acceptance_is_known(models, knows):
+    # a row not yet drafting is not begun by a step that only refreshes an estimate; a row
+    # begun before drafts in it; and without any acceptance known, the exploration begins rows
+    target, draft = models
+    engine = SpeculativeDecoder(target, draft, k=2, k_policy=Exploring(knows))
+    session = engine.batch_session(max_rows=2, max_len=64)
+    request = GenerationRequest(12, SamplingParams())
+    fresh = session.add(PROMPTS[0], request, begin_draft=False)
+    begun = session.add(PROMPTS[1], request, begin_draft=True)
+    while session.generations:
+        session.step()
+    expected = SpeculativeDecoder(target).generate(PROMPTS[0], 12).token_ids
+    assert fresh.token_ids == expected  # greedy: the target's own, either way
+    assert fresh.row.drafting == (not knows)
+    assert (set(fresh.stats.k_hist) == {0}) == knows and (fresh.stats.drafted == 0) == knows
+    assert begun.row.drafting and begun.stats.drafted > 0
+    assert session.batch.meter.calls["draft_prefill"] == (1 if knows else 2)

@@ -371,3 +371,17 @@ def test_the_cost_prior_asks_the_drafter_not_its_type():
     assert prior_cost_ratio(target, SimpleNamespace(cost_ratio=None)) is None
     same = prior_cost_ratio(target, ModelDrafter(target))  # parameter counts: the same model
     assert same == pytest.approx(1.0)
+
+
+def test_the_cost_policy_says_when_it_explores_and_whether_it_knows_acceptance():
+    policy = CostK(4, explore_every=2)
+    flags = []
+    for _ in range(6):
+        policy.next_batch_k(4, 2)
+        flags.append(policy.exploring)
+    assert flags == [False, True] * 3  # nothing timed yet: every neighbour is worth a try
+    assert not policy.knows_acceptance
+    policy.observe_step([(2, 1), (2, 2)], None, None, 6)
+    assert policy.knows_acceptance
+    policy.begin()  # a new sequence: acceptance is the prompt's
+    assert not policy.knows_acceptance

@@ -356,3 +356,39 @@ def test_the_command_answers_a_file_and_prints_a_summary(tiny_folders, tmp_path,
     assert main(["run-batch", *files, *folders, "--dtype", "float32", "--quiet"]) == 0
     assert "3 of 3 requests answered (3 by an earlier run)" in capsys.readouterr().err
     assert (tmp_path / "out.jsonl").read_bytes() == before
+
+
+def test_a_process_killed_outright_goes_on_where_it_stopped(tiny_folders, tmp_path):
+    # SIGKILL: no handler runs, nothing is flushed after the fact; the same command then
+    # answers the rest, and the file ends as one run's (in the input's order, no line twice)
+    import subprocess
+    import sys
+    import time
+
+    lines = [
+        {"prompt": f"tell me a story {i}.", "max_tokens": 30, "temperature": 0} for i in range(80)
+    ]
+    write_jsonl(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    command = [
+        sys.executable,
+        "-c",
+        "import sys; from specdecode.cli import main; sys.exit(main())",
+    ]
+    command += ["run-batch", "--input", str(tmp_path / "in.jsonl"), "--output", str(out)]
+    command += ["--target", str(tiny_folders / "target"), "--dtype", "float32", "--quiet"]
+    command += ["--draft", str(tiny_folders / "draft"), "--max-batch", "1", "--k-policy", "fixed"]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not (out.exists() and out.read_bytes().count(b"\n") >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()
+        time.sleep(0.005)
+    proc.kill()
+    proc.wait()
+    kept = out.read_bytes().count(b"\n")
+    assert 3 <= kept < 80  # killed mid-run
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert f"80 of 80 requests answered ({kept} by an earlier run)" in done.stderr
+    ids = [r["custom_id"] for r in read_jsonl(out)]
+    assert ids == [f"line-{i}" for i in range(1, 81)]

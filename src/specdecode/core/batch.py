@@ -235,7 +235,13 @@ class Batch:
             return []
         spent = forward_seconds(self.meter)
         k = self.last_k = self._next_k(stepped)
-        rows = self._begin_drafts(stepped, k)
+        # a policy's exploration, once it knows any acceptance, drafts only on rows whose
+        # drafts have begun: it must not pay other rows' draft prefills to refresh an estimate
+        policy = self.policy
+        begin = not (
+            getattr(policy, "exploring", False) and getattr(policy, "knows_acceptance", False)
+        )
+        rows = self._begin_drafts(stepped, k, begin)
         if not rows:
             return stepped
         verifications = self._verifications(rows, k)
@@ -243,18 +249,20 @@ class Batch:
         self._observe(rows, results, spent)
         for row, result in zip(rows, results, strict=True):
             # what the step asked of the row: a chain's k, a tree's own depth (trees take no k)
-            asked = result.depth if isinstance(row.drafter, TreeDrafter) else k
+            asked = result.depth if isinstance(row.drafter, TreeDrafter) else k * row.drafting
             self._commit(row, result, min(asked, max(row.allowed, 0)) if row.drafter else 0)
         return stepped
 
-    def _begin_drafts(self, rows: list[Row], k: int) -> list[Row]:
-        """Begin the drafters of rows about to draft for the first time (a chain's when k > 0,
-        a tree's always); returns the rows that go on. A row whose drafter fails to begin is
+    def _begin_drafts(self, rows: list[Row], k: int, begin: bool = True) -> list[Row]:
+        """Begin the drafters of rows about to draft for the first time (a chain's when k > 0
+        and `begin`, a tree's always); returns the rows that go on (a chain row not begun
+        drafts nothing this step). A row whose drafter fails to begin is
         done, with its `error`: a fault of one row, not the batch's. (The policy's draft time
         counts draft forwards only: a prefill is paid once per row, not per step.)"""
         going = []
         for row in rows:
-            drafts = k > 0 or isinstance(row.drafter, TreeDrafter)
+            tree = isinstance(row.drafter, TreeDrafter)
+            drafts = tree or (k > 0 and begin)
             try:
                 if drafts and row.allowed > 0:
                     self.begin_draft(row)
@@ -283,7 +291,7 @@ class Batch:
         chains = [
             i
             for i, r in enumerate(rows)
-            if isinstance(r.drafter, Drafter) and min(k, r.allowed) > 0
+            if isinstance(r.drafter, Drafter) and r.drafting and min(k, r.allowed) > 0
         ]
         # rows with less room draft alone, so that no row drafts past its end
         for depth in sorted({min(k, rows[i].allowed) for i in chains}):

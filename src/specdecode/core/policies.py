@@ -193,7 +193,10 @@ class CostK(KPolicy):
     it explores k = 1, because a k = 0 step teaches nothing about acceptance. A neighbour whose
     costs at this batch size are measured (`TRUSTED_SAMPLES` forwards each, or interpolated
     between sizes that are) and which would not beat the best k even with every drafted token
-    accepted is not explored (its step could only lose time). 0 disables it.
+    accepted is not explored (its step could only lose time). 0 disables it. Once any drafted
+    token has been judged (`knows_acceptance`), an exploration (`exploring`) drafts only on the
+    rows whose drafts have begun: a row's draft prefill, paid for one step that only refreshes
+    an estimate, costs more than the step teaches (`Batch.step`).
     """
 
     name = "cost"
@@ -230,6 +233,7 @@ class CostK(KPolicy):
         self._accept = [_Mean(self.memory) for _ in range(self.k_max)]  # position j = index + 1
         self._steps = 0
         self._last = 0
+        self.exploring = False  # the last choice is a neighbour tried, not the best k
 
     # -- estimates --------------------------------------------------------------------------
 
@@ -321,9 +325,18 @@ class CostK(KPolicy):
             elif not up and len(options) == 2:
                 options.reverse()
             options = [n for n in options if self._worth_trying(n, rows, best, rates[best])]
+            self.exploring = bool(options)
             best = options[0] if options else best
+        else:
+            self.exploring = False
         self._last = best
         return best
+
+    @property
+    def knows_acceptance(self) -> bool:
+        """Whether any drafted token was judged since `begin`: an exploration then only
+        refreshes estimates, and is not worth a draft's prefill (`Batch.step`)."""
+        return self._accept[0].n > 0
 
     def _worth_trying(self, k: int, rows: int, best: int, best_rate: float) -> bool:
         """Whether a step at k can teach something that changes a choice: the times that
@@ -370,7 +383,8 @@ class CostK(KPolicy):
         # (a step with no draft forward, a suffix or n-gram draft's, says nothing of its cost)
         if draft_s and depth:
             per_depth = draft_s / depth / self._speed
-            self._draft.setdefault(len(rows), _Median(self.memory)).add(per_depth)
+            drafting = sum(1 for drafted, _ in rows if drafted)  # the draft forward's rows
+            self._draft.setdefault(drafting, _Median(self.memory)).add(per_depth)
 
 
 def _trusted(seen: dict[int, _Median], n: int) -> bool:
