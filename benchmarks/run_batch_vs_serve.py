@@ -23,6 +23,7 @@ import os
 import queue
 import re
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -179,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=1, help="pairs of runs, order alternating")
     parser.add_argument("--model-name", default=None, help="default: the target spec's name")
     parser.add_argument("--out", type=Path, default=Path("runs/run-batch"))
     args = parser.parse_args(argv)
@@ -189,9 +191,18 @@ def main(argv: list[str] | None = None) -> int:
     (out / "requests.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     requests = [as_request(line, model) for line in lines]
 
-    batch = run_batch(args, out)
-    print("\n".join(batch["summary"]), flush=True)
-    served = serve(args, out, requests)
+    batches, serves = [], []
+    for round_ in range(args.rounds):  # A B, then B A: a drift of the machine hits both
+        order = ("batch", "serve") if round_ % 2 == 0 else ("serve", "batch")
+        for side in order:
+            if side == "batch":
+                batches.append(run_batch(args, out))
+                print("\n".join(batches[-1]["summary"]), flush=True)
+            else:
+                serves.append(serve(args, out, requests))
+                print(f"serve: {tokens(serves[-1]['answers'])} tokens in "
+                      f"{serves[-1]['seconds']:.1f} s", flush=True)  # fmt: skip
+    batch, served = batches[0], serves[0]
     with (out / "serve.jsonl").open("w") as f:
         for custom_id, _, _ in requests:
             status, body = served["answers"][custom_id]
@@ -199,12 +210,16 @@ def main(argv: list[str] | None = None) -> int:
                 json.dumps({"custom_id": custom_id, "status_code": status, "body": body}) + "\n"
             )
 
-    matched = [cid for cid, _, _ in requests if same(batch["answers"][cid], served["answers"][cid])]
+    matched = [
+        cid
+        for cid, _, _ in requests
+        if all(same(b["answers"][cid], s["answers"][cid]) for b in batches for s in serves)
+    ]
     ok = sum(status == 200 for status, _ in batch["answers"].values())
-    rates = {
-        "run-batch": tokens(batch["answers"]) / batch["seconds"],
-        f"serve, {args.clients} clients": tokens(served["answers"]) / served["seconds"],
-    }
+    batch_rates = [tokens(b["answers"]) / b["seconds"] for b in batches]
+    serve_rates = [tokens(s["answers"]) / s["seconds"] for s in serves]
+    label = f"serve, {args.clients} clients"
+    rates = {"run-batch": statistics.median(batch_rates), label: statistics.median(serve_rates)}
     from specdecode.auto.calibrate import cpu_identity
 
     cpu = cpu_identity()
@@ -214,11 +229,12 @@ def main(argv: list[str] | None = None) -> int:
         "requests": len(requests),
         "answered_200": ok,
         "identical": len(matched),
-        "run_batch": {k: batch[k] for k in ("seconds", "wall_s", "summary")},
-        "serve_seconds": served["seconds"],
+        "run_batch": [{k: b[k] for k in ("seconds", "wall_s", "summary")} for b in batches],
+        "serve_seconds": [s["seconds"] for s in serves],
+        "tokens_per_s_each": {"run-batch": batch_rates, label: serve_rates},
         "tokens": {"run-batch": tokens(batch["answers"]), "serve": tokens(served["answers"])},
         "tokens_per_s": rates,
-        "ratio": rates["run-batch"] / rates[f"serve, {args.clients} clients"],
+        "ratio": rates["run-batch"] / rates[label],
     }
     (out / "summary.json").write_text(json.dumps(record, indent=1))
     report = [
@@ -230,15 +246,18 @@ def main(argv: list[str] | None = None) -> int:
         f"{os.cpu_count()} cores. Target {args.target}, draft {args.draft}, max batch "
         f"{args.max_batch}.",
         "",
-        "| run | seconds | tokens | tokens/s |",
-        "|---|---:|---:|---:|",
-        f"| run-batch | {batch['seconds']:.1f} | {tokens(batch['answers'])} | "
-        f"{rates['run-batch']:.1f} |",
-        f"| serve, {args.clients} clients | {served['seconds']:.1f} | "
-        f"{tokens(served['answers'])} | {rates[f'serve, {args.clients} clients']:.1f} |",
+        f"Rounds: {args.rounds} (run-batch and serve alternating: A B, B A, ...); tokens/s "
+        "per run, and the median.",
+        "",
+        "| run | tokens | tokens/s, each run | median |",
+        "|---|---:|---|---:|",
+        f"| run-batch | {tokens(batch['answers'])} | "
+        f"{', '.join(f'{r:.1f}' for r in batch_rates)} | {rates['run-batch']:.1f} |",
+        f"| {label} | {tokens(served['answers'])} | "
+        f"{', '.join(f'{r:.1f}' for r in serve_rates)} | {rates[label]:.1f} |",
         "",
         f"run-batch / serve: **{record['ratio']:.2f}x**; answers identical to the server's: "
-        f"{len(matched)}/{len(requests)} ({ok} answered 200).",
+        f"{len(matched)}/{len(requests)} in every run ({ok} answered 200).",
         "",
         *batch["summary"],
     ]

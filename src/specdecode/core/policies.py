@@ -250,13 +250,6 @@ class CostK(KPolicy):
         step)."""
         return _estimate(self._target, rows, self.verify_slope)
 
-    def target_seconds(self, rows: int) -> float | None:
-        """Seconds of a target forward over `rows` rows at the machine's speed now, from what
-        was measured (None before any timed step): what the target alone would pay per step
-        of a batch of `rows` sequences."""
-        t = self._target_time(rows)
-        return None if t is None else t * self._speed
-
     def verify_cost(self, rows: int) -> float:
         """T(rows) / T(1): a target forward over `rows` rows (a token tree's nodes + 1) next to
         one over a single row, measured where anything is, else the prior slope; >= 1."""

@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from specdecode.core.policies import CostK
 from specdecode.runtime.engine import SpeculativeDecoder
 from specdecode.server.app import create_app
 from specdecode.server.batch_file import (
@@ -94,8 +95,8 @@ class BatchSummary:
                 text += f", acceptance {self.acceptance_rate:.2f}"
             if self.speedup is not None:
                 text += (
-                    f"; about {self.speedup:.2f}x the target alone (estimated from this run's "
-                    "measured forward times)"
+                    f"; decoding about {self.speedup:.2f}x the target alone's (estimated from "
+                    "this run's measured forward times)"
                 )
             lines.append(text + ".")
         if self.failures:
@@ -125,24 +126,27 @@ def failure(record: dict[str, Any]) -> str | None:
 
 
 def estimated_speedup(app: Any, tokens: int) -> float | None:
-    """The run's decoding against the target alone's for the same tokens: one target forward
-    over the batch's mean rows per that many tokens, at the time the k policy measured for
-    such a forward, over the forward time the batch spent (target and draft). None where
-    nothing was measured (a fixed policy, no draft, forwards untimed)."""
+    """The run's decoding against the target alone's for the same `tokens` (those after each
+    answer's first), from the forwards the run timed: the target alone would take one step per
+    B of them, B the batch's mean rows, each step the run's mean target forward scaled by the
+    measured policy's v(B) / v(n), n the mean rows the run's steps verified; against the
+    target, draft and draft-prefill time the run spent. None where the policy measured nothing
+    (a fixed policy, forwards untimed) or nothing was decoded."""
     state = app.state.server
-    seconds_of = getattr(state.worker.engine.k_policy, "target_seconds", None)
-    spent = state.worker.session.batch.meter.seconds
-    decoding = spent.get("target", 0.0) + spent.get("draft", 0.0)
+    policy = state.worker.engine.k_policy
+    meter = state.worker.session.batch.meter
+    steps = meter.calls.get("target", 0)
+    target_s = meter.seconds.get("target", 0.0)
+    spent = target_s + meter.seconds.get("draft", 0.0) + meter.seconds.get("draft_prefill", 0.0)
     labels = {"model_name": state.model_name}
-    steps = state.metrics.registry.get_sample_value("specdecode_batch_size_count", labels)
     rows = state.metrics.registry.get_sample_value("specdecode_batch_size_sum", labels)
-    if seconds_of is None or not decoding or not steps or not rows:
+    if not isinstance(policy, CostK) or not steps or not target_s or not rows or not tokens:
         return None
-    mean_rows = rows / steps
-    per_step = seconds_of(max(1, round(mean_rows)))
-    if per_step is None:
-        return None
-    return tokens / mean_rows * per_step / decoding
+    mean_rows = rows / steps  # B
+    verified = meter.tokens["target"] / steps  # n: B times (k + 1) for chains, tree nodes + 1
+    scale = policy.verify_cost(round(mean_rows)) / policy.verify_cost(round(verified))
+    alone = tokens / mean_rows * (target_s / steps) * scale
+    return alone / spent
 
 
 async def _answer(client: httpx.AsyncClient, request: BatchRequest) -> dict[str, Any] | None:
