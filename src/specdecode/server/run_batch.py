@@ -3,9 +3,10 @@
 Each request goes through the same application `specdecode serve` runs (`create_app`: its
 validation, continuous batching, answers and errors), called in process through httpx's ASGI
 transport: no socket, and every answer the one the server would give the same body. Up to twice
-`max_batch` requests are in flight (the batch's rows and as many waiting to join), taken in the
-input's order (so the server's queue never refuses one); the files are batch_file.py's. An interruption (Ctrl-C, SIGTERM) stops the
-requests in flight, whose answers are not written, and leaves the output ready to go on.
+`max_batch` requests are in flight (the batch's rows and as many waiting to join; the server's
+queue holds them all, so none is refused), taken in the input's order; the files are
+batch_file.py's. An interruption (Ctrl-C, SIGTERM) stops the requests in flight, whose answers
+are not written, and leaves the output ready to go on.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class BatchSummary:
     accepted: int = 0
     drafted: int = 0
     seconds: float = 0.0
-    speedup: float | None = None  # over the target alone, estimated from the measured costs
+    speedup: float | None = None  # decoding's over the target alone's (`estimated_speedup`)
     interrupted: bool = False
     complete: bool = False
     failures: list[tuple[str, str]] = field(default_factory=list)  # (custom_id, why): the file's
@@ -160,7 +161,11 @@ async def _answer(client: httpx.AsyncClient, request: BatchRequest) -> dict[str,
     )
     if reply.status_code == RETRY_STATUS:
         return None
-    return answer_line(request.custom_id, reply.status_code, reply.json())
+    try:
+        body = reply.json()
+    except ValueError:  # every answer of the app is JSON; kept as text should one not be
+        body = {"error": {"message": reply.text, "type": "server_error"}}
+    return answer_line(request.custom_id, reply.status_code, body)
 
 
 async def _drive(
