@@ -392,3 +392,23 @@ def test_a_process_killed_outright_goes_on_where_it_stopped(tiny_folders, tmp_pa
     assert f"80 of 80 requests answered ({kept} by an earlier run)" in done.stderr
     ids = [r["custom_id"] for r in read_jsonl(out)]
     assert ids == [f"line-{i}" for i in range(1, 81)]
+
+
+def test_similar_requests_draft_from_each_others_answers(models, tmp_path):
+    # the suffix pool is the engine's: every row of the job drafts from the answers before it
+    from specdecode.drafters import SuffixDrafter
+
+    target, _ = models
+    line = {"prompt": "hello there", "max_tokens": 24, "temperature": 0}
+    write_jsonl(tmp_path / "in.jsonl", [{**line, "custom_id": f"same-{i}"} for i in range(4)])
+    engine = SpeculativeDecoder(target, SuffixDrafter(), k_policy="fixed")
+    summary = run_batch(engine, tmp_path / "in.jsonl", tmp_path / "out.jsonl", model_name=MODEL,
+                        max_batch=1, progress=False)  # fmt: skip
+    usage = [r["response"]["body"]["usage"] for r in read_jsonl(tmp_path / "out.jsonl")]
+    texts = {
+        r["response"]["body"]["choices"][0]["text"] for r in read_jsonl(tmp_path / "out.jsonl")
+    }
+    assert len(texts) == 1 and usage[0]["completion_tokens"] > 8  # greedy: one answer, 4 times
+    accepted = [u["completion_tokens_details"]["accepted_prediction_tokens"] for u in usage]
+    assert accepted[-1] > accepted[0] + 5  # the later ones draft the first one's answer
+    assert engine.drafter.pool.report()["outputs"] == 4 and summary.accepted == sum(accepted)

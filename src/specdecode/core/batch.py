@@ -249,16 +249,17 @@ class Batch:
         self._observe(rows, results, spent)
         for row, result in zip(rows, results, strict=True):
             # what the step asked of the row: a chain's k, a tree's own depth (trees take no k)
-            asked = result.depth if isinstance(row.drafter, TreeDrafter) else k * row.drafting
+            chain_k = k if row.drafting else 0  # a row an exploration did not begin: none
+            asked = result.depth if isinstance(row.drafter, TreeDrafter) else chain_k
             self._commit(row, result, min(asked, max(row.allowed, 0)) if row.drafter else 0)
         return stepped
 
     def _begin_drafts(self, rows: list[Row], k: int, begin: bool = True) -> list[Row]:
         """Begin the drafters of rows about to draft for the first time (a chain's when k > 0
         and `begin`, a tree's always); returns the rows that go on (a chain row not begun
-        drafts nothing this step). A row whose drafter fails to begin is
-        done, with its `error`: a fault of one row, not the batch's. (The policy's draft time
-        counts draft forwards only: a prefill is paid once per row, not per step.)"""
+        drafts nothing this step). A row whose drafter fails to begin is done, with its
+        `error`: a fault of one row, not the batch's. (The policy's draft time counts draft
+        forwards only: a prefill is paid once per row, not per step.)"""
         going = []
         for row in rows:
             tree = isinstance(row.drafter, TreeDrafter)
