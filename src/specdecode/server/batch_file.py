@@ -141,6 +141,11 @@ def error_line(request: BatchRequest) -> dict[str, Any]:
     }
 
 
+def _encoded(record: dict[str, Any]) -> bytes:
+    """One output line, its newline included (written in one call: whole, or cut short)."""
+    return json.dumps(record, ensure_ascii=False).encode("utf-8") + b"\n"
+
+
 class ResumableOutput:
     """The output file: the lines it holds already (by custom_id), and appending more, each one
     whole on disk before `write` returns."""
@@ -185,7 +190,7 @@ class ResumableOutput:
     def write(self, record: dict[str, Any]) -> None:
         if self._file is None:
             self._file = self.path.open("ab")
-        self._file.write(json.dumps(record, ensure_ascii=False).encode("utf-8") + b"\n")
+        self._file.write(_encoded(record))
         self._file.flush()
         os.fsync(self._file.fileno())
         self.done[record["custom_id"]] = record
@@ -207,7 +212,7 @@ class ResumableOutput:
         partial = self.path.with_name(self.path.name + ".partial")
         with partial.open("wb") as f:
             for record in ordered:
-                f.write(json.dumps(record, ensure_ascii=False).encode("utf-8") + b"\n")
+                f.write(_encoded(record))
             f.flush()
             os.fsync(f.fileno())
         os.replace(partial, self.path)

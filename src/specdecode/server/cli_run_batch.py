@@ -49,6 +49,8 @@ def handle_run_batch(args: argparse.Namespace) -> int:
     check_served_engine_args(args)
     if args.input.resolve() == args.output.resolve():
         raise ValueError("--output must not be the --input file")
+    if not args.output.resolve().parent.is_dir():
+        raise ValueError(f"--output {args.output}: its folder does not exist")
     try:
         import fastapi  # noqa: F401
         import httpx  # noqa: F401
