@@ -139,14 +139,15 @@ def test_a_failing_draft_prefill_ends_its_generation_only(models):
 
 
 class Exploring(FixedK):
-    """k = 2 every step, each step a policy's exploration (`exploring`); `knows` whether any
-    drafted token was judged yet (`knows_acceptance`)."""
-
-    exploring = True
+    """k = 2 every step, each step an exploration that begins no draft once acceptance is
+    known (`knows`), as the cost policy's (`CostK.begins_drafts`)."""
 
     def __init__(self, knows: bool) -> None:
         super().__init__(2)
-        self.knows_acceptance = knows
+        self.knows = knows
+
+    def begins_drafts(self) -> bool:
+        return not self.knows
 
 
 @pytest.mark.parametrize("knows", [True, False])

@@ -380,8 +380,10 @@ def test_the_cost_policy_says_when_it_explores_and_whether_it_knows_acceptance()
         policy.next_batch_k(4, 2)
         flags.append(policy.exploring)
     assert flags == [False, True] * 3  # nothing timed yet: every neighbour is worth a try
-    assert not policy.knows_acceptance
+    assert not policy.knows_acceptance and policy.begins_drafts()  # nothing learnt: it may
     policy.observe_step([(2, 1), (2, 2)], None, None, 6)
-    assert policy.knows_acceptance
+    assert policy.knows_acceptance and not policy.begins_drafts()  # the last step explored
+    policy.next_batch_k(4, 2)
+    assert not policy.exploring and policy.begins_drafts()
     policy.begin()  # a new sequence: acceptance is the prompt's
     assert not policy.knows_acceptance

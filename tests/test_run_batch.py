@@ -317,6 +317,14 @@ def test_an_output_of_another_input_is_refused(tmp_path, capsys):
     assert "cannot read" in capsys.readouterr().err
 
 
+def test_a_line_separator_inside_a_json_string_is_text(tmp_path):
+    # JSON may hold U+2028 and U+0085 raw in a string: only "\n" ends a line of JSON Lines
+    prompt = "one\u2028two\u0085three\x0cfour"
+    write_jsonl(tmp_path / "in.jsonl", [json.dumps({"prompt": prompt}, ensure_ascii=False)])
+    (request,) = read_requests(tmp_path / "in.jsonl", MODEL)
+    assert request.error is None and request.body["prompt"] == prompt
+
+
 def test_lines_parse_as_the_batch_api_or_plain_bodies():
     chat = parse_line(3, json.dumps({"messages": [{"role": "user", "content": "hi"}]}), "m")
     assert (chat.custom_id, chat.url, chat.body["model"]) == ("line-3", "/v1/chat/completions", "m")

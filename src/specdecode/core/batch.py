@@ -235,13 +235,8 @@ class Batch:
             return []
         spent = forward_seconds(self.meter)
         k = self.last_k = self._next_k(stepped)
-        # a policy's exploration, once it knows any acceptance, drafts only on rows whose
-        # drafts have begun: it must not pay other rows' draft prefills to refresh an estimate
-        policy = self.policy
-        begin = not (
-            getattr(policy, "exploring", False) and getattr(policy, "knows_acceptance", False)
-        )
-        rows = self._begin_drafts(stepped, k, begin)
+        # False for a cost policy's exploration: only rows already drafting draft in it
+        rows = self._begin_drafts(stepped, k, self.policy.begins_drafts())
         if not rows:
             return stepped
         verifications = self._verifications(rows, k)

@@ -60,6 +60,11 @@ class KPolicy(Protocol):
         None: `next_k`'s, as for one sequence (the default: a policy that knows one only)."""
         return None
 
+    def begins_drafts(self) -> bool:
+        """Whether the step just chosen may begin drafts not begun yet (a model draft's
+        prefill); False: only rows already drafting draft (`Batch.step`). Default: True."""
+        return True
+
     def observe_step(
         self,
         steps: list[tuple[int, int]],
@@ -195,8 +200,8 @@ class CostK(KPolicy):
     between sizes that are) and which would not beat the best k even with every drafted token
     accepted is not explored (its step could only lose time). 0 disables it. Once any drafted
     token has been judged (`knows_acceptance`), an exploration (`exploring`) drafts only on the
-    rows whose drafts have begun: a row's draft prefill, paid for one step that only refreshes
-    an estimate, costs more than the step teaches (`Batch.step`).
+    rows whose drafts have begun (`begins_drafts`): a row's draft prefill, paid for one step
+    that only refreshes an estimate, costs more than the step teaches.
     """
 
     name = "cost"
@@ -327,9 +332,13 @@ class CostK(KPolicy):
 
     @property
     def knows_acceptance(self) -> bool:
-        """Whether any drafted token was judged since `begin`: an exploration then only
-        refreshes estimates, and is not worth a draft's prefill (`Batch.step`)."""
+        """Whether any drafted token was judged since `begin`."""
         return self._accept[0].n > 0
+
+    def begins_drafts(self) -> bool:
+        """Not for an exploration once acceptance is known: the step only refreshes an
+        estimate, which is not worth a draft's prefill."""
+        return not (self.exploring and self.knows_acceptance)
 
     def _worth_trying(self, k: int, rows: int, best: int, best_rate: float) -> bool:
         """Whether a step at k can teach something that changes a choice: the times that

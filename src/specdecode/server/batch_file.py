@@ -103,7 +103,9 @@ def read_requests(path: Path, model: str) -> list[BatchRequest]:
         raise BatchFileError(f"{path} is not JSON Lines: it is not UTF-8 text") from None
     requests: list[BatchRequest] = []
     seen: dict[str, int] = {}
-    for number, line in enumerate(text.splitlines(), start=1):
+    # lines end at "\n" only: str.splitlines would also cut at characters a JSON string may
+    # hold raw (U+2028, U+0085, ...)
+    for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         request = parse_line(number, line, model)
@@ -123,21 +125,21 @@ def read_requests(path: Path, model: str) -> list[BatchRequest]:
 
 def answer_line(custom_id: str, status: int, body: Any) -> dict[str, Any]:
     """An output line for the server's answer (`status`, its JSON `body`)."""
-    return {
-        "id": f"batch_req_{uuid.uuid4().hex}",
-        "custom_id": custom_id,
-        "response": {"status_code": status, "request_id": uuid.uuid4().hex, "body": body},
-        "error": None,
-    }
+    response = {"status_code": status, "request_id": uuid.uuid4().hex, "body": body}
+    return _output_line(custom_id, response, None)
 
 
 def error_line(request: BatchRequest) -> dict[str, Any]:
     """The output line of an input line that is not a request."""
+    return _output_line(request.custom_id, None, request.error)
+
+
+def _output_line(custom_id: str, response: Any, error: Any) -> dict[str, Any]:
     return {
         "id": f"batch_req_{uuid.uuid4().hex}",
-        "custom_id": request.custom_id,
-        "response": None,
-        "error": request.error,
+        "custom_id": custom_id,
+        "response": response,
+        "error": error,
     }
 
 
