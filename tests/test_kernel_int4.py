@@ -167,6 +167,25 @@ def test_int4_tile_on_avx512_vnni_is_bit_identical_to_avx2():
         use_int4_vnni(True)
 
 
+@pytest.mark.parametrize("n", [16, 40])
+def test_a_prefills_int4_product_on_amx_is_the_bfloat16_weights_product(n):
+    # a prefill's many rows (cpu_linear.prefill_linear): the panels unpacked to bfloat16 on AMX
+    # tiles, the activations as they are: the product of x with the weights rounded to
+    # bfloat16, in float32 sums; rows in passes of 32 (padded past them), columns past N unused
+    if not extension().bf16_amx_supported():
+        pytest.skip("this CPU or OS has no AMX bfloat16 tiles")
+    for m, bias in ((1, False), (17, True), (33, True), (150, False)):
+        x, w, b = linear_case(m, 320, n, seed=m + n, bias=bias)
+        for codes in (quantize_int4(w), _per_group_steps(quantize_int4(w))):
+            panels, packed, steps = pack_int4_panels(*codes)
+            shift = int4_shift(packed.shape[1], steps.shape[1])
+            out = extension().linear_int4_prefill(x, panels, n, packed, steps, shift, b)
+            weight = dequantize_int4(codes).bfloat16().float()
+            reference = F.linear(x.float(), weight, None if b is None else b.float())
+            assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+            torch.testing.assert_close(out.float(), reference, rtol=2**-7, atol=1e-3)
+
+
 def test_int4_kernel_refuses_bad_arguments():
     x, w, _ = linear_case(2, 64, 8, seed=0, bias=False)
     panels, codes, steps = pack_int4_panels(*quantize_int4(w))

@@ -55,6 +55,9 @@ def main() -> None:
     parser.add_argument("--role", choices=("target", "draft"), default="target")
     parser.add_argument("--prompt", type=int, default=200, help="cached tokens before")
     parser.add_argument("--repeats", type=int, default=60)
+    parser.add_argument(
+        "--tokens", type=int, default=1, help="new tokens per forward (a verification, a prefill)"
+    )
     args = parser.parse_args()
     model = load_model(args.model, role=args.role).model
     residual = target_residual(model) if args.role == "target" else None
@@ -77,10 +80,11 @@ def main() -> None:
         cache.forward(prompt, last_only=True)
         native.forward(prompt, last_only=True)
         past = len(cache)
+        new = torch.randint(0, 1000, (args.tokens,))
 
         def one(on: LeanCache) -> float:
             start = time.perf_counter()
-            on.forward(torch.tensor([5]), last_only=True)
+            on.forward(new, last_only=True)
             on.rollback(past)
             return time.perf_counter() - start
 
@@ -90,7 +94,10 @@ def main() -> None:
         times = [(one(cache), one(native)) for _ in range(args.repeats)]  # interleaved
         total = sum(timed for timed, _ in times) / args.repeats * 1e3
         untimed = sum(fast for _, fast in times) / args.repeats * 1e3
-    print(f"{args.model} ({args.role}): {total:.2f} ms a one-token forward, {args.prompt} cached")
+    print(
+        f"{args.model} ({args.role}): {total:.2f} ms a forward of {args.tokens} tokens, "
+        f"{args.prompt} cached"
+    )
     print(f"  (the same forward with the layer loop in C++ and no timers: {untimed:.2f} ms)")
     inside = 0.0
     for name, seconds in sorted(spent.items(), key=lambda item: -item[1]):

@@ -36,7 +36,7 @@ _SOURCES = [
 ]
 _HEADERS = [
     Path(__file__).with_name(name)
-    for name in ("kernel_common.h", "int4_tile.h", "q6_tile.h", "kernel_ops.h")
+    for name in ("kernel_common.h", "int4_tile.h", "int4_codes512.h", "q6_tile.h", "kernel_ops.h")
 ]
 
 

@@ -43,7 +43,13 @@ from specdecode.kernels.panels import (
     shared_storages,
     unpack,
 )
-from specdecode.kernels.quantize import drop_quantized, is_quantized, quantized_call, weight_freed
+from specdecode.kernels.quantize import (
+    drop_quantized,
+    int4_prefill_call,
+    is_quantized,
+    quantized_call,
+    weight_freed,
+)
 
 KERNEL_MODES = ("auto", "on", "off")
 ENV = "SPECDECODE_KERNEL"
@@ -111,12 +117,17 @@ def direct_linear(module: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Ten
 
 
 def prefill_linear(module: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """What computes `module(x)` for a prefill's many rows x [M, K] (bfloat16) where PyTorch's
-    own product beats the kernel's panels on this machine (`prefill_on_torch`): `F.linear` on
-    the weight in its usual layout, unpacked for each call (no second copy kept). None where
-    the kernel call serves: PyTorch is not faster, the module is not on the panels, or it is
-    quantized (its bfloat16 weight may be gone; the 4-bit and 8-bit tiles stay)."""
-    if not on_kernel(module) or is_quantized(module) or not prefill_on_torch():
+    """What computes `module(x)` for a prefill's many rows x [M, K] (bfloat16) where another
+    product beats the kernel's tiles on this machine: for a bfloat16 linear on the panels,
+    `F.linear` on the weight in its usual layout, unpacked for each call (no second copy kept),
+    where PyTorch's product is the faster (`prefill_on_torch`); for a 4-bit one, its panels
+    unpacked to bfloat16 on AMX tiles where that is (`int4_prefill_call`). None where the kernel
+    call serves (an int8 or 6-bit layer keeps its tile; its bfloat16 weight may be gone)."""
+    if not on_kernel(module):
+        return None
+    if is_quantized(module):
+        return int4_prefill_call(module)
+    if not prefill_on_torch():
         return None
     bias = module.bias
     return lambda x: F.linear(x, row_major(module), bias)

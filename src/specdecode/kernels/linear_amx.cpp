@@ -29,12 +29,14 @@
 #include <unistd.h>
 #endif
 
+#include "int4_codes512.h"
 #include "kernel_common.h"
 
 #if (defined(__clang__) && __clang_major__ >= 12) || \
     (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
 #define SD_HAVE_AMX 1
 #define SD_AMX __attribute__((target("amx-tile,amx-bf16")))
+#define SD_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c")))
 #endif
 
 namespace specdecode_kernels {
@@ -103,12 +105,31 @@ SD_AMX void panel_pair(const uint16_t* xa, const uint16_t* xb, int64_t K, const 
   }
 }
 
-void write_out(const float* c, int m, int64_t m0, int64_t n0, int64_t N, const float* bias,
-               uint16_t* out) {
+// c [m][16] plus the bias -> bfloat16 outputs (rows m0.., columns n0..), rounded as
+// float_to_bf16 (to nearest even, NaN kept): 16 at a time, a prefill writes many
+SD_AVX512 void write_out(const float* c, int m, int64_t m0, int64_t n0, int64_t N,
+                         const float* bias, uint16_t* out) {
   const int64_t cols = N - n0 < 16 ? N - n0 : 16;
-  for (int t = 0; t < m; ++t)
-    for (int64_t i = 0; i < cols; ++i)
-      out[(m0 + t) * N + n0 + i] = float_to_bf16(c[t * 16 + i] + (bias ? bias[n0 + i] : 0.f));
+  if (cols < 16) {
+    for (int t = 0; t < m; ++t)
+      for (int64_t i = 0; i < cols; ++i)
+        out[(m0 + t) * N + n0 + i] = float_to_bf16(c[t * 16 + i] + (bias ? bias[n0 + i] : 0.f));
+    return;
+  }
+  const __m512 b = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+  const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), inf = _mm512_set1_epi32(0x7F800000);
+  const __m512i quiet = _mm512_set1_epi32(0x40);
+  for (int t = 0; t < m; ++t) {
+    // + 0 where there is no bias, as the scalar form: the same sum, bit for bit
+    const __m512i u = _mm512_castps_si512(_mm512_add_ps(_mm512_loadu_ps(c + t * 16), b));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, odd)), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, magnitude), inf);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), quiet);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m0 + t) * N + n0),
+                        _mm512_cvtepi32_epi16(r));
+  }
 }
 
 bool os_lets_amx() {  // the kernel saves tile state (XCR0 bits 17, 18) and grants this process it
@@ -133,8 +154,8 @@ bool bf16_amx_supported() {
   return ok;
 }
 
-// Tokens in passes of 32 (two blocks of 16; fewer tokens in all, blocks of min(M, 16) and the
-// rest): every pass under the same configuration. Past 32 tokens, a last pass of fewer than 32
+// Panels p0 .. p1 (`panels`: the first of them), tokens in passes of 32 (two blocks of 16; fewer
+// tokens in all, blocks of min(M, 16) and the rest): every pass under the same configuration. Past 32 tokens, a last pass of fewer than 32
 // runs on a copy of its rows padded to 16 or 32 (rows past M are computed and dropped), so the
 // tiles are configured once per call and the panels stay in cache across a panel's passes.
 SD_AMX void bf16_amx_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* panels,
@@ -152,7 +173,7 @@ SD_AMX void bf16_amx_panels(const uint16_t* x, int64_t M, int64_t K, const uint1
   configure(a, b ? b : 1);
   for (int64_t p = p0; p < p1; p += 2) {
     const bool pair = p + 1 < p1;
-    const uint16_t* panel = panels + p * stride;
+    const uint16_t* panel = panels + (p - p0) * stride;
     const int64_t second = pair ? stride : 0;
     auto pass = [&](const uint16_t* rows, int64_t m0, int64_t m) {  // m <= 32 rows from m0
       if (m > 16)
@@ -171,11 +192,56 @@ SD_AMX void bf16_amx_panels(const uint16_t* x, int64_t M, int64_t K, const uint1
   release();
 }
 
+// ---- int4 panels as bfloat16 panels, for a prefill's many rows ------------------------------
+// The 4-bit panels' tile (linear_avx2.cpp, int4 panels) computes each token's 16 rows with
+// 8-bit activations and a float32 epilogue per group of 32 k, which bounds it by arithmetic once
+// a forward has more than a few rows. A prefill of many rows (never a verification: the caller,
+// the lean forward's `_prefill`, takes it past VERIFY_TOKENS rows only) may round otherwise, as
+// bfloat16 targets' prefills on PyTorch's product do: each pair of panels is unpacked here into
+// bfloat16 panels (w = scale q + min, one rounding to bfloat16) and run on the AMX bfloat16
+// tiles above over every token, with bfloat16 activations (not quantized). Nothing is kept.
+
+// One int4 panel (codes: the 4-bit layout, 16 rows x K) -> its bfloat16 panel [K/2][16][2]
+SD_AVX512 void int4_bf16_panel(const uint8_t* p, const uint8_t* codes, const uint16_t* steps,
+                               int shift, int64_t K, uint16_t* out) {
+  const __m512i low = _mm512_set1_epi8(0xF), byte = _mm512_set1_epi32(0xFF);
+  const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+  // float32 -> bfloat16 bits (round to nearest even; no NaN here) in the low 16 bits of a lane
+  const auto bf16 = [&](__m512 f) SD_AVX512 {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+    return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, odd)), 16);
+  };
+  for (int64_t g = 0; g < K / 32; ++g) {
+    const uint8_t* cg = codes + g * 32;              // sc [16] uint8, then ml [16] int8
+    const uint16_t* sg = steps + (g >> shift) * 32;  // d [16], then dl [16] float16
+    const __m512 s = coded16(cg, sg, false), m = coded16(cg + 16, sg + 16, true);
+    for (int q = 0; q < 4; ++q) {  // 64 bytes: k 8q .. 8q + 7 of the group, 16 rows
+      const __m512i raw = _mm512_loadu_si512(p + g * 256 + 64 * q);
+      const __m512i w0 = _mm512_and_si512(raw, low);                         // rows 0-7
+      const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);  // rows 8-15
+      const __m512i steps4[2] = {_mm512_shuffle_i64x2(w0, w1, 0x44),  // lane i: row i, 4 k
+                                 _mm512_shuffle_i64x2(w0, w1, 0xEE)};
+      for (int h = 0; h < 2; ++h) {
+        __m512i w[4];  // k 4h + j of the 8, every row
+        for (int j = 0; j < 4; ++j) {
+          const __m512i code = _mm512_and_si512(_mm512_srli_epi32(steps4[h], 8 * j), byte);
+          w[j] = bf16(_mm512_fmadd_ps(s, _mm512_cvtepi32_ps(code), m));
+        }
+        uint16_t* at = out + (g * 32 + 8 * q + 4 * h) * 16;  // pair row (k / 2), 32 values
+        _mm512_storeu_si512(at, _mm512_or_si512(w[0], _mm512_slli_epi32(w[1], 16)));
+        _mm512_storeu_si512(at + 32, _mm512_or_si512(w[2], _mm512_slli_epi32(w[3], 16)));
+      }
+    }
+  }
+}
+
 #else  // no AMX in this compiler or OS: never supported, never called
 
 bool bf16_amx_supported() { return false; }
 void bf16_amx_panels(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, const float*,
                      uint16_t*, int64_t, int64_t) {}
+void int4_bf16_panel(const uint8_t*, const uint8_t*, const uint16_t*, int, int64_t, uint16_t*) {}
 
 #endif
 

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "int4_codes512.h"
 #include "kernel_common.h"
 
 namespace specdecode_kernels {
@@ -236,17 +237,6 @@ namespace {
 // rows, every `vpdpbusd` lane one row (int4_tile512 below). Its group sums are the exact
 // integers the AVX2 tile's are, and the group's scale and min are applied as there, in the same
 // order and rounding per output: the results are bit-identical to the AVX2 tile's (tested).
-SD_VNNI512 inline __m512 half16(const uint16_t* h) {  // 16 float16 -> float32
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
-}
-
-// 16 rows' codes (uint8 sc or int8 ml) times their float16 steps: exact, as int4_tile.h's
-SD_VNNI512 inline __m512 coded16(const uint8_t* codes, const uint16_t* steps, bool is_signed) {
-  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
-  const __m512i wide = is_signed ? _mm512_cvtepi8_epi32(c) : _mm512_cvtepu8_epi32(c);
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(wide), half16(steps));
-}
-
 // Each of MR tokens' activations k at .. at + 3 and at + 4 .. at + 7 (xq + t K), broadcast,
 // times rows 0-15 at those k (first, second): acc[t] += two `vpdpbusd`, row i's sum in lane i
 // (the int4 and 6-bit tiles' inner step).

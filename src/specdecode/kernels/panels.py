@@ -213,16 +213,34 @@ def clear_forward(module: torch.nn.Module) -> None:
     delattr(module, _FLAG)
 
 
+def prefill_mode() -> str:
+    """$SPECDECODE_PREFILL_LINEARS, checked: auto (the default), kernel or torch."""
+    mode = (os.environ.get(PREFILL_ENV) or "auto").lower()
+    if mode not in PREFILL_MODES:
+        raise ValueError(f"{PREFILL_ENV} must be one of {', '.join(PREFILL_MODES)} (got {mode!r})")
+    return mode
+
+
 def prefill_on_torch() -> bool:
     """Whether a prefill's bfloat16 linears run on PyTorch's product rather than the panels:
     $SPECDECODE_PREFILL_LINEARS = kernel / torch decides; auto (default) measures once per
     process and panels path (`_torch_beats_panels`). On AVX2 and
     AVX-512 BF16 the panels' work grows with every row, while PyTorch's product (oneDNN) tiles
     many rows; on AMX tiles the panels tile them too (docs/results.md)."""
-    mode = (os.environ.get(PREFILL_ENV) or "auto").lower()
-    if mode not in PREFILL_MODES:
-        raise ValueError(f"{PREFILL_ENV} must be one of {', '.join(PREFILL_MODES)} (got {mode!r})")
+    mode = prefill_mode()
     return mode == "torch" if mode != "auto" else _torch_beats_panels(panels_isa())
+
+
+def best_ms(fn: Callable[[], Any], rounds: int = 3) -> float:
+    """The best of `rounds` timed calls of fn, in ms, after one untimed call (a once-per-process
+    choice between two products of the same shape, measured on this machine)."""
+    fn()  # warm-up
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times) * 1e3
 
 
 @functools.cache
@@ -236,16 +254,6 @@ def _torch_beats_panels(isa: str) -> bool:
     panels = pack_panels((torch.randn(n, k, generator=gen) * 0.02).bfloat16())
     x = torch.randn(rows, k, generator=gen).bfloat16()
     ext = extension()
-
-    def best_ms(fn: Callable[[], torch.Tensor]) -> float:
-        fn()  # warm-up
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return min(times) * 1e3
-
     with torch.inference_mode():
         on_panels = best_ms(lambda: ext.linear_packed(x, panels, n, None))
         on_torch = best_ms(lambda: F.linear(x, unpack_panels(panels, n, k)))

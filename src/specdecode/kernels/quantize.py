@@ -21,12 +21,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from specdecode.kernels.build import extension, int4_vnni_on, int8_avx512_on
+from specdecode.kernels.build import bf16_amx_on, extension, int4_vnni_on, int8_avx512_on
 from specdecode.kernels.cpu import int4_name, int8_name
 from specdecode.kernels.panels import (
     PANEL,
     PANELS_BUFFER,
+    PREFILL_MARGIN,
+    PREFILL_PROBE,
+    best_ms,
     eligible,
+    prefill_mode,
     row_major,
     set_forward,
     shared_storages,
@@ -496,3 +500,49 @@ def quantized_call(
     if _Q6[0] in module._buffers:
         return ext.LinearOp("q6", [module._buffers[name] for name in _Q6], n, 0, bias)
     return None
+
+
+def int4_prefill_call(module: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """A prefill's product for a 4-bit linear, x [M, K] bfloat16 with M past the verification
+    rows (the lean forward's `_prefill`): its panels unpacked to bfloat16 per pair and run on AMX
+    bfloat16 tiles over every row (`linear_int4_prefill`; bfloat16 activations, so not the 4-bit
+    tile's bits: a prefill only), where this machine has them and that is the faster here
+    (`int4_prefill_on_amx`). None otherwise, and for other layers: their tiles serve."""
+    if _Q4[0] not in module._buffers or not int4_prefill_on_amx():
+        return None
+    panels, codes, steps = (module._buffers[name] for name in _Q4)
+    shift = int4_shift(codes.shape[1], steps.shape[1])
+    bias, n, ext = module.bias, module.weight.shape[0], extension()
+    return lambda x: ext.linear_int4_prefill(x, panels, n, codes, steps, shift, bias)
+
+
+def int4_prefill_on_amx() -> bool:
+    """Whether a prefill's 4-bit linears run on AMX bfloat16 tiles (`int4_prefill_call`):
+    never without them (or with `use_bf16_amx(False)`); else $SPECDECODE_PREFILL_LINEARS
+    decides, as for bfloat16 linears (kernel: the 4-bit tile, torch: AMX), and auto measures
+    once per process (`_amx_beats_int4`)."""
+    if not bf16_amx_on():
+        return False
+    mode = prefill_mode()
+    return mode == "torch" if mode != "auto" else _amx_beats_int4()
+
+
+@functools.cache
+def _amx_beats_int4() -> bool:
+    """The 4-bit tile against its panels unpacked to bfloat16 on AMX tiles, over PREFILL_PROBE's
+    rows and shape (random weights), the best of three each: True where AMX is at least
+    PREFILL_MARGIN times as fast."""
+    rows, k, n = PREFILL_PROBE
+    gen = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(n, k, generator=gen) * 0.02)
+    _quantize_int4(layer)
+    panels, codes, steps = (layer._buffers[name] for name in _Q4)
+    shift = int4_shift(codes.shape[1], steps.shape[1])
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    ext = extension()
+    with torch.inference_mode():
+        tile = best_ms(lambda: ext.linear_int4_packed(x, panels, n, codes, steps, shift, None))
+        amx = best_ms(lambda: ext.linear_int4_prefill(x, panels, n, codes, steps, shift, None))
+    return amx * PREFILL_MARGIN <= tile
