@@ -71,6 +71,11 @@ def main() -> None:
         tuple(timed(f, name, spent) for f, name in zip(calls, PROJECTIONS, strict=True))
         for calls in cache._linears
     ]
+    if cache._prefill is not None:  # a prefill past VERIFY_TOKENS rows on another product
+        cache._prefill = [
+            tuple(timed(f, name, spent) for f, name in zip(calls, PROJECTIONS, strict=True))
+            for calls in cache._prefill
+        ]
     cache._lm_head = timed(cache._lm_head, "lm_head", spent)
     cache._fused = _TimedOps(cache._fused, spent)
     cache._native = None  # the layer loop in Python, which calls the timed ones
