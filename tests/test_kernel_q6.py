@@ -126,6 +126,23 @@ def test_q6_tile_on_avx512_vnni_is_bit_identical_to_avx2():
         use_int4_vnni(True)
 
 
+@pytest.mark.parametrize("n", [16, 40])
+def test_a_prefills_6_bit_product_on_amx_is_the_bfloat16_weights_product(n):
+    # as the 4-bit one's (test_kernel_int4): the panels unpacked to bfloat16 on AMX tiles
+    if not extension().bf16_amx_supported():
+        pytest.skip("this CPU or OS has no AMX bfloat16 tiles")
+    q, sc, d = random_codes(n, 512, seed=n)
+    q[0, :32] = 63  # the extremes of the top bits and the low nibble
+    q[1, :32] = 0
+    weight = dequantized(q, sc, d).bfloat16().float()
+    for m, bias in ((1, False), (33, True), (150, False)):
+        x, _, b = linear_case(m, 512, n, seed=m + n, bias=bias)
+        out = extension().linear_q6_prefill(x, *pack_q6_panels(q, sc, d), n, b)
+        reference = F.linear(x.float(), weight, None if b is None else b.float())
+        assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+        torch.testing.assert_close(out.float(), reference, rtol=2**-7, atol=1e-3)
+
+
 def test_q6_layer_runs_the_kernel_and_falls_back_for_float32_and_autograd():
     q, sc, d = random_codes(24, 256, seed=3)
     x, _, b = linear_case(3, 256, 24, seed=3, bias=True)

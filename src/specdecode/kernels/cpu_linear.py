@@ -44,8 +44,8 @@ from specdecode.kernels.panels import (
     unpack,
 )
 from specdecode.kernels.quantize import (
+    amx_prefill_call,
     drop_quantized,
-    int4_prefill_call,
     is_quantized,
     quantized_call,
     weight_freed,
@@ -121,12 +121,12 @@ def prefill_linear(module: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Te
     product beats the kernel's tiles on this machine: for a bfloat16 linear on the panels,
     `F.linear` on the weight in its usual layout, unpacked for each call (no second copy kept),
     where PyTorch's product is the faster (`prefill_on_torch`); for a 4-bit one, its panels
-    unpacked to bfloat16 on AMX tiles where that is (`int4_prefill_call`). None where the kernel
+    unpacked to bfloat16 on AMX tiles where that is (`amx_prefill_call`). None where the kernel
     call serves (an int8 or 6-bit layer keeps its tile; its bfloat16 weight may be gone)."""
     if not on_kernel(module):
         return None
     if is_quantized(module):
-        return int4_prefill_call(module)
+        return amx_prefill_call(module)
     if not prefill_on_torch():
         return None
     bias = module.bias

@@ -71,12 +71,13 @@ SD_AMX void configure(int a, int b) {
 
 SD_AMX void release() { _tile_release(); }
 
-// Tokens xa (block a) and, where `both`, xb (block b), row stride K, against two panels (the
+// Tokens xa (block a) and, where `both`, xb (block b), row stride K (`packed`: each block's
+// [K/32][16][32], every A tile 1 KB in one piece), against two panels (the
 // second `stride` elements on; stride 0 repeats the first) -> c[0], c[1] (block a) and c[2], c[3]
 // (block b), [rows][16] float32 each. Four chains in flight: one panel's chain of tdpbf16ps waits
 // on itself, so a token alone would leave the unit idle. Each output's sum is its own chain over
 // k in order, whatever the block, the pass or the number of tokens.
-template <bool both>
+template <bool both, bool packed>
 SD_AMX void panel_pair(const uint16_t* xa, const uint16_t* xb, int64_t K, const uint16_t* panel,
                        int64_t stride, float (*c)[16 * 16]) {
   _tile_zero(0);
@@ -86,13 +87,19 @@ SD_AMX void panel_pair(const uint16_t* xa, const uint16_t* xb, int64_t K, const 
     _tile_zero(3);
   }
   for (int64_t k = 0; k < K; k += kAmxK) {
-    _tile_loadd(4, xa + k, K * 2);
+    if (packed)
+      _tile_loadd(4, xa + k * 16, 64);
+    else
+      _tile_loadd(4, xa + k, K * 2);
     _tile_loadd(6, panel + k * 16, 64);
     _tile_loadd(7, panel + stride + k * 16, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     if (both) {
-      _tile_loadd(5, xb + k, K * 2);
+      if (packed)
+        _tile_loadd(5, xb + k * 16, 64);
+      else
+        _tile_loadd(5, xb + k, K * 2);
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
@@ -158,8 +165,11 @@ bool bf16_amx_supported() {
 // tokens in all, blocks of min(M, 16) and the rest): every pass under the same configuration. Past 32 tokens, a last pass of fewer than 32
 // runs on a copy of its rows padded to 16 or 32 (rows past M are computed and dropped), so the
 // tiles are configured once per call and the panels stay in cache across a panel's passes.
+// `packed`: x is [M/16][K/32][16][32] (M a multiple of 32, or 16 at most): the rows of a tile
+// in one 1 KB piece, not 16 rows K apart (a prefill's many rows, packed once per call).
 SD_AMX void bf16_amx_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* panels,
-                            int64_t N, const float* bias, uint16_t* out, int64_t p0, int64_t p1) {
+                            int64_t N, const float* bias, uint16_t* out, int64_t p0, int64_t p1,
+                            bool packed) {
   if (p0 >= p1) return;
   alignas(64) float c[4][16 * 16];
   const int64_t stride = K * 16;  // elements per panel
@@ -176,10 +186,14 @@ SD_AMX void bf16_amx_panels(const uint16_t* x, int64_t M, int64_t K, const uint1
     const uint16_t* panel = panels + (p - p0) * stride;
     const int64_t second = pair ? stride : 0;
     auto pass = [&](const uint16_t* rows, int64_t m0, int64_t m) {  // m <= 32 rows from m0
-      if (m > 16)
-        panel_pair<true>(rows, rows + 16 * K, K, panel, second, c);
+      if (packed && m > 16)
+        panel_pair<true, true>(rows, rows + 16 * K, K, panel, second, c);
+      else if (packed)
+        panel_pair<false, true>(rows, nullptr, K, panel, second, c);
+      else if (m > 16)
+        panel_pair<true, false>(rows, rows + 16 * K, K, panel, second, c);
       else
-        panel_pair<false>(rows, nullptr, K, panel, second, c);
+        panel_pair<false, false>(rows, nullptr, K, panel, second, c);
       for (int blk = 0; blk < 2 && blk * 16 < m; ++blk) {
         const int rows_in = int(m - blk * 16 < 16 ? m - blk * 16 : 16);
         write_out(c[2 * blk], rows_in, m0 + blk * 16, p * 16, N, bias, out);
@@ -236,12 +250,61 @@ SD_AVX512 void int4_bf16_panel(const uint8_t* p, const uint8_t* codes, const uin
   }
 }
 
+// One 6-bit panel (q6_tile.h's layout: lo, an int4 panel of the low 4 bits; hi, the top 2 bits
+// [K/8][32], byte 4r + j of step pair t holding from bit 0 rows r and r + 8 at k = 8t + j, then
+// rows r and r + 8 at k = 8t + 4 + j; sc [K/16][16] int8; d [K/256][16] float16) -> its bfloat16
+// panel [K/2][16][2]: w = (d sc) (q - 32), rounded once to bfloat16
+SD_AVX512 void q6_bf16_panel(const uint8_t* lo, const uint8_t* hi, const int8_t* sc,
+                             const uint16_t* d, int64_t K, uint16_t* out) {
+  const __m512i low = _mm512_set1_epi8(0xF), two = _mm512_set1_epi8(0x3);
+  const __m512i byte = _mm512_set1_epi32(0xFF), mid = _mm512_set1_epi32(32);
+  const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+  const auto bf16 = [&](__m512 f) SD_AVX512 {  // as int4_bf16_panel's
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+    return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, odd)), 16);
+  };
+  for (int64_t t = 0; t < K / 8; ++t) {  // k 8t .. 8t + 7, every row
+    const __m512i pair = _mm512_loadu_si512(lo + 64 * t);  // the int4 layout: steps 2t, 2t + 1
+    const __m512i w0 = _mm512_and_si512(pair, low);
+    const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(pair, 4), low);
+    // top bits: 32 bytes, widened to both halves of a register (rows 0-7 low, 8-15 high)
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + 32 * t));
+    const __m512i hh = _mm512_inserti64x4(_mm512_castsi256_si512(h), h, 1);
+    // per half of the 8 k: rows 0-7 bits (4e), rows 8-15 bits (4e + 2), moved above the nibble
+    const __m512i shifts[2] = {_mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0),
+                               _mm512_set_epi64(6, 6, 6, 6, 4, 4, 4, 4)};
+    const __m512i lows[2] = {_mm512_shuffle_i64x2(w0, w1, 0x44),
+                             _mm512_shuffle_i64x2(w0, w1, 0xEE)};
+    const int64_t k0 = 8 * t;
+    const __m512 dv = half16(d + (k0 / 256) * 16);
+    const __m512 scale = _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + (k0 / 16) * 16)))),
+        dv);
+    for (int e = 0; e < 2; ++e) {
+      const __m512i top = _mm512_and_si512(_mm512_srlv_epi64(hh, shifts[e]), two);
+      const __m512i q = _mm512_or_si512(lows[e], _mm512_slli_epi16(top, 4));  // lane i: row i
+      __m512i w[4];
+      for (int j = 0; j < 4; ++j) {
+        const __m512i code = _mm512_and_si512(_mm512_srli_epi32(q, 8 * j), byte);
+        w[j] = bf16(_mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_sub_epi32(code, mid))));
+      }
+      uint16_t* at = out + (k0 + 4 * e) * 16;
+      _mm512_storeu_si512(at, _mm512_or_si512(w[0], _mm512_slli_epi32(w[1], 16)));
+      _mm512_storeu_si512(at + 32, _mm512_or_si512(w[2], _mm512_slli_epi32(w[3], 16)));
+    }
+  }
+}
+
 #else  // no AMX in this compiler or OS: never supported, never called
 
 bool bf16_amx_supported() { return false; }
 void bf16_amx_panels(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, const float*,
-                     uint16_t*, int64_t, int64_t) {}
+                     uint16_t*, int64_t, int64_t, bool) {}
 void int4_bf16_panel(const uint8_t*, const uint8_t*, const uint16_t*, int, int64_t, uint16_t*) {}
+void q6_bf16_panel(const uint8_t*, const uint8_t*, const int8_t*, const uint16_t*, int64_t,
+                   uint16_t*) {}
 
 #endif
 

@@ -44,11 +44,13 @@ bool int4_vnni_supported();
 bool int8_avx512_supported();
 bool bf16_amx_supported();  // linear_amx.cpp: the bfloat16 panels on AMX tiles
 void bf16_amx_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* panels, int64_t N,
-                     const float* bias, uint16_t* out, int64_t p0, int64_t p1);
+                     const float* bias, uint16_t* out, int64_t p0, int64_t p1, bool packed);
 void int8_avx512_tile(int64_t mr, int64_t panels, const int8_t* p, int64_t K, int64_t pstride,
                       const float* x, float* res);
 void int4_bf16_panel(const uint8_t* p, const uint8_t* codes, const uint16_t* steps, int shift,
                      int64_t K, uint16_t* out);  // linear_amx.cpp: for prefills on AMX
+void q6_bf16_panel(const uint8_t* lo, const uint8_t* hi, const int8_t* sc, const uint16_t* d,
+                   int64_t K, uint16_t* out);
 int64_t int4_vnni_tile_rows();
 void int4_vnni_tile(int64_t mr, const uint8_t* p, const uint8_t* codes, const uint16_t* steps,
                     int shift, int64_t K, const int8_t* xq, const float* dx, const float* xsum,
@@ -449,7 +451,7 @@ torch::Tensor linear_packed(torch::Tensor x, torch::Tensor panels, int64_t N,
   const int64_t P = (N + kPanel - 1) / kPanel;
   if (amx) {
     at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-      specdecode_kernels::bf16_amx_panels(X, M, K, p + p0 * K * kPanel, N, B, O, p0, p1);
+      specdecode_kernels::bf16_amx_panels(X, M, K, p + p0 * K * kPanel, N, B, O, p0, p1, false);
     });
     return out;
   }
@@ -749,6 +751,73 @@ QuantizedJob q6_job(const torch::Tensor& x, const QuantizedRows& xr, const std::
 
 }  // namespace
 
+// A prefill's 4-bit or 6-bit linear on AMX bfloat16 tiles (linear_amx.cpp, "int4 panels as
+// bfloat16 panels"): per pair of panels, unpacked to bfloat16 once (`unpack(p, out)`) and run over
+// every token. Not the tiles' bits (bfloat16 activations, weights rounded to bfloat16): for
+// prefills past VERIFY_TOKENS rows only, where the caller chose it (cpu_linear.prefill_linear).
+template <class Unpack>
+torch::Tensor prefill_on_amx(const torch::Tensor& x, const QuantizedJob& job, Unpack unpack) {
+  TORCH_CHECK(specdecode_kernels::bf16_amx_supported(),
+              "a prefill's quantized product on AMX needs AMX bfloat16 tiles (none here)");
+  const int64_t M = job.M, K = job.K, N = job.N, P = job.P;
+  // past 32 rows the tiles go in passes of 32: pad the rows once here, not per panel pair, and
+  // pack each 16 rows' tiles into 1 KB pieces ([rows/16][K/32][16][32]: x is read once per pair
+  // of panels, and a tile of 16 rows K apart crossed a page per row)
+  const int64_t rows = M > 32 ? (M + 31) / 32 * 32 : M;
+  const bool packed = rows > 32;
+  torch::Tensor xp = x;
+  if (rows != M) {
+    xp = torch::zeros({rows, K}, x.options());
+    xp.narrow(0, 0, M).copy_(x);
+  }
+  if (packed) xp = xp.view({rows / 16, 16, K / 32, 32}).permute({0, 2, 1, 3}).contiguous();
+  auto out = torch::empty({rows, N}, x.options());
+  const auto* X = reinterpret_cast<const uint16_t*>(xp.data_ptr<at::BFloat16>());
+  auto* O = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const float* B = job.bias_f.empty() ? nullptr : job.bias_f.data();
+  if (M > 0 && N > 0)
+    at::parallel_for(0, (P + 1) / 2, 1, [&](int64_t i0, int64_t i1) {
+      thread_local std::vector<uint16_t> pair;  // two bfloat16 panels [K/2][16][2]
+      pair.resize(size_t(2 * K * kPanel));
+      for (int64_t p = 2 * i0; p < std::min(2 * i1, P); p += 2) {
+        const int64_t end = std::min(p + 2, P);
+        for (int64_t q = p; q < end; ++q) unpack(q, pair.data() + (q - p) * K * kPanel);
+        specdecode_kernels::bf16_amx_panels(X, rows, K, pair.data(), N, B, O, p, end, packed);
+      }
+    });
+  return rows == M ? out : out.narrow(0, 0, M).contiguous();
+}
+
+torch::Tensor linear_int4_prefill(torch::Tensor x, torch::Tensor panels, int64_t N,
+                                  torch::Tensor codes, torch::Tensor steps, int64_t shift,
+                                  c10::optional<torch::Tensor> bias) {
+  check_activations(x, "linear_int4_prefill");
+  const QuantizedRows none{};
+  const QuantizedJob job = int4_job(x, none, panels, N, codes, steps, shift, bias);
+  const int64_t K = job.K, G = job.G, blocks = (G + (int64_t(1) << job.sh) - 1) >> job.sh;
+  return prefill_on_amx(x, job, [&](int64_t p, uint16_t* out) {
+    specdecode_kernels::int4_bf16_panel(
+        job.w0 + p * (K / 2) * kPanel, job.w1 + p * G * 2 * kPanel,
+        static_cast<const uint16_t*>(job.w2) + p * blocks * 2 * kPanel, job.sh, K, out);
+  });
+}
+
+torch::Tensor linear_q6_prefill(torch::Tensor x, torch::Tensor lo, torch::Tensor hi,
+                                torch::Tensor sc, torch::Tensor d, int64_t N,
+                                c10::optional<torch::Tensor> bias) {
+  check_activations(x, "linear_q6_prefill");
+  const QuantizedRows none{};
+  const std::vector<int32_t> no_sums;
+  const QuantizedJob job = q6_job(x, none, no_sums, lo, hi, sc, d, N, bias);
+  const int64_t K = job.K;
+  return prefill_on_amx(x, job, [&](int64_t p, uint16_t* out) {
+    specdecode_kernels::q6_bf16_panel(
+        job.w0 + p * kPanel * K / 2, job.w1 + p * kPanel * K / 4,
+        static_cast<const int8_t*>(job.w2) + p * kPanel * K / 16,
+        job.w3 + p * kPanel * K / specdecode_kernels::kQ6Block, K, out);
+  });
+}
+
 // x: [M, K] bfloat16 (K a multiple of 32), panels: uint8 [P = ceil(N / 16)][K / 4][32] (see
 // above; rows past N zero), codes: uint8 [P][K / 32][32], steps: float16
 // [P][ceil(K / 32 / 2^shift)][32], bias: [N] or None -> [M, N] bfloat16 with out[m, n] =
@@ -759,48 +828,6 @@ torch::Tensor linear_int4_packed(torch::Tensor x, torch::Tensor panels, int64_t 
   check_activations(x, "linear_int4_packed");
   const QuantizedRows xr = quantize_rows(x);
   return int4_job(x, xr, panels, N, codes, steps, shift, bias).run();
-}
-
-// A prefill's int4 linear on AMX bfloat16 tiles (linear_amx.cpp, "int4 panels as bfloat16
-// panels"): per pair of panels, unpacked to bfloat16 once and run over every token. Not the
-// int4 tile's bits (bfloat16 activations, weights rounded to bfloat16): for prefills past
-// VERIFY_TOKENS rows only, where the caller chose it (cpu_linear.prefill_linear).
-torch::Tensor linear_int4_prefill(torch::Tensor x, torch::Tensor panels, int64_t N,
-                                  torch::Tensor codes, torch::Tensor steps, int64_t shift,
-                                  c10::optional<torch::Tensor> bias) {
-  check_activations(x, "linear_int4_prefill");
-  TORCH_CHECK(specdecode_kernels::bf16_amx_supported(),
-              "linear_int4_prefill: needs AMX bfloat16 tiles (this CPU or OS has none)");
-  const QuantizedRows none{};
-  const QuantizedJob job = int4_job(x, none, panels, N, codes, steps, shift, bias);
-  const int64_t M = job.M, K = job.K, P = job.P;
-  // past 32 rows the tiles go in passes of 32: pad the rows once here, not per panel pair
-  const int64_t rows = M > 32 ? (M + 31) / 32 * 32 : M;
-  torch::Tensor xp = x;
-  if (rows != M) {
-    xp = torch::zeros({rows, K}, x.options());
-    xp.narrow(0, 0, M).copy_(x);
-  }
-  auto out = torch::empty({rows, N}, x.options());
-  const auto* X = reinterpret_cast<const uint16_t*>(xp.data_ptr<at::BFloat16>());
-  auto* O = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  const float* B = job.bias_f.empty() ? nullptr : job.bias_f.data();
-  const int64_t blocks = (job.G + (int64_t(1) << job.sh) - 1) >> job.sh;
-  if (M > 0 && N > 0)
-    at::parallel_for(0, (P + 1) / 2, 1, [&](int64_t i0, int64_t i1) {
-      thread_local std::vector<uint16_t> pair;  // two bfloat16 panels [K/2][16][2]
-      pair.resize(size_t(2 * K * kPanel));
-      for (int64_t p = 2 * i0; p < std::min(2 * i1, P); p += 2) {
-        const int64_t end = std::min(p + 2, P);
-        for (int64_t q = p; q < end; ++q)
-          specdecode_kernels::int4_bf16_panel(
-              job.w0 + q * (K / 2) * kPanel, job.w1 + q * job.G * 2 * kPanel,
-              static_cast<const uint16_t*>(job.w2) + q * blocks * 2 * kPanel, job.sh, K,
-              pair.data() + (q - p) * K * kPanel);
-        specdecode_kernels::bf16_amx_panels(X, rows, K, pair.data(), N, B, O, p, end);
-      }
-    });
-  return rows == M ? out : out.narrow(0, 0, M).contiguous();
 }
 
 // 6-bit panels: GGUF Q6_K's grid as the file has it (a GGUF-made target's Q6_K tensors: its
@@ -880,6 +907,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_int4_prefill", &linear_int4_prefill,
         "int4-weight linear for a prefill's many rows on AMX bfloat16 tiles (weights unpacked "
         "to bfloat16 per pair of panels; not the int4 tile's bits)");
+  m.def("linear_q6_prefill", &linear_q6_prefill,
+        "6-bit linear for a prefill's many rows on AMX bfloat16 tiles (as linear_int4_prefill)");
   m.def("bf16_amx_supported", &specdecode_kernels::bf16_amx_supported,
         "whether this CPU and OS run AMX bfloat16 tiles");
   m.def("linear_q6_packed", &linear_q6_packed,

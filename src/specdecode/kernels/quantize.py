@@ -502,25 +502,30 @@ def quantized_call(
     return None
 
 
-def int4_prefill_call(module: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """A prefill's product for a 4-bit linear, x [M, K] bfloat16 with M past the verification
-    rows (the lean forward's `_prefill`): its panels unpacked to bfloat16 per pair and run on AMX
-    bfloat16 tiles over every row (`linear_int4_prefill`; bfloat16 activations, so not the 4-bit
-    tile's bits: a prefill only), where this machine has them and that is the faster here
-    (`int4_prefill_on_amx`). None otherwise, and for other layers: their tiles serve."""
-    if _Q4[0] not in module._buffers or not int4_prefill_on_amx():
+def amx_prefill_call(module: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """A prefill's product for a 4-bit or 6-bit linear, x [M, K] bfloat16 with M past the
+    verification rows (the lean forward's `_prefill`): its panels unpacked to bfloat16 per pair
+    and run on AMX bfloat16 tiles over every row (`linear_int4_prefill`, `linear_q6_prefill`;
+    bfloat16 activations, so not the tiles' bits: a prefill only), where this machine has them
+    and that is the faster here (`prefill_on_amx`). None otherwise, and for int8 layers: their
+    tiles serve."""
+    if not any(name in module._buffers for name in (_Q4[0], _Q6[0])) or not prefill_on_amx():
         return None
+    bias, n, ext = module.bias, module.weight.shape[0], extension()
+    if _Q6[0] in module._buffers:
+        lo, high, sc, d = (module._buffers[name] for name in _Q6)
+        return lambda x: ext.linear_q6_prefill(x, lo, high, sc, d, n, bias)
     panels, codes, steps = (module._buffers[name] for name in _Q4)
     shift = int4_shift(codes.shape[1], steps.shape[1])
-    bias, n, ext = module.bias, module.weight.shape[0], extension()
     return lambda x: ext.linear_int4_prefill(x, panels, n, codes, steps, shift, bias)
 
 
-def int4_prefill_on_amx() -> bool:
-    """Whether a prefill's 4-bit linears run on AMX bfloat16 tiles (`int4_prefill_call`):
-    never without them (or with `use_bf16_amx(False)`); else $SPECDECODE_PREFILL_LINEARS
-    decides, as for bfloat16 linears (kernel: the 4-bit tile, torch: AMX), and auto measures
-    once per process (`_amx_beats_int4`)."""
+def prefill_on_amx() -> bool:
+    """Whether a prefill's 4-bit and 6-bit linears run on AMX bfloat16 tiles
+    (`amx_prefill_call`): never without them (or with `use_bf16_amx(False)`); else
+    $SPECDECODE_PREFILL_LINEARS decides, as for bfloat16 linears (kernel: the tiles, torch:
+    AMX), and auto measures once per process on a 4-bit product (`_amx_beats_int4`; the 6-bit
+    tile does more per weight, so it follows)."""
     if not bf16_amx_on():
         return False
     mode = prefill_mode()

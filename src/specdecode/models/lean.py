@@ -223,7 +223,7 @@ class LeanCache(Cache):
         self._linears = [_layer_linears(layer) for layer in self.layers]
         # the same projections for a prefill of more than VERIFY_TOKENS rows where another
         # product beats the tiles on this machine (measured: `prefill_on_torch` for bfloat16
-        # panels, `int4_prefill_on_amx` for 4-bit ones), else None
+        # panels, `prefill_on_amx` for 4-bit and 6-bit ones), else None
         self._prefill = _prefill_linears(self.layers) if self._fused is not None else None
         self._lm_head = _output_layer(model.lm_head)
         # the whole layer loop in one C++ call where every projection is a kernel call
@@ -673,8 +673,8 @@ def _layer_linears(layer: Any) -> tuple[Callable[[torch.Tensor], torch.Tensor], 
 
 def _prefill_linears(layers: Sequence[Any]) -> list[tuple[Callable, ...]] | None:
     """Each layer's projections as `prefill_linear` calls where there is one, else as their
-    `direct_linear` (a 4-bit target's 6-bit or int8 layers keep their tiles beside the 4-bit
-    ones on AMX); None where no projection has one (the panels and tiles are the faster for
+    `direct_linear` (a quantized target's int8 layers keep their tiles beside the 4-bit and
+    6-bit ones on AMX); None where no projection has one (the panels and tiles are the faster for
     many rows on this machine)."""
     projections = [layer_projections(layer) for layer in layers]
     calls = [tuple(prefill_linear(m) for m in layer) for layer in projections]
