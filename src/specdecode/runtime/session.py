@@ -46,6 +46,31 @@ def make_store(target: Any, rows: int, max_len: int) -> LeanStore | StaticStore:
     return StaticStore(target, rows, max_len)
 
 
+@dataclass(eq=False)
+class PartialPrefill:
+    """A prompt's target prefill in parts, before its row joins the batch
+    (`BatchSession.open_prefill`, `advance_prefill`, then `add(..., prefilled=it)`): a server
+    interleaves the parts with the running rows' steps, so a long prompt does not stall their
+    next tokens. `cache`: the row's store row, covering the first len(cache) prompt positions;
+    `kept` of them a kept prefix covered (not computed). Never the prompt's last token: `add`
+    computes it, and the first token from its logits."""
+
+    prompt_ids: list[int]
+    cache: Any  # the store row (LeanCache / StoreRow)
+    kept: int
+    started: float  # the session's clock when it was opened
+    parts: list[tuple[int, float]] = field(default_factory=list)  # each forward: tokens, seconds
+
+    @property
+    def remaining(self) -> int:
+        """Prompt positions left before the last token (which `add` computes)."""
+        return len(self.prompt_ids) - 1 - len(self.cache)
+
+    def close(self) -> None:
+        """Give the row back (a prefill abandoned: cancelled, expired, failed)."""
+        self.cache.close()
+
+
 class JobError(ValueError):
     """A job of `BatchSession.generate_each` that could not start: its `index`, and why."""
 
@@ -151,6 +176,7 @@ class BatchSession:
         request: GenerationRequest,
         begin_draft: bool = True,
         on_logits: Callable[[torch.Tensor], None] | None = None,
+        prefilled: PartialPrefill | None = None,
     ) -> Generation:
         """Validate `request` for `prompt` (ValueError on bad input, before anything runs),
         then prefill it into a free row (StoreFull when none is free): its first token is in
@@ -158,18 +184,22 @@ class BatchSession:
         it takes part from the next `step()`. `begin_draft=False` leaves the draft's prefill to
         the first step that drafts (`Batch.step`): the first token can go out first, and a row
         that never drafts never pays for it. `on_logits`: the target's logits before each token
-        it commits (`Batch.add`; a stop string may cut the last tokens after)."""
+        it commits (`Batch.add`; a stop string may cut the last tokens after). `prefilled`: the
+        prompt's `PartialPrefill` (`open_prefill`), whose row it takes; only the rest is
+        prefilled here."""
         decoder = self.decoder
-        prompt_ids = decoder.encode_prompt(prompt, chat=request.chat)
-        start = decoder.resolve(prompt_ids, request, self.clock)
-        if len(prompt_ids) + request.max_new_tokens > self.max_len:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({request.max_new_tokens}) "
-                f"exceeds the batch's {self.max_len} positions per sequence"
-            )
-        if not self.store.free_rows:
-            raise StoreFull(f"all {self.max_rows} rows of the batch are in use")
-        started = self.clock()
+        try:
+            prompt_ids = decoder.encode_prompt(prompt, chat=request.chat)
+            start = decoder.resolve(prompt_ids, request, self.clock)
+            if prefilled is None:
+                self._check_room(prompt_ids, request)
+            elif prefilled.prompt_ids != prompt_ids:
+                raise ValueError("a partial prefill continues its own prompt only")
+        except BaseException:  # a partial prefill's row is add's: given back, not lost
+            if prefilled is not None:
+                prefilled.close()
+            raise
+        started = self.clock() if prefilled is None else prefilled.started
         drafter = fork_drafter(decoder.drafter)
         if hasattr(drafter, "prefixes"):
             drafter.prefixes = self.draft_prefixes
@@ -183,15 +213,56 @@ class BatchSession:
             stats=start.stats,
             # a free row holding a prefix of this prompt (a system prompt, the same prompt
             # again) keeps it: only the rest is prefilled, to the same bits (LeanStore)
-            prefilled=self.store.open_row(prompt_ids[:-1]),
+            prefilled=self.store.open_row(prompt_ids[:-1])
+            if prefilled is None
+            else prefilled.cache,
             begin_draft=begin_draft,
             on_logits=on_logits,
         )
+        if prefilled is not None:  # its parts: the prefill's forwards, and what was kept
+            start.stats.cached_tokens = prefilled.kept
+            for n, seconds in prefilled.parts:
+                start.stats.meter.add("prefill", n, seconds)
         text = decoder.text_stream(request) if decoder.tokenizer is not None else None
         generation = Generation(prompt_ids, request, start.stats, text, row, started)
         self.generations.append(generation)
         self._take(generation, self.clock())
         return generation
+
+    def open_prefill(self, prompt: Any, request: GenerationRequest) -> PartialPrefill:
+        """Validate `request` for `prompt` as `add` does and take a free row for its prefill in
+        parts (`advance_prefill`), keeping the longest prefix of the prompt a free row holds;
+        `add(prompt, request, prefilled=...)` then finishes it. A prompt split into parts of at
+        most VERIFY_TOKENS (lean.py) positions gets the keys and values of one whole prefill on
+        the kernels' fused path, bit for bit (the fused path's rows do not depend on the split)."""
+        prompt_ids = self.decoder.encode_prompt(prompt, chat=request.chat)
+        self.decoder.resolve(prompt_ids, request, self.clock)  # validates the request
+        self._check_room(prompt_ids, request)
+        started = self.clock()
+        cache = self.store.open_row(prompt_ids[:-1])
+        return PartialPrefill(prompt_ids, cache, len(cache), started)
+
+    @torch.inference_mode()
+    def advance_prefill(self, partial: PartialPrefill, tokens: int) -> None:
+        """Forward up to `tokens` more of the prompt's positions (never its last token)."""
+        begin = len(partial.cache)
+        end = begin + max(0, min(tokens, partial.remaining))
+        if end == begin:
+            return
+        device = next(self.batch.target.parameters()).device
+        ids = torch.tensor(partial.prompt_ids[begin:end], device=device)
+        before = self.clock()
+        partial.cache.forward(ids, last_only=True)
+        partial.parts.append((end - begin, self.clock() - before))
+
+    def _check_room(self, prompt_ids: list[int], request: GenerationRequest) -> None:
+        if len(prompt_ids) + request.max_new_tokens > self.max_len:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({request.max_new_tokens}) "
+                f"exceeds the batch's {self.max_len} positions per sequence"
+            )
+        if not self.store.free_rows:
+            raise StoreFull(f"all {self.max_rows} rows of the batch are in use")
 
     def step(self) -> list[Generation]:
         """One batched step of every running generation; returns them with this step's

@@ -28,7 +28,7 @@ from starlette.requests import ClientDisconnect
 
 from specdecode.runtime.engine import SpeculativeDecoder
 from specdecode.server.errors import APIError, error_body, from_validation_errors, shutting_down
-from specdecode.server.limits import DEFAULT_MAX_BODY_BYTES, check_prompt_size
+from specdecode.server.limits import DEFAULT_MAX_BODY_BYTES, PREFILL_CHUNK, check_prompt_size
 from specdecode.server.middleware import (
     DOCS_PATHS,
     CountRequests,
@@ -64,6 +64,7 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     api_key: str | None = None,
     metrics_auth: bool = False,
+    prefill_chunk: int = PREFILL_CHUNK,
 ) -> FastAPI:
     """The OpenAI-compatible app serving `engine` under the name `model_name` (options: see
     `ServerOptions`). `app.state.server` is its `ServerState`; `await state.drain(s)` before
@@ -78,6 +79,7 @@ def create_app(
         max_body_bytes=max_body_bytes,
         api_key=api_key,
         metrics_auth=metrics_auth,
+        prefill_chunk=prefill_chunk,
     )
     options.check()
     openapi, docs, oauth2_redirect, redoc = DOCS_PATHS

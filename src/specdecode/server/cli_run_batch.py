@@ -77,6 +77,7 @@ def handle_run_batch(args: argparse.Namespace) -> int:
             model_name=args.model_name or engine.target.name,
             max_batch=args.max_batch,
             max_len=args.max_len,
+            prefill_chunk=args.prefill_chunk,
             timeout_s=args.timeout or None,
             max_prompt_tokens=args.max_prompt_tokens,
             max_prompt_chars=args.max_prompt_chars,

@@ -18,7 +18,7 @@ from specdecode.cli_args import (
     add_policy_args,
     engine_from_args,
 )
-from specdecode.server.limits import DEFAULT_MAX_BODY_BYTES
+from specdecode.server.limits import DEFAULT_MAX_BODY_BYTES, PREFILL_CHUNK
 
 API_KEY_ENV = "SPECDECODE_API_KEY"
 
@@ -59,6 +59,14 @@ def add_served_engine_args(parser: argparse.ArgumentParser, timeout_default: flo
         "(default: the model's context, at most 4096)",
     )
     parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=PREFILL_CHUNK,
+        help="prefill a longer prompt in parts of this many tokens, one between two steps of "
+        "the running generations, so that it does not stall their next tokens "
+        f"(default {PREFILL_CHUNK}; 0 = each prompt at once)",
+    )
+    parser.add_argument(
         "--max-prompt-tokens",
         type=int,
         default=None,
@@ -81,6 +89,8 @@ def check_served_engine_args(args: argparse.Namespace) -> None:
         raise ValueError(f"max-batch must be >= 1 (got {args.max_batch})")
     if args.max_len is not None and args.max_len < 2:
         raise ValueError(f"max-len must be >= 2 positions (got {args.max_len})")
+    if args.prefill_chunk < 0:
+        raise ValueError(f"prefill-chunk must be >= 0 tokens (got {args.prefill_chunk})")
     if args.timeout < 0:
         raise ValueError(f"timeout must be >= 0 seconds (got {args.timeout})")
     for name in ("max_prompt_tokens", "max_prompt_chars"):
@@ -178,6 +188,7 @@ def handle_serve(args: argparse.Namespace) -> int:
         queue_size=args.queue_size,
         max_batch=args.max_batch,
         max_len=args.max_len,
+        prefill_chunk=args.prefill_chunk,
         timeout_s=args.timeout or None,
         max_prompt_tokens=args.max_prompt_tokens,
         max_prompt_chars=args.max_prompt_chars,

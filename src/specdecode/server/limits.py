@@ -13,6 +13,10 @@ from typing import Any
 from specdecode.server.errors import APIError
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # 4 MiB: a full 128k-token context is ~0.5 MiB of text
+# a prompt longer than this is prefilled in parts between the running rows' steps (worker.py):
+# lean.VERIFY_TOKENS, so that every part takes the fused path, whose keys and values do not
+# depend on the split
+PREFILL_CHUNK = 128
 MAX_STOPS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 256  # per stop string; each one is searched for after every step
 

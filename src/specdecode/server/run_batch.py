@@ -34,6 +34,7 @@ from specdecode.server.batch_file import (
     error_line,
     read_requests,
 )
+from specdecode.server.limits import PREFILL_CHUNK
 
 # a 503 is the server stopping (our interruption): that request is answered by the next run
 RETRY_STATUS = 503
@@ -240,6 +241,7 @@ def run_batch(
     model_name: str,
     max_batch: int = 8,
     max_len: int | None = None,
+    prefill_chunk: int = PREFILL_CHUNK,
     timeout_s: float | None = None,
     max_prompt_tokens: int | None = None,
     max_prompt_chars: int | None = None,
@@ -257,6 +259,7 @@ def run_batch(
         queue_size=2 * max_batch,  # every request in flight fits: none is refused (429)
         max_batch=max_batch,
         max_len=max_len,
+        prefill_chunk=prefill_chunk,
         timeout_s=timeout_s,
         max_prompt_tokens=max_prompt_tokens,
         max_prompt_chars=max_prompt_chars,

@@ -11,7 +11,7 @@ from typing import Any
 from specdecode.drafters.suffix import pool_of
 from specdecode.runtime.engine import SpeculativeDecoder
 from specdecode.server.errors import APIError
-from specdecode.server.limits import DEFAULT_MAX_BODY_BYTES, prompt_char_limit
+from specdecode.server.limits import DEFAULT_MAX_BODY_BYTES, PREFILL_CHUNK, prompt_char_limit
 from specdecode.server.responses import drafting_card
 from specdecode.server.telemetry import ServerMetrics
 from specdecode.server.worker import OPENAI_SAMPLING, GenerationWorker
@@ -34,7 +34,8 @@ class ServerOptions:
     a limit below the model's context (None: the context only). `max_prompt_chars`: a limit in
     characters, checked before tokenizing (None: derived from the token limit, see limits.py).
     `max_body_bytes`: larger bodies get 413. `api_key`: required as `Authorization: Bearer` on
-    /v1/* (and /metrics with `metrics_auth`)."""
+    /v1/* (and /metrics with `metrics_auth`). `prefill_chunk`: a longer prompt is prefilled in
+    parts of that many tokens between the running rows' steps (0: at once; worker.py)."""
 
     queue_size: int = 16
     max_batch: int = 8
@@ -45,6 +46,7 @@ class ServerOptions:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     api_key: str | None = None
     metrics_auth: bool = False
+    prefill_chunk: int = PREFILL_CHUNK
 
     def check(self) -> None:
         if self.queue_size < 0:
@@ -53,6 +55,8 @@ class ServerOptions:
             raise ValueError(f"max_batch must be an integer >= 1 (got {self.max_batch!r})")
         if self.max_len is not None and self.max_len < 2:
             raise ValueError(f"max_len must be >= 2 positions (got {self.max_len})")
+        if not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be an integer >= 0 (got {self.prefill_chunk!r})")
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise ValueError(f"timeout must be > 0 seconds (got {self.timeout_s})")
         for name in ("max_prompt_tokens", "max_prompt_chars"):
@@ -95,6 +99,7 @@ class ServerState:
             max_prompt_tokens=options.max_prompt_tokens,
             max_batch=options.max_batch,
             max_len=options.max_len,
+            prefill_chunk=options.prefill_chunk,
         )
         session = self.worker.session
         log.info(

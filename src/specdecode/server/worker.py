@@ -6,7 +6,12 @@ steps, waiting requests join the batch (each validated before it joins, so a bad
 touches the running ones) and finished, cancelled or expired ones leave it. Beyond the batch,
 requests wait in a bounded FIFO; a full queue refuses at once (429). Cancellation (client gone,
 or the server's drain at shutdown) and the per-request deadline are checked between steps.
-`max_batch=1` is one generation at a time.
+`max_batch=1` is one generation at a time. A prompt longer than `prefill_chunk` tokens is
+prefilled in parts of that many (`BatchSession.open_prefill`), one part between two steps of the
+running rows while any run (all at once while none does), so one long prompt does not stall
+every stream's next token for its whole prefill; parts of at most VERIFY_TOKENS (the default)
+keep the bits of a whole prefill on the kernels' fused path, and the prompt's prefix for the
+next request.
 
 Results go back as events through each job's `deliver` callback (the app posts them to its event
 loop): `Started`, any number of `Delta`, then exactly one of `Finished` or `Failed`.
@@ -29,8 +34,9 @@ from specdecode.core.store import StoreFull
 from specdecode.core.types import Stats
 from specdecode.kernels.openmp import release_pool
 from specdecode.runtime.engine import SpeculativeDecoder
-from specdecode.runtime.session import Generation
+from specdecode.runtime.session import Generation, PartialPrefill
 from specdecode.server.errors import APIError, shutting_down
+from specdecode.server.limits import PREFILL_CHUNK
 from specdecode.server.logprobs import LogprobCollector, TokenLogprob
 from specdecode.server.telemetry import ServerMetrics
 
@@ -141,6 +147,9 @@ class Job:
     started: float | None = None  # when the worker took it (time.monotonic)
     cancelled: threading.Event = field(default_factory=threading.Event)
     interrupt: str | None = None  # why it was cancelled: "cancelled", "timeout" or "shutdown"
+    # a long prompt's prefill in parts: its row, and what `add` needs once the parts are done
+    partial: PartialPrefill | None = None
+    plan: tuple[list[int], GenerationRequest, LogprobCollector | None] | None = None
 
     def expired(self) -> bool:
         return self.timeout_s is not None and time.monotonic() - self.arrival > self.timeout_s
@@ -155,9 +164,13 @@ class GenerationWorker:
         metrics: ServerMetrics | None = None,
         max_batch: int = 8,
         max_len: int | None = None,
+        prefill_chunk: int = PREFILL_CHUNK,
     ) -> None:
         if engine.tokenizer is None:
             raise ValueError("serving needs a model with a tokenizer")
+        if not isinstance(prefill_chunk, int) or prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be an integer >= 0 (got {prefill_chunk!r})")
+        self.prefill_chunk = prefill_chunk  # 0: every prompt prefilled at once
         self.engine = engine
         self.queue_size = queue_size
         self.max_prompt_tokens = max_prompt_tokens
@@ -277,58 +290,84 @@ class GenerationWorker:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._waiting and not self._running and not self._closed:
+                while (
+                    not self._waiting
+                    and not self._running
+                    and not self._joining
+                    and not self._closed
+                ):
                     self._cond.wait()
-                if self._closed and not self._running:
+                if self._closed and not self._running and not self._joining:
                     return
                 while self._waiting and len(self._running) + len(self._joining) < self.max_batch:
                     job = self._waiting.popleft()
                     job.started = time.monotonic()
                     self._joining.append(job)  # not idle: the drain waits for (and ends) it
                 joining = list(self._joining)
+            # with rows running, one part of one long prompt between two of their steps
+            budget = 1 if self.session.generations else None
             for job in joining:
+                more = False
                 try:
-                    self._join(job)
-                finally:  # ended in its join (or running: _join moved it)
+                    more, budget = self._join(job, budget)
+                finally:  # ended in its join, running (_join moved it), or prefilling on
                     with self._cond:
-                        if job in self._joining:
+                        if job in self._joining and not more:
                             self._joining.remove(job)
             if self.session.generations:
                 self._step()
 
-    def _join(self, job: Job) -> None:
+    def _join(self, job: Job, budget: int | None) -> tuple[bool, int | None]:
         """Validate `job`, prefill it into the batch and send its first token; a bad request
-        ends here, alone. The draft's prefill waits for the row's first drafting step."""
+        ends here, alone. The draft's prefill waits for the row's first drafting step. A prompt
+        longer than `prefill_chunk` goes in parts: as many as `budget` allows (None: all), each
+        taking one from it. Returns whether the job is still prefilling, and what is left of
+        the budget."""
         if job.cancelled.is_set() or job.expired():
             cancelled = job.cancelled.is_set()
+            if job.partial is not None:
+                job.partial.close()
             self._end_unstarted(job, (job.interrupt or "cancelled") if cancelled else "timeout")
-            return
+            return False, budget
         try:
-            prompt_ids, max_new = self._plan(job.params)
-            request = job.params.request(self.engine, max_new)
-            collector = self._collector(job.params)
+            if job.plan is None:
+                prompt_ids, max_new = self._plan(job.params)
+                request = job.params.request(self.engine, max_new)
+                job.plan = (prompt_ids, request, self._collector(job.params))
+                if self.prefill_chunk and len(prompt_ids) - 1 > self.prefill_chunk:
+                    job.partial = self.session.open_prefill(prompt_ids, request)
+            prompt_ids, request, collector = job.plan
+            partial, chunk = job.partial, self.prefill_chunk
+            while partial is not None and partial.remaining > chunk:
+                if budget == 0:
+                    return True, budget
+                self.session.advance_prefill(partial, chunk)
+                budget = None if budget is None else budget - 1
+            job.partial = None  # the row is add's now, whatever happens to it
             generation = self.session.add(
-                prompt_ids, request, begin_draft=False, on_logits=collector
+                prompt_ids, request, begin_draft=False, on_logits=collector, prefilled=partial
             )
-        except APIError as err:
-            job.deliver(Failed(err))
-            return
-        except StoreFull as err:  # not expected (rows are counted), but never evict a row
-            job.deliver(Failed(APIError(429, str(err), type="rate_limit_exceeded")))
-            return
-        except ValueError as err:
-            job.deliver(Failed(APIError(400, str(err))))
-            return
-        except Exception:  # never let one request kill the worker
-            log.exception("prefill failed")
-            self._fail(job, None)
-            return
+        except Exception as err:
+            if job.partial is not None:  # its row goes back to the store
+                job.partial.close()
+                job.partial = None
+            if isinstance(err, APIError):
+                job.deliver(Failed(err))
+            elif isinstance(err, StoreFull):  # not expected (rows are counted): never evict
+                job.deliver(Failed(APIError(429, str(err), type="rate_limit_exceeded")))
+            elif isinstance(err, ValueError):
+                job.deliver(Failed(APIError(400, str(err))))
+            else:  # never let one request kill the worker
+                log.exception("prefill failed")
+                self._fail(job, None)
+            return False, budget
         running = Running(generation, logprobs=collector)
         with self._cond:
             self._running[job] = running
             self._joining.remove(job)  # from joining to running at once: never idle between
         job.deliver(Started(len(prompt_ids)))
         self._news(job, running)
+        return False, budget
 
     def _fail(self, job: Job, running: Running | None) -> None:
         """End `job` with a 500 (the server's fault); its row, if any, leaves."""

@@ -1,0 +1,135 @@
+"""A long prompt's prefill in parts (`BatchSession.open_prefill`, `advance_prefill`, then
+`add(..., prefilled=...)`): the same answer, bit for bit, as its prefill at once; a server's
+worker runs one part between two steps of the running rows (`prefill_chunk`), so a stream's
+next token never waits for a whole long prefill (issue 55, item 9)."""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+
+import pytest
+
+from specdecode import SpeculativeDecoder
+from specdecode.core.request import GenerationRequest
+from specdecode.core.sampling import SamplingParams
+from specdecode.models.loading import wrap_model
+
+from conftest import WIDE, char_tokenizer, needs_kernel, noisy_copy, on_kernel, tiny_llama
+
+pytestmark = needs_kernel()
+
+SYSTEM = "You are a careful assistant. Answer briefly and exactly, in plain words. "
+LONG = SYSTEM * 4 + "What does the cat do?"  # over 300 characters: over 300 tokens
+
+
+@pytest.fixture(scope="module")
+def engines():
+    tokenizer = char_tokenizer()
+    base = tiny_llama(seed=5, layers=3, vocab=len(tokenizer), max_position_embeddings=1024, **WIDE)
+    draft = on_kernel(noisy_copy(base, 0.05, seed=6), 4)
+    target = wrap_model(on_kernel(base), tokenizer, name="tiny")
+    return target, draft
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_prompt_prefilled_in_parts_answers_as_at_once(engines, temperature):
+    target, draft = engines
+    engine = SpeculativeDecoder(target, draft, k=3, k_policy="fixed")
+    alone = engine.generate(LONG, 16, temperature=temperature, seed=3)
+    session = engine.batch_session(max_rows=2, max_len=512)
+    request = GenerationRequest(16, SamplingParams(temperature=temperature), seed=3)
+    partial = session.open_prefill(LONG, request)
+    assert session.free_rows == 1 and partial.kept == 0
+    assert partial.remaining == len(alone.prompt_ids) - 1
+    parts = 0
+    while partial.remaining > 100:
+        session.advance_prefill(partial, 100)
+        parts += 1
+    generation = session.add(LONG, request, prefilled=partial)
+    while session.generations:
+        session.step()
+    assert generation.token_ids == alone.token_ids
+    assert generation.stats.accepted == alone.stats.accepted
+    stats = generation.stats
+    assert stats.cached_tokens == 0 and stats.meter.calls["prefill"] == parts + 1
+    assert stats.meter.tokens["prefill"] == len(alone.prompt_ids)
+    assert session.free_rows == 2
+
+
+def test_a_partial_prefill_keeps_a_prefix_and_gives_its_row_back(engines):
+    target, draft = engines
+    engine = SpeculativeDecoder(target, draft, k=3, k_policy="fixed")
+    session = engine.batch_session(max_rows=1, max_len=512)
+    request = GenerationRequest(4, SamplingParams())
+    first = session.add(LONG, request)
+    while session.generations:
+        session.step()
+    # the same system prompt again: the free row keeps it, only the rest goes in parts
+    partial = session.open_prefill(LONG.replace("cat", "dog"), request)
+    assert partial.kept >= len(engine.encode_prompt(SYSTEM * 4))
+    generation = session.add(LONG.replace("cat", "dog"), request, prefilled=partial)
+    assert generation.stats.cached_tokens == partial.kept
+    while session.generations:
+        session.step()
+    assert generation.token_ids == engine.generate(LONG.replace("cat", "dog"), 4).token_ids
+    assert first.finished and session.free_rows == 1
+    # abandoned, or handed to the wrong prompt: the row goes back
+    partial = session.open_prefill(LONG, request)
+    assert session.free_rows == 0
+    partial.close()
+    assert session.free_rows == 1
+    partial = session.open_prefill(LONG, request)
+    with pytest.raises(ValueError, match="its own prompt"):
+        session.add("another prompt", request, prefilled=partial)
+    assert session.free_rows == 1
+
+
+def test_the_worker_runs_one_part_between_two_steps_of_a_running_stream(engines):
+    from specdecode.server.worker import Finished, GenerationParams, GenerationWorker, Job
+
+    target, draft = engines
+    engine = SpeculativeDecoder(target, draft, k=3, k_policy="fixed")
+    worker = GenerationWorker(engine, max_batch=2, max_len=512, prefill_chunk=32)
+    order: list[str] = []  # what the worker did, in order, while the short stream ran
+    session = worker.session
+    advance, step = session.advance_prefill, session.step
+
+    def advance_logged(partial, tokens):
+        order.append("part")
+        advance(partial, tokens)
+
+    def step_logged():
+        order.append("step")
+        return step()
+
+    session.advance_prefill, session.step = advance_logged, step_logged
+    outcomes: dict[str, queue.Queue] = {"short": queue.Queue(), "long": queue.Queue()}
+    started = threading.Event()
+
+    def job(name: str, prompt: str, max_tokens: int) -> Job:
+        params = GenerationParams(prompt, False, max_tokens, 0.0, None, None, None, [])
+
+        def deliver(event):
+            if name == "short":
+                started.set()
+            if isinstance(event, Finished):
+                outcomes[name].put(event.outcome)
+
+        return Job(params, "completions", deliver)
+
+    worker.start()
+    try:
+        worker.submit(job("short", "once", 60))
+        assert started.wait(60)
+        worker.submit(job("long", LONG, 8))
+        short, long = outcomes["short"].get(timeout=120), outcomes["long"].get(timeout=120)
+    finally:
+        worker.stop()
+    assert short.token_ids == engine.generate("once", 60).token_ids
+    assert long.token_ids == engine.generate(LONG, 8).token_ids
+    parts = [i for i, what in enumerate(order) if what == "part"]
+    assert len(parts) == (len(engine.encode_prompt(LONG)) - 1 - 1) // 32  # all but the last
+    # while the short stream ran, never two parts without one of its steps between them
+    assert all("step" in order[a:b] for a, b in itertools.pairwise(parts))
