@@ -47,9 +47,15 @@ def test_a_prompt_prefilled_in_parts_answers_as_at_once(engines, temperature):
     while partial.remaining > 100:
         session.advance_prefill(partial, 100)
         parts += 1
+    # the draft's prefill goes in the same parts: its first drafting step does only the rest
+    meter = session.batch.meter
+    assert meter.tokens["draft_prefill"] == 100 * parts and meter.calls["draft_prefill"] == parts
     generation = session.add(LONG, request, prefilled=partial)
     while session.generations:
         session.step()
+    # (the draft begins after the first token: its prefill covers the prompt's last position)
+    assert meter.tokens["draft_prefill"] == len(alone.prompt_ids)
+    assert meter.calls["draft_prefill"] == parts + 1
     assert generation.token_ids == alone.token_ids
     assert generation.stats.accepted == alone.stats.accepted
     stats = generation.stats

@@ -27,6 +27,9 @@ class DraftModelState:
         self.vocab_size = vocab_size
         self.cache: KVCache | LeanCache | None = None
         self.prefixes: PrefixPool | None = None
+        # a cache over a prefix of the next prompt already (a server's prefill in parts,
+        # runtime/session.py): `begin` takes it and prefills only the rest
+        self.prefilled: KVCache | LeanCache | None = None
         # ids the draft cannot embed (a larger target's padding rows, never real tokens, but a
         # random or sampled target may emit them) are fed as id 0; verification keeps output exact
         self.embed_size = model.get_input_embeddings().num_embeddings
@@ -39,7 +42,9 @@ class DraftModelState:
         meter: ForwardMeter,
     ) -> None:
         self.params, self.generator, self.meter = params, generator, meter
-        kept = self.prefixes.take(prompt_ids[:-1]) if self.prefixes is not None else None
+        kept, self.prefilled = self.prefilled, None
+        if kept is None and self.prefixes is not None:
+            kept = self.prefixes.take(prompt_ids[:-1])
         # the lean forward where it knows the model
         self.cache = kept if kept is not None else draft_cache(self.model)
         parameter = next(self.model.parameters())

@@ -31,7 +31,7 @@ from specdecode.core.measure import clock_for
 from specdecode.core.request import GenerationRequest
 from specdecode.core.store import StaticStore, StoreFull
 from specdecode.core.types import ForwardMeter, GenerationResult, Stats
-from specdecode.models.lean import LeanCache, LeanStore, PrefixPool, target_cache
+from specdecode.models.lean import LeanCache, LeanStore, PrefixPool, draft_cache, target_cache
 from specdecode.runtime.textstream import TextStream
 
 DEFAULT_MAX_LEN = 4096  # positions per row when the model's context is longer or unknown
@@ -60,6 +60,8 @@ class PartialPrefill:
     kept: int
     started: float  # the session's clock when it was opened
     parts: list[tuple[int, float]] = field(default_factory=list)  # each forward: tokens, seconds
+    # a draft model's cache, filled with the same parts (its drafter's `begin` takes it), or None
+    draft: Any = None
 
     @property
     def remaining(self) -> int:
@@ -203,6 +205,8 @@ class BatchSession:
         drafter = fork_drafter(decoder.drafter)
         if hasattr(drafter, "prefixes"):
             drafter.prefixes = self.draft_prefixes
+        if prefilled is not None and prefilled.draft is not None:
+            drafter.prefilled = prefilled.draft  # type: ignore[union-attr]
         row = self.batch.add(
             prompt_ids,
             request.max_new_tokens,
@@ -240,7 +244,11 @@ class BatchSession:
         self._check_room(prompt_ids, request)
         started = self.clock()
         cache = self.store.open_row(prompt_ids[:-1])
-        return PartialPrefill(prompt_ids, cache, len(cache), started)
+        draft = None
+        drafter = self.decoder.drafter
+        if hasattr(drafter, "prefilled"):  # a draft model: its prefill goes in the same parts
+            draft = self.draft_prefixes.take(prompt_ids[:-1]) or draft_cache(drafter.model)
+        return PartialPrefill(prompt_ids, cache, len(cache), started, draft=draft)
 
     @torch.inference_mode()
     def advance_prefill(self, partial: PartialPrefill, tokens: int) -> None:
@@ -254,6 +262,12 @@ class BatchSession:
         before = self.clock()
         partial.cache.forward(ids, last_only=True)
         partial.parts.append((end - begin, self.clock() - before))
+        draft = partial.draft
+        if draft is not None and len(draft) < end:  # the draft's share: the same positions
+            embed = self.decoder.drafter.embed_size  # ids it cannot embed go in as 0 (as begin)
+            ids = torch.tensor(partial.prompt_ids[len(draft) : end], device=device)
+            with self.batch.meter.forward("draft_prefill", int(ids.numel())):
+                draft.forward(ids.masked_fill(ids >= embed, 0), last_only=True)
 
     def _check_room(self, prompt_ids: list[int], request: GenerationRequest) -> None:
         if len(prompt_ids) + request.max_new_tokens > self.max_len:
