@@ -100,7 +100,7 @@ def test_the_worker_runs_one_part_between_two_steps_of_a_running_stream(engines)
     worker = GenerationWorker(engine, max_batch=2, max_len=512, prefill_chunk=32)
     order: list[str] = []  # what the worker did, in order, while the short stream ran
     session = worker.session
-    advance, step = session.advance_prefill, session.step
+    advance, step, add = session.advance_prefill, session.step, session.add
 
     def advance_logged(partial, tokens):
         order.append("part")
@@ -110,7 +110,11 @@ def test_the_worker_runs_one_part_between_two_steps_of_a_running_stream(engines)
         order.append("step")
         return step()
 
-    session.advance_prefill, session.step = advance_logged, step_logged
+    def add_logged(*args, **kwargs):  # the last part: the prompt's last token, the first new
+        order.append("part" if kwargs.get("prefilled") is not None else "add")
+        return add(*args, **kwargs)
+
+    session.advance_prefill, session.step, session.add = advance_logged, step_logged, add_logged
     outcomes: dict[str, queue.Queue] = {"short": queue.Queue(), "long": queue.Queue()}
     started = threading.Event()
 
@@ -136,6 +140,6 @@ def test_the_worker_runs_one_part_between_two_steps_of_a_running_stream(engines)
     assert short.token_ids == engine.generate("once", 60).token_ids
     assert long.token_ids == engine.generate(LONG, 8).token_ids
     parts = [i for i, what in enumerate(order) if what == "part"]
-    assert len(parts) == (len(engine.encode_prompt(LONG)) - 1 - 1) // 32  # all but the last
+    assert len(parts) == (len(engine.encode_prompt(LONG)) - 1 - 1) // 32 + 1  # add's the last
     # while the short stream ran, never two parts without one of its steps between them
     assert all("step" in order[a:b] for a, b in itertools.pairwise(parts))

@@ -338,11 +338,13 @@ class GenerationWorker:
                     job.partial = self.session.open_prefill(prompt_ids, request)
             prompt_ids, request, collector = job.plan
             partial, chunk = job.partial, self.prefill_chunk
-            while partial is not None and partial.remaining > chunk:
-                if budget == 0:
+            while partial is not None:
+                if budget == 0:  # the next part (the last one too: add's) after a step
                     return True, budget
-                self.session.advance_prefill(partial, chunk)
                 budget = None if budget is None else budget - 1
+                if partial.remaining <= chunk:
+                    break  # the last part: add prefills it with the prompt's last token
+                self.session.advance_prefill(partial, chunk)
             job.partial = None  # the row is add's now, whatever happens to it
             generation = self.session.add(
                 prompt_ids, request, begin_draft=False, on_logits=collector, prefilled=partial
