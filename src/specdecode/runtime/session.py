@@ -238,7 +238,10 @@ class BatchSession:
         parts (`advance_prefill`), keeping the longest prefix of the prompt a free row holds;
         `add(prompt, request, prefilled=...)` then finishes it. A prompt split into parts of at
         most VERIFY_TOKENS (lean.py) positions gets the keys and values of one whole prefill on
-        the kernels' fused path, bit for bit (the fused path's rows do not depend on the split)."""
+        the kernels' fused path, bit for bit (the fused path's rows do not depend on the split).
+        A draft model's cache is filled in the same parts (its drafter's `begin` then takes it):
+        the draft's prefill of a long prompt never stalls the running rows either, though a row
+        that never drafts has paid for it."""
         prompt_ids = self.decoder.encode_prompt(prompt, chat=request.chat)
         self.decoder.resolve(prompt_ids, request, self.clock)  # validates the request
         self._check_room(prompt_ids, request)
