@@ -140,6 +140,27 @@ def test_the_worker_runs_one_part_between_two_steps_of_a_running_stream(engines)
     assert short.token_ids == engine.generate("once", 60).token_ids
     assert long.token_ids == engine.generate(LONG, 8).token_ids
     parts = [i for i, what in enumerate(order) if what == "part"]
-    assert len(parts) == (len(engine.encode_prompt(LONG)) - 1 - 1) // 32 + 1  # add's the last
+    # parts of at most 32 (fewer tokens when the measured cost per token grows), add's the last
+    assert len(parts) >= (len(engine.encode_prompt(LONG)) - 1 - 1) // 32 + 1
     # while the short stream ran, never two parts without one of its steps between them
     assert all("step" in order[a:b] for a, b in itertools.pairwise(parts))
+
+
+def test_later_parts_are_smaller_as_each_token_costs_more(engines):
+    from specdecode.runtime.session import PartialPrefill
+    from specdecode.server.worker import GenerationWorker
+
+    target, draft = engines
+    worker = GenerationWorker(SpeculativeDecoder(target, draft), max_len=512, prefill_chunk=128)
+    partial = PartialPrefill(list(range(1000)), cache=None, kept=0, started=0.0)
+    assert worker.part_size(partial) == 128  # the first part: the whole chunk
+    partial.parts.append((128, 1.0))
+    assert worker.part_size(partial) == 128
+    partial.parts.append((128, 2.0))  # twice the cost per token: half the tokens
+    assert worker.part_size(partial) == 64
+    partial.parts.append((64, 4.0))  # never below a quarter of the chunk
+    assert worker.part_size(partial) == 32
+    partial.parts.append((32, 0.0))  # untimed: the whole chunk
+    assert worker.part_size(partial) == 128
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        GenerationWorker(SpeculativeDecoder(target, draft), prefill_chunk=-1)

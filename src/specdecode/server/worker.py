@@ -7,7 +7,8 @@ touches the running ones) and finished, cancelled or expired ones leave it. Beyo
 requests wait in a bounded FIFO; a full queue refuses at once (429). Cancellation (client gone,
 or the server's drain at shutdown) and the per-request deadline are checked between steps.
 `max_batch=1` is one generation at a time. A prompt longer than `prefill_chunk` tokens is
-prefilled in parts of that many (`BatchSession.open_prefill`), one part between two steps of the
+prefilled in parts of at most that many (`BatchSession.open_prefill`; later parts smaller as the
+prompt's positions make each token dearer, `part_size`), one part between two steps of the
 running rows while any run (all at once while none does), so one long prompt does not stall
 every stream's next token for its whole prefill; parts of at most VERIFY_TOKENS (the default)
 keep the bits of a whole prefill on the kernels' fused path, and the prompt's prefix for the
@@ -337,14 +338,15 @@ class GenerationWorker:
                 if self.prefill_chunk and len(prompt_ids) - 1 > self.prefill_chunk:
                     job.partial = self.session.open_prefill(prompt_ids, request)
             prompt_ids, request, collector = job.plan
-            partial, chunk = job.partial, self.prefill_chunk
+            partial = job.partial
             while partial is not None:
                 if budget == 0:  # the next part (the last one too: add's) after a step
                     return True, budget
                 budget = None if budget is None else budget - 1
-                if partial.remaining <= chunk:
+                size = self.part_size(partial)
+                if partial.remaining <= size:
                     break  # the last part: add prefills it with the prompt's last token
-                self.session.advance_prefill(partial, chunk)
+                self.session.advance_prefill(partial, size)
             job.partial = None  # the row is add's now, whatever happens to it
             generation = self.session.add(
                 prompt_ids, request, begin_draft=False, on_logits=collector, prefilled=partial
@@ -370,6 +372,21 @@ class GenerationWorker:
         job.deliver(Started(len(prompt_ids)))
         self._news(job, running)
         return False, budget
+
+    def part_size(self, partial: PartialPrefill) -> int:
+        """Tokens in a long prompt's next part: `prefill_chunk` at first, then fewer as its
+        positions make each token dearer (attention over the ones before it), so that every
+        part costs the running rows about what the first one did: the first part's seconds
+        over the last part's seconds per token (both measured), at most `prefill_chunk` and at
+        least a quarter of it (a slow part on a busy machine does not make the rest crawl)."""
+        chunk = self.prefill_chunk
+        if not partial.parts:
+            return chunk
+        first_s = partial.parts[0][1]
+        n, seconds = partial.parts[-1]
+        if first_s <= 0 or seconds <= 0:  # untimed: parts of the same size
+            return chunk
+        return max(max(1, chunk // 4), min(chunk, int(first_s * n / seconds)))
 
     def _fail(self, job: Job, running: Running | None) -> None:
         """End `job` with a 500 (the server's fault); its row, if any, leaves."""
