@@ -206,14 +206,15 @@ SD_AMX void bf16_amx_panels(const uint16_t* x, int64_t M, int64_t K, const uint1
   release();
 }
 
-// ---- int4 panels as bfloat16 panels, for a prefill's many rows ------------------------------
-// The 4-bit panels' tile (linear_avx2.cpp, int4 panels) computes each token's 16 rows with
-// 8-bit activations and a float32 epilogue per group of 32 k, which bounds it by arithmetic once
-// a forward has more than a few rows. A prefill of many rows (never a verification: the caller,
+// ---- 4-bit and 6-bit panels as bfloat16 panels, for a prefill's many rows ------------------
+// The 4-bit and 6-bit tiles (linear_avx2.cpp) compute each token's 16 rows with 8-bit
+// activations and a float32 epilogue per group of 32 k, which bounds them by arithmetic once a
+// forward has more than a few rows. A prefill of many rows (never a verification: the caller,
 // the lean forward's `_prefill`, takes it past VERIFY_TOKENS rows only) may round otherwise, as
 // bfloat16 targets' prefills on PyTorch's product do: each pair of panels is unpacked here into
-// bfloat16 panels (w = scale q + min, one rounding to bfloat16) and run on the AMX bfloat16
-// tiles above over every token, with bfloat16 activations (not quantized). Nothing is kept.
+// bfloat16 panels (one rounding to bfloat16) and run on the AMX bfloat16 tiles above over every
+// token, with bfloat16 activations (not quantized). Nothing is kept. (Every CPU with AMX has the
+// AVX-512 the unpacking uses.)
 
 // One int4 panel (codes: the 4-bit layout, 16 rows x K) -> its bfloat16 panel [K/2][16][2]
 SD_AVX512 void int4_bf16_panel(const uint8_t* p, const uint8_t* codes, const uint16_t* steps,

@@ -751,9 +751,9 @@ QuantizedJob q6_job(const torch::Tensor& x, const QuantizedRows& xr, const std::
 
 }  // namespace
 
-// A prefill's 4-bit or 6-bit linear on AMX bfloat16 tiles (linear_amx.cpp, "int4 panels as
-// bfloat16 panels"): per pair of panels, unpacked to bfloat16 once (`unpack(p, out)`) and run over
-// every token. Not the tiles' bits (bfloat16 activations, weights rounded to bfloat16): for
+// A prefill's 4-bit or 6-bit linear on AMX bfloat16 tiles (linear_amx.cpp, "4-bit and 6-bit
+// panels as bfloat16 panels"): per pair of panels, unpacked to bfloat16 once (`unpack(p, out)`)
+// and run over every token. Not the tiles' bits (bfloat16 activations, weights rounded to bfloat16): for
 // prefills past VERIFY_TOKENS rows only, where the caller chose it (cpu_linear.prefill_linear).
 template <class Unpack>
 torch::Tensor prefill_on_amx(const torch::Tensor& x, const QuantizedJob& job, Unpack unpack) {
@@ -762,7 +762,7 @@ torch::Tensor prefill_on_amx(const torch::Tensor& x, const QuantizedJob& job, Un
   const int64_t M = job.M, K = job.K, N = job.N, P = job.P;
   // past 32 rows the tiles go in passes of 32: pad the rows once here, not per panel pair, and
   // pack each 16 rows' tiles into 1 KB pieces ([rows/16][K/32][16][32]: x is read once per pair
-  // of panels, and a tile of 16 rows K apart crossed a page per row)
+  // of panels, each tile in one piece rather than 16 rows K apart)
   const int64_t rows = M > 32 ? (M + 31) / 32 * 32 : M;
   const bool packed = rows > 32;
   torch::Tensor xp = x;
