@@ -120,9 +120,9 @@ def prefill_linear(module: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Te
     """What computes `module(x)` for a prefill's many rows x [M, K] (bfloat16) where another
     product beats the kernel's tiles on this machine: for a bfloat16 linear on the panels,
     `F.linear` on the weight in its usual layout, unpacked for each call (no second copy kept),
-    where PyTorch's product is the faster (`prefill_on_torch`); for a 4-bit one, its panels
-    unpacked to bfloat16 on AMX tiles where that is (`amx_prefill_call`). None where the kernel
-    call serves (an int8 or 6-bit layer keeps its tile; its bfloat16 weight may be gone)."""
+    where PyTorch's product is the faster (`prefill_on_torch`); for a 4-bit or 6-bit one, its
+    panels unpacked to bfloat16 on AMX tiles where that is (`amx_prefill_call`). None where the
+    kernel call serves (an int8 layer keeps its tile; its bfloat16 weight may be gone)."""
     if not on_kernel(module):
         return None
     if is_quantized(module):

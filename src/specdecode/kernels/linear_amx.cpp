@@ -216,37 +216,51 @@ SD_AMX void bf16_amx_panels(const uint16_t* x, int64_t M, int64_t K, const uint1
 // token, with bfloat16 activations (not quantized). Nothing is kept. (Every CPU with AMX has the
 // AVX-512 the unpacking uses.)
 
-// One int4 panel (codes: the 4-bit layout, 16 rows x K) -> its bfloat16 panel [K/2][16][2]
+// 64 bytes of a 4-bit panel (two 4-k steps of 16 rows, the low and high nibbles rows 0-7 and
+// 8-15) -> each step's rows 0-15, lane i row i's 4 codes: the regrouping int4_tile512 does
+SD_AVX512 inline void nibble_steps(const uint8_t* p, __m512i (&steps)[2]) {
+  const __m512i low = _mm512_set1_epi8(0xF), raw = _mm512_loadu_si512(p);
+  const __m512i w0 = _mm512_and_si512(raw, low);                         // rows 0-7
+  const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);  // rows 8-15
+  steps[0] = _mm512_shuffle_i64x2(w0, w1, 0x44);
+  steps[1] = _mm512_shuffle_i64x2(w0, w1, 0xEE);
+}
+
+// float32 -> bfloat16 bits (round to nearest even; never NaN here) in each lane's low half
+SD_AVX512 inline __m512i bf16_bits(__m512 f) {
+  const __m512i u = _mm512_castps_si512(f);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)),
+                           16);
+}
+
+// 16 rows' weights at 4 consecutive k (w[j] = scale(code j of each lane) as float32, lane i row
+// i) -> two pair rows of a bfloat16 panel at `at` ([2][16][2]: k, k + 1, then k + 2, k + 3)
+template <class Weight>
+SD_AVX512 inline void store_pairs(__m512i steps, Weight weight, uint16_t* at) {
+  const __m512i byte = _mm512_set1_epi32(0xFF);
+  __m512i w[4];
+  for (int j = 0; j < 4; ++j)
+    w[j] = bf16_bits(weight(_mm512_and_si512(_mm512_srli_epi32(steps, 8 * j), byte)));
+  _mm512_storeu_si512(at, _mm512_or_si512(w[0], _mm512_slli_epi32(w[1], 16)));
+  _mm512_storeu_si512(at + 32, _mm512_or_si512(w[2], _mm512_slli_epi32(w[3], 16)));
+}
+
+// One int4 panel (codes: the 4-bit layout, 16 rows x K) -> its bfloat16 panel [K/2][16][2]:
+// w = scale q + min
 SD_AVX512 void int4_bf16_panel(const uint8_t* p, const uint8_t* codes, const uint16_t* steps,
                                int shift, int64_t K, uint16_t* out) {
-  const __m512i low = _mm512_set1_epi8(0xF), byte = _mm512_set1_epi32(0xFF);
-  const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
-  // float32 -> bfloat16 bits (round to nearest even; no NaN here) in the low 16 bits of a lane
-  const auto bf16 = [&](__m512 f) SD_AVX512 {
-    const __m512i u = _mm512_castps_si512(f);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
-    return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, odd)), 16);
-  };
   for (int64_t g = 0; g < K / 32; ++g) {
     const uint8_t* cg = codes + g * 32;              // sc [16] uint8, then ml [16] int8
     const uint16_t* sg = steps + (g >> shift) * 32;  // d [16], then dl [16] float16
     const __m512 s = coded16(cg, sg, false), m = coded16(cg + 16, sg + 16, true);
-    for (int q = 0; q < 4; ++q) {  // 64 bytes: k 8q .. 8q + 7 of the group, 16 rows
-      const __m512i raw = _mm512_loadu_si512(p + g * 256 + 64 * q);
-      const __m512i w0 = _mm512_and_si512(raw, low);                         // rows 0-7
-      const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);  // rows 8-15
-      const __m512i steps4[2] = {_mm512_shuffle_i64x2(w0, w1, 0x44),  // lane i: row i, 4 k
-                                 _mm512_shuffle_i64x2(w0, w1, 0xEE)};
-      for (int h = 0; h < 2; ++h) {
-        __m512i w[4];  // k 4h + j of the 8, every row
-        for (int j = 0; j < 4; ++j) {
-          const __m512i code = _mm512_and_si512(_mm512_srli_epi32(steps4[h], 8 * j), byte);
-          w[j] = bf16(_mm512_fmadd_ps(s, _mm512_cvtepi32_ps(code), m));
-        }
-        uint16_t* at = out + (g * 32 + 8 * q + 4 * h) * 16;  // pair row (k / 2), 32 values
-        _mm512_storeu_si512(at, _mm512_or_si512(w[0], _mm512_slli_epi32(w[1], 16)));
-        _mm512_storeu_si512(at + 32, _mm512_or_si512(w[2], _mm512_slli_epi32(w[3], 16)));
-      }
+    const auto weight = [s, m](__m512i code) SD_AVX512 {
+      return _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(code), m);
+    };
+    for (int q = 0; q < 4; ++q) {  // k 8q .. 8q + 7 of the group
+      __m512i pair[2];
+      nibble_steps(p + g * 256 + 64 * q, pair);
+      for (int h = 0; h < 2; ++h) store_pairs(pair[h], weight, out + (g * 32 + 8 * q + 4 * h) * 16);
     }
   }
 }
@@ -257,43 +271,28 @@ SD_AVX512 void int4_bf16_panel(const uint8_t* p, const uint8_t* codes, const uin
 // panel [K/2][16][2]: w = (d sc) (q - 32), rounded once to bfloat16
 SD_AVX512 void q6_bf16_panel(const uint8_t* lo, const uint8_t* hi, const int8_t* sc,
                              const uint16_t* d, int64_t K, uint16_t* out) {
-  const __m512i low = _mm512_set1_epi8(0xF), two = _mm512_set1_epi8(0x3);
-  const __m512i byte = _mm512_set1_epi32(0xFF), mid = _mm512_set1_epi32(32);
-  const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
-  const auto bf16 = [&](__m512 f) SD_AVX512 {  // as int4_bf16_panel's
-    const __m512i u = _mm512_castps_si512(f);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
-    return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, odd)), 16);
-  };
+  const __m512i two = _mm512_set1_epi8(0x3), mid = _mm512_set1_epi32(32);
+  // per half of the 8 k: rows 0-7's top bits at 4e, rows 8-15's at 4e + 2
+  const __m512i shifts[2] = {_mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0),
+                             _mm512_set_epi64(6, 6, 6, 6, 4, 4, 4, 4)};
   for (int64_t t = 0; t < K / 8; ++t) {  // k 8t .. 8t + 7, every row
-    const __m512i pair = _mm512_loadu_si512(lo + 64 * t);  // the int4 layout: steps 2t, 2t + 1
-    const __m512i w0 = _mm512_and_si512(pair, low);
-    const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(pair, 4), low);
+    __m512i lows[2];
+    nibble_steps(lo + 64 * t, lows);
     // top bits: 32 bytes, widened to both halves of a register (rows 0-7 low, 8-15 high)
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + 32 * t));
     const __m512i hh = _mm512_inserti64x4(_mm512_castsi256_si512(h), h, 1);
-    // per half of the 8 k: rows 0-7 bits (4e), rows 8-15 bits (4e + 2), moved above the nibble
-    const __m512i shifts[2] = {_mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0),
-                               _mm512_set_epi64(6, 6, 6, 6, 4, 4, 4, 4)};
-    const __m512i lows[2] = {_mm512_shuffle_i64x2(w0, w1, 0x44),
-                             _mm512_shuffle_i64x2(w0, w1, 0xEE)};
     const int64_t k0 = 8 * t;
-    const __m512 dv = half16(d + (k0 / 256) * 16);
     const __m512 scale = _mm512_mul_ps(
         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + (k0 / 16) * 16)))),
-        dv);
+        half16(d + (k0 / 256) * 16));
+    const auto weight = [scale, mid](__m512i code) SD_AVX512 {
+      return _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_sub_epi32(code, mid)));
+    };
     for (int e = 0; e < 2; ++e) {
       const __m512i top = _mm512_and_si512(_mm512_srlv_epi64(hh, shifts[e]), two);
       const __m512i q = _mm512_or_si512(lows[e], _mm512_slli_epi16(top, 4));  // lane i: row i
-      __m512i w[4];
-      for (int j = 0; j < 4; ++j) {
-        const __m512i code = _mm512_and_si512(_mm512_srli_epi32(q, 8 * j), byte);
-        w[j] = bf16(_mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_sub_epi32(code, mid))));
-      }
-      uint16_t* at = out + (k0 + 4 * e) * 16;
-      _mm512_storeu_si512(at, _mm512_or_si512(w[0], _mm512_slli_epi32(w[1], 16)));
-      _mm512_storeu_si512(at + 32, _mm512_or_si512(w[2], _mm512_slli_epi32(w[3], 16)));
+      store_pairs(q, weight, out + (k0 + 4 * e) * 16);
     }
   }
 }
