@@ -77,7 +77,6 @@ def aggregate_group(
 ) -> dict[str, Any]:
     """The aggregates of one setting over one group of prompts (a category or all)."""
     first = records[0]
-    ours = first.method in ("ar", "spec")
     row: dict[str, Any] = {
         "setting": first.setting,
         "method": first.method,
@@ -109,7 +108,9 @@ def aggregate_group(
     greedy = [r for r in records if r.identical_to_ar is not None]
     row["identical"] = sum(bool(r.identical_to_ar) for r in greedy)
     row["compared"] = len(greedy)
-    if not ours or first.method == "ar":
+    # a server's counters (bench --server) where it exports them; our engine's always
+    counted = first.method == "spec" or any(r.drafted is not None for r in records)
+    if first.method == "ar" or not counted:
         return row
 
     drafted, accepted = _sum(records, "drafted"), _sum(records, "accepted")
@@ -148,7 +149,8 @@ def summarize(records: list[Record]) -> dict[str, Any]:
     by_setting: dict[str, list[Record]] = defaultdict(list)
     for r in records:
         by_setting[r.setting].append(r)
-    if "ar" not in by_setting:
+    servers_only = all(r.method in ("ar", "server") for r in records)
+    if "ar" not in by_setting and not servers_only:
         raise ValueError("the records have no `ar` baseline: run with the `ar` method")
     baselines = {"ar": {_key(r): r for r in by_setting["ar"]}}
     if "hf-ar" in by_setting:

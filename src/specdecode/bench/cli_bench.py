@@ -102,6 +102,24 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         "category with its own settings, against ar (--methods or --draft add more); its target, "
         "dtype and device are the defaults",
     )
+    bench.add_argument(
+        "--server",
+        action="append",
+        default=None,
+        metavar="[LABEL=]URL",
+        help="an OpenAI-compatible server to measure instead of loading models (repeatable: "
+        "vLLM, SGLang, llama-server, `specdecode serve`): each is a setting; label the one that "
+        "does not speculate `ar` for speedups and identity; acceptance from its /metrics",
+    )
+    bench.add_argument(
+        "--model",
+        default=None,
+        help="with --server: the model to ask for (default: the one listed)",
+    )
+    bench.add_argument("--api-key", default=None, help="with --server: sent as a bearer token")
+    bench.add_argument(
+        "--timeout", type=float, default=600.0, help="with --server: seconds to wait for a server"
+    )
     bench.add_argument("--out", default=None, help="output folder (default runs/bench-TIME)")
     bench.add_argument(
         "--quick",
@@ -166,6 +184,8 @@ def handle_bench(args: argparse.Namespace) -> int:
     from specdecode.core.sampling import SamplingParams
 
     SamplingParams(args.temperature, args.top_k, args.top_p)  # bad values fail before loading
+    if args.server:
+        return _bench_servers(args)
     run = None
     if args.config:
         from specdecode.bench.methods import tuned_setting
@@ -206,6 +226,42 @@ def handle_bench(args: argparse.Namespace) -> int:
     )
     config.validate()
     summary = run_bench(config)
+    _print_headline(summary, config.out)
+    return 0
+
+
+# options that load or configure our engine, meaningless when servers are measured
+_ENGINE_ONLY = (
+    "target", "draft", "methods", "k", "hf_k", "k_policy", "tree", "top_k", "top_p",
+    "share_prefill", "dtype", "device", "config", "quick", "kernel", "draft_vocab",
+)  # fmt: skip
+
+
+def _bench_servers(args: argparse.Namespace) -> int:
+    from specdecode.bench.server_bench import ServerBenchConfig, run_server_bench
+
+    given = [name for name in _ENGINE_ONLY if getattr(args, name, None) not in (None, False)]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        raise ValueError(f"{flag} configures our engine: with --server the servers run as started")
+    config = ServerBenchConfig(
+        servers=args.server,
+        out=args.out or time.strftime("runs/bench-%Y%m%d-%H%M%S"),
+        model=args.model,
+        api_key=args.api_key,
+        prompts_file=args.prompts,
+        categories=args.categories,
+        limit=args.limit,
+        turns=args.turns,
+        chat=args.chat,
+        max_new_tokens=args.max_new_tokens or 64,
+        temperature=args.temperature,
+        seed=args.seed,
+        repeats=args.repeats,
+        timeout_s=args.timeout,
+        command=shlex.join(["specdecode", *args.argv]),
+    )
+    summary = run_server_bench(config)
     _print_headline(summary, config.out)
     return 0
 

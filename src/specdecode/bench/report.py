@@ -151,14 +151,31 @@ def _target(name: str | None) -> str:
     return f"`{name}` ({bits} weights: `ar` and the identity checks are this quantized model's)"
 
 
-def render_markdown(summary: dict[str, Any], records: list[Record], info: dict) -> str:
+def _servers_line(summary: dict[str, Any], records: list[Record], info: dict) -> str:
+    """What a `bench --server` run measured, in place of the engine's target line."""
+    config = info.get("config", {})
+    served = "; ".join(
+        f"`{s['label']}` = {s['url']} (model `{s['model']}`, "
+        + ("speculative counters read" if s["counters"] else "no speculative counters: speed only")
+        + ")"
+        for s in info["servers"]
+    )
+    machine = info.get("client_machine", {})
+    return (
+        f"Servers: {served}. Temperature {records[0].temperature}, up to "
+        f"{config.get('max_new_tokens', '?')} new tokens, {len({r.prompt_id for r in records})} "
+        f"prompts in {len(summary['categories'])} categories, {config.get('repeats', 1)} "
+        f"repeat(s), each request alone on its server. Acceptance from each server's Prometheus "
+        f"counters (differences around each request); the `ar` server (where one is labelled so) "
+        f"is the baseline of speedups and of the identity checks, which compare texts. Client "
+        f"machine: {machine.get('cpu', '?')}, {machine.get('cpus', '?')} CPUs."
+    )
+
+
+def _engine_line(summary: dict[str, Any], records: list[Record], info: dict) -> str:
     config = info.get("config", {})
     first = records[0]
-    lines = [
-        "# Benchmark report",
-        "",
-        f"Command: `{info.get('command', '?')}`",
-        "",
+    return (
         f"Target {_target(config.get('target') or first.target)}, {first.dtype}, linear layers on "
         f"{info.get('kernel', 'eager')}"
         + (f", attention {info['attention']}" if info.get("attention") else "")
@@ -166,7 +183,22 @@ def render_markdown(summary: dict[str, Any], records: list[Record], info: dict) 
         f"{first.temperature}, up to {config.get('max_new_tokens', '?')} new tokens, "
         f"{len({r.prompt_id for r in records})} prompts in {len(summary['categories'])} "
         f"categories, {config.get('repeats', 1)} repeat(s). Machine: {info.get('machine', '?')}, "
-        f"device {info.get('device', '?')}; versions {info.get('versions', {})}.",
+        f"device {info.get('device', '?')}; versions {info.get('versions', {})}."
+    )
+
+
+def render_markdown(summary: dict[str, Any], records: list[Record], info: dict) -> str:
+    first = records[0]
+    if info.get("servers"):
+        head = _servers_line(summary, records, info)
+    else:
+        head = _engine_line(summary, records, info)
+    lines = [
+        "# Benchmark report",
+        "",
+        f"Command: `{info.get('command', '?')}`",
+        "",
+        head,
         "",
         "decode speedup = geometric mean over prompts of decode tokens/s (after the first block, "
         "prefill excluded) / the same prompt's `ar`; e2e speedup the same on whole-generation "
@@ -223,13 +255,18 @@ def write_plots(out_dir: Path, summary: dict[str, Any]) -> None:
     chain_rows = [r for r in spec_rows if not r.get("tree")]  # k plots are about chains
     categories = summary["categories"]
     overall = [r for r in spec_rows if r["category"] == OVERALL]
+    # acceptance plots: our settings and servers that export counters (bench --server)
+    drafted_rows = [r for r in summary["rows"] if r.get("acceptance_rate") is not None]
+    drafted_overall = [r for r in drafted_rows if r["category"] == OVERALL]
 
     # acceptance by category: one bar group per category, one bar per spec setting
     fig, ax = plt.subplots(figsize=(10, 4))
-    shown = overall[:8]
+    shown = drafted_overall[:8]
     width = 0.8 / max(len(shown), 1)
     for i, setting in enumerate(shown):
-        values = [_value(spec_rows, setting["setting"], c, "acceptance_rate") for c in categories]
+        values = [
+            _value(drafted_rows, setting["setting"], c, "acceptance_rate") for c in categories
+        ]
         ax.bar(
             [x + i * width for x in range(len(categories))], values, width, label=setting["setting"]
         )
@@ -262,12 +299,12 @@ def write_plots(out_dir: Path, summary: dict[str, Any]) -> None:
 
     # per-position acceptance (overall)
     fig, ax = plt.subplots(figsize=(6, 4))
-    for r in overall:
-        values = r.get("per_position_acceptance") or []
-        if values:
-            ax.plot(range(1, len(values) + 1), values, marker="o", label=r["setting"])
+    with_positions = [r for r in drafted_overall if r.get("per_position_acceptance")]
+    for r in with_positions:
+        values = r["per_position_acceptance"]
+        ax.plot(range(1, len(values) + 1), values, marker="o", label=r["setting"])
     ax.set(xlabel="draft position", ylabel="acceptance", ylim=(0, 1.05))
-    if overall:
+    if with_positions:
         ax.legend(fontsize=7)
     _save(fig, out_dir / "per_position_acceptance.png")
 

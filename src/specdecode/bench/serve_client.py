@@ -119,6 +119,7 @@ class Outcome:
     prompt_tokens: int | None = None  # from usage, where sent
     finish_reason: str | None = None
     retry_after_s: float | None = None  # a 429's Retry-After
+    text: str = ""  # the content chunks' text, joined
 
 
 def stream_one(
@@ -208,7 +209,9 @@ def _content(chunk: dict[str, Any], outcome: Outcome, chat: bool) -> bool:
             if chat
             else choice.get("text")
         )
-        found = found or (isinstance(text, str) and text != "")
+        if isinstance(text, str) and text != "":
+            outcome.text += text
+            found = True
     return found
 
 

@@ -266,6 +266,7 @@ def make_record(
         **asdict(outcome),
     }
     record.pop("retry_after_s")
+    record.pop("text")  # a load run keeps times and counts, not answers
     for key in ("ttft_s", "latency_s"):
         record[key] = _round(record[key])
     record["itl_s"] = [_round(gap) for gap in record["itl_s"]]
