@@ -48,17 +48,22 @@ class NgramDrafter(Drafter):
         return self._ids
 
     def propose(self, context: list[int], k: int) -> Draft:
-        ids = self._sync(context)  # [L]
-        length = ids.shape[0]
-        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
-            suffix = ids[length - n :]  # [n]
-            # every earlier window of n tokens, vectorised: windows[i] = ids[i : i + n]
-            windows = ids[: length - 1].unfold(0, n, 1)  # [L - n, n]
-            hits = (windows == suffix).all(dim=1).nonzero()  # [hits, 1]
-            if hits.numel():
-                start = int(hits[-1]) + n  # the most recent match; what followed it
-                return Draft(ids[start : start + k].clone())
-        return Draft(torch.empty(0, dtype=torch.long))
+        return Draft(lookup(self._sync(context), k, self.min_ngram, self.max_ngram))
 
     def observe(self, n_accepted: int) -> None:
         pass  # stateless beyond the context, which the next propose() receives in full
+
+
+def lookup(ids: torch.Tensor, k: int, min_ngram: int, max_ngram: int) -> torch.Tensor:
+    """Up to k tokens that followed the most recent earlier occurrence of the last n tokens of
+    `ids` ([L] int64), n from `max_ngram` down to `min_ngram`; empty where none occurred."""
+    length = ids.shape[0]
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        suffix = ids[length - n :]  # [n]
+        # every earlier window of n tokens, vectorised: windows[i] = ids[i : i + n]
+        windows = ids[: length - 1].unfold(0, n, 1)  # [L - n, n]
+        hits = (windows == suffix).all(dim=1).nonzero()  # [hits, 1]
+        if hits.numel():
+            start = int(hits[-1]) + n  # the most recent match; what followed it
+            return ids[start : start + k].clone()
+    return torch.empty(0, dtype=torch.long)
