@@ -30,6 +30,7 @@ from tqdm import tqdm
 from specdecode.bench.aggregate import summarize
 from specdecode.bench.records import Record
 from specdecode.bench.report import write_report
+from specdecode.bench.runner import load_results
 from specdecode.bench.serve_client import OK, Endpoint, Outcome, probe, stream_one
 from specdecode.bench.serve_load import CHAT, COMPLETIONS, choose_model, machine_info
 from specdecode.bench.server_counters import Counters, scrape
@@ -50,9 +51,12 @@ class ServerSpec:
 
     @classmethod
     def parse(cls, text: str, api_key: str | None = None) -> ServerSpec:
-        label, sep, url = text.partition("=")
-        if not sep or "://" in label:  # no label: the URL alone (a URL may hold "=")
-            label, url = "", text
+        # LABEL=URL: the label ends at the last "=" before the URL's scheme (a label may hold
+        # "=", as in `k=2`); no "=" there: the URL alone
+        head, scheme_sep, rest = text.partition("://")
+        label, sep, scheme = head.rpartition("=")
+        url = scheme + scheme_sep + rest if sep else text
+        label = label if sep else ""
         endpoint = Endpoint.parse(url, api_key)
         return cls(label.strip() or endpoint.url.split("://", 1)[1], endpoint)
 
@@ -159,6 +163,28 @@ def run_server_bench(config: ServerBenchConfig, progress: bool = True) -> dict[s
     return summary
 
 
+def merge_runs(folders: list[Path], out: Path, **info: Any) -> dict[str, Any]:
+    """Runs of one server each (one after another) as one run in `out`: their records with
+    identity against the `ar` server's texts, run.json (every server; `info` added), summary,
+    report and plots. Returns the summary."""
+    records = [r for folder in folders for r in load_results(folder)]
+    if not records:
+        raise ValueError("no server run to put together")
+    mark_text_identity(records)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / RESULTS, "w") as results:
+        results.writelines(json.dumps(r.to_dict()) + "\n" for r in records)
+    infos = [json.loads((folder / RUN).read_text()) for folder in folders]
+    merged = dict(infos[0]) | info
+    merged["servers"] = [s for i in infos for s in i["servers"]]
+    merged["settings"] = [s["label"] for s in merged["servers"]]
+    (out / RUN).write_text(json.dumps(merged, indent=1))
+    summary = summarize(records)
+    (out / SUMMARY).write_text(json.dumps(summary, indent=1))
+    write_report(out, summary, records, merged)
+    return summary
+
+
 def _turns(prompt: BenchPrompt, config: ServerBenchConfig) -> int:
     return len(prompt.turns) if config.turns == "all" else 1
 
@@ -236,12 +262,18 @@ def _close_category(servers: list[_Server]) -> list[Record]:
                 last = server.records[-1]
                 _add_counts(last, _counts_of(last).plus(late))
         done += server.records
-    baseline = {(r.prompt_id, r.turn, r.repeat): r for r in done if r.setting == BASELINE}
-    for record in done:
+    mark_text_identity(done)
+    return done
+
+
+def mark_text_identity(records: list[Record]) -> None:
+    """Each greedy record's identity to the `ar` server's text for the same prompt, turn and
+    repeat (also for records of separate runs put together, one server after another)."""
+    baseline = {(r.prompt_id, r.turn, r.repeat): r for r in records if r.setting == BASELINE}
+    for record in records:
         ar = baseline.get((record.prompt_id, record.turn, record.repeat))
         if ar is not None and record is not ar and record.temperature == 0:
             _mark_identity(ar, record)
-    return done
 
 
 def _record(
