@@ -189,12 +189,12 @@ def to_vllm_speculative_config(config: RunConfig) -> dict[str, Any]:
     # a quantized draft exports its model: int8 / int4 are our CPU kernel's, vLLM picks its own
     return {
         "method": "draft_model",
-        "model": _vllm_model(spec.model.name),
+        "model": vllm_model(spec.model.name),
         "num_speculative_tokens": config.k,
     }
 
 
-def _vllm_model(spec: str) -> str:
+def vllm_model(spec: str) -> str:
     """A model vLLM can load: presets become their converted folder."""
     if spec not in PRESETS:
         return spec

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import time
+from pathlib import Path
 
 from specdecode.bench.methods import ALL_METHODS
 from specdecode.cli_args import TREE_HELP, add_kernel_arg, csv_list, int_csv
@@ -175,6 +176,33 @@ def _add_tune_parser(subparsers: argparse._SubParsersAction) -> None:
     tune.add_argument("--device", default=None)
     add_kernel_arg(tune)
     tune.add_argument("--no-validate", dest="validate", action="store_false")
+    tune.add_argument(
+        "--engine",
+        choices=("specdecode", "vllm"),
+        default="specdecode",
+        help="whose speculative settings to tune: ours (default) or vLLM's, each candidate on a "
+        "vLLM server of its own (--vllm-python), our n-gram and suffix drafters inside vLLM too",
+    )
+    tune.add_argument(
+        "--vllm-python",
+        default=None,
+        metavar="PATH",
+        help="with --engine vllm: the python of the environment vLLM is installed in",
+    )
+    tune.add_argument(
+        "--vllm-k",
+        type=int_csv,
+        default=None,
+        help="with --engine vllm: the k of every candidate (default 2,4)",
+    )
+    tune.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="with --engine vllm: one more `vllm serve` argument (repeatable; "
+        "--vllm-arg=--max-model-len --vllm-arg=4096)",
+    )
     tune.add_argument("--out", default=None, help="output folder (default runs/tune-TIME)")
     tune.set_defaults(func=handle_tune, chat=True)
 
@@ -270,6 +298,10 @@ def handle_tune(args: argparse.Namespace) -> int:
     from specdecode.bench.runner import BenchConfig
     from specdecode.bench.tune import render_tune, run_tune
 
+    if args.engine == "vllm":
+        return _tune_vllm(args)
+    if args.vllm_python or args.vllm_k or args.vllm_arg:
+        raise ValueError("--vllm-python, --vllm-k and --vllm-arg go with --engine vllm")
     if args.k_max < 1:
         raise ValueError(f"--k-max must be >= 1 (got {args.k_max})")
     config = BenchConfig(
@@ -292,6 +324,53 @@ def handle_tune(args: argparse.Namespace) -> int:
     print(render_tune(result))
     print(f"config: {config.out}/config.json (use with --config); details in {config.out}/")
     return 0
+
+
+def _tune_vllm(args: argparse.Namespace) -> int:
+    from specdecode.bench.tune_vllm import DEFAULT_KS, VllmTuneConfig, run_tune_vllm
+    from specdecode.config import vllm_model
+    from specdecode.core.draft_spec import ModelSpec
+
+    if not args.vllm_python:
+        raise ValueError(
+            "--engine vllm needs --vllm-python PATH (the python of vLLM's environment)"
+        )
+    if args.tree or args.k_policy:
+        raise ValueError("--tree and --k-policy are our engine's: vLLM drafts fixed-k chains")
+    target = ModelSpec.parse(args.target, "target")
+    if target.quantization:
+        raise ValueError(
+            f"--target {args.target}: vLLM loads {target.name} in {args.dtype}; our "
+            f":{target.quantization} weights are this engine's (drop the suffix)"
+        )
+    config = VllmTuneConfig(
+        python=args.vllm_python,
+        target=vllm_model(target.name),
+        drafts=[_vllm_draft(d) for d in args.draft],
+        out=args.out or time.strftime("runs/tune-vllm-%Y%m%d-%H%M%S"),
+        ks=args.vllm_k or list(DEFAULT_KS),
+        prompts_file=args.prompts,
+        categories=args.categories,
+        limit=args.limit,
+        max_new_tokens=args.max_new_tokens,
+        chat=args.chat,
+        dtype=args.dtype,
+        vllm_args=args.vllm_arg,
+        command=shlex.join(["specdecode", *args.argv]),
+    )
+    result = run_tune_vllm(config)
+    print((Path(config.out) / "tune-vllm.md").read_text())
+    print(f"details in {config.out}/ (report.md: every candidate, every category)")
+    return 0 if result else 1
+
+
+def _vllm_draft(draft: str) -> str:
+    """A model draft as vLLM loads it (a preset: its converted folder); others as given."""
+    from specdecode.config import vllm_model
+    from specdecode.core.draft_spec import DraftSpec
+
+    spec = DraftSpec.parse(draft)
+    return vllm_model(spec.model.name) if spec.kind == "model" else draft
 
 
 def handle_report(args: argparse.Namespace) -> int:
