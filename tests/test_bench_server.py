@@ -238,3 +238,22 @@ def test_counters_parse_as_vllm_writes_them():
     assert later.minus(counters) == Counters(2.0, 6.0, 4.0, (2.0, 1.0, 1.0, 1.0), None)
     assert parse_counters(VLLM_METRICS, None).drafts == 109.0  # every model
     assert parse_counters("# nothing here\nup 1\n") is None
+
+
+def test_positions_unknown_for_some_requests_are_left_out_of_the_pooled_rate():
+    from specdecode.bench.aggregate import OVERALL, summarize
+    from specdecode.bench.records import Record
+
+    def record(setting: str, drafted_at: list[int] | None) -> Record:
+        drafted = 5 if drafted_at is None else sum(drafted_at)
+        return Record(prompt_id="p", category="c", method="server", setting=setting,
+                      steps=2, drafted=drafted, accepted=3, emitted=5,
+                      accepted_at=[2, 1], drafted_at=drafted_at)  # fmt: skip
+
+    records = [record("a", [2, 2]), record("a", None)]
+    for r, prompt in zip(records, ("p1", "p2"), strict=True):
+        r.prompt_id = prompt
+    row = next(r for r in summarize(records)["rows"] if r["category"] == OVERALL)
+    # a fixed k would have said [2, 2]; a step that drafted fewer leaves the positions unknown
+    assert row["per_position_acceptance"] == [1.0, 0.5]
+    assert row["acceptance_rate"] == pytest.approx(6 / 9)

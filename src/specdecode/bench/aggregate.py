@@ -58,7 +58,9 @@ def _pooled_positions(records: list[Record]) -> list[float | None] | None:
     drafted: list[int] = []
     accepted: list[int] = []
     for r in records:
-        for i, (d, a) in enumerate(zip(r.drafted_at or [], r.accepted_at or [], strict=True)):
+        if r.drafted_at is None or r.accepted_at is None:
+            continue  # a server that did not say how many it drafted at each position
+        for i, (d, a) in enumerate(zip(r.drafted_at, r.accepted_at, strict=True)):
             if i == len(drafted):
                 drafted.append(0)
                 accepted.append(0)
