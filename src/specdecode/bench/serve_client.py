@@ -81,21 +81,27 @@ class Endpoint:
         return headers
 
 
+def get(endpoint: Endpoint, route: str, timeout_s: float = 10.0) -> tuple[int, bytes]:
+    """`GET route` on a fresh connection: (status, body); ValueError when it cannot be reached."""
+    conn = endpoint.connection(timeout_s)
+    try:
+        conn.request("GET", endpoint.path(route), headers=endpoint.headers())
+        response = conn.getresponse()
+        return response.status, response.read()
+    except (OSError, http.client.HTTPException) as err:
+        where = f"{endpoint.url} (GET {endpoint.path(route)})"
+        raise ValueError(f"cannot reach {where}: {_reason(err)}") from None
+    finally:
+        conn.close()
+
+
 def probe(endpoint: Endpoint, timeout_s: float = 10.0) -> list[str]:
     """The model ids `GET /v1/models` lists; ValueError when the endpoint cannot be reached or
     does not answer with an OpenAI model list."""
     where = f"{endpoint.url} (GET {endpoint.path('/v1/models')})"
-    conn = endpoint.connection(timeout_s)
-    try:
-        conn.request("GET", endpoint.path("/v1/models"), headers=endpoint.headers())
-        response = conn.getresponse()
-        raw = response.read()
-    except (OSError, http.client.HTTPException) as err:
-        raise ValueError(f"cannot reach {where}: {_reason(err)}") from None
-    finally:
-        conn.close()
-    if response.status != 200:
-        raise ValueError(f"{where} answered HTTP {response.status}: {error_message(raw)}")
+    status, raw = get(endpoint, "/v1/models", timeout_s)
+    if status != 200:
+        raise ValueError(f"{where} answered HTTP {status}: {error_message(raw)}")
     try:
         data = json.loads(raw)["data"]
         return [str(model["id"]) for model in data]

@@ -15,10 +15,9 @@ meanwhile.
 
 from __future__ import annotations
 
-import http.client
 from dataclasses import dataclass
 
-from specdecode.bench.serve_client import Endpoint
+from specdecode.bench.serve_client import Endpoint, get
 
 DRAFTS = "vllm:spec_decode_num_drafts"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
@@ -104,17 +103,9 @@ def parse_counters(text: str, model: str | None = None) -> Counters | None:
 
 def scrape(endpoint: Endpoint, model: str | None, timeout_s: float = 10.0) -> Counters | None:
     """The server's counters now; None when it has no /metrics or no speculative counters
-    (a server that stops answering midway raises ValueError: the counts would be wrong)."""
-    conn = endpoint.connection(timeout_s)
-    try:
-        conn.request("GET", endpoint.path(METRICS_ROUTE), headers={"Accept": "text/plain"})
-        response = conn.getresponse()
-        raw = response.read()
-    except (OSError, http.client.HTTPException) as err:
-        raise ValueError(f"cannot read {endpoint.url}{METRICS_ROUTE}: {err}") from None
-    finally:
-        conn.close()
-    if response.status != 200:
+    (a server that cannot be reached raises ValueError: the counts would be wrong)."""
+    status, raw = get(endpoint, METRICS_ROUTE, timeout_s)
+    if status != 200:
         return None
     try:
         return parse_counters(raw.decode("utf-8", errors="replace"), model)

@@ -24,6 +24,7 @@ read the multi-GPU forms.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,16 +56,16 @@ def candidates(target: str, drafts: list[str], ks: list[int]) -> list[Candidate]
         spec = DraftSpec.parse(draft)
         for k in ks:
             if spec.kind == "suffix":
-                out.append(_ours("SuffixProposer", draft, k))
+                out.append(ours_candidate("SuffixProposer", draft, k))
                 continue
             exported = to_vllm_speculative_config(RunConfig(target=None, draft=draft, k=k))
             out.append(Candidate(f"vllm {draft} k={k}", exported))
             if spec.kind == "ngram":
-                out.append(_ours("NgramProposer", draft, k))
+                out.append(ours_candidate("NgramProposer", draft, k))
     return out
 
 
-def _ours(proposer: str, draft: str, k: int) -> Candidate:
+def ours_candidate(proposer: str, draft: str, k: int) -> Candidate:
     config = {
         "method": "custom_class",
         "model": f"{PROPOSERS}.{proposer}",
@@ -117,9 +118,43 @@ def run_tune_vllm(config: VllmTuneConfig, progress: bool = True) -> dict[str, An
     """Measure every candidate on its own server; recommend; write DIR/tune-vllm.{json,md}."""
     chosen = config.validate()
     out = Path(config.out)
+    folders, failed = measure(config, chosen, out / "candidates", progress)
+    summary = merge_runs(folders, out, command=config.command, failed=failed)
+    best = recommend(summary)
+    winner = next(c for c in chosen if c.label == best[OVERALL]["setting"])
+    result = {
+        "command": config.command,
+        "target": config.target,
+        "candidates": [c.label for c in chosen],
+        "failed": failed,
+        "recommended": best,
+        "speculative_config": winner.speculative_config,
+        "environment": winner.env,
+        "forms": export_forms(config, winner),
+    }
+    try:
+        result["forms_checked"] = check_forms(config.server(winner))
+    except (ValueError, subprocess.TimeoutExpired, OSError) as err:
+        result["forms_checked"] = None
+        result["forms_refused"] = str(err)
+    (out / "tune-vllm.json").write_text(json.dumps(result, indent=1))
+    (out / "tune-vllm.md").write_text(render_tune_vllm(result))
+    return result
+
+
+def measure(
+    config: VllmTuneConfig, chosen: list[Candidate], root: Path, progress: bool = True
+) -> tuple[list[Path], dict[str, str]]:
+    """Each candidate on a vLLM server of its own, one after another, through `bench --server`
+    into root/<label>: the folders measured and {label: why} for those vLLM refused. A folder
+    already measured (its summary written) is kept, so an interrupted run goes on where it
+    stopped; without the `ar` baseline nothing compares, so its failure stops the run."""
     folders, failed = [], {}
     for number, candidate in enumerate(chosen, 1):
-        folder = out / "candidates" / f"{number:02d}"
+        folder = root / re.sub(r"[^A-Za-z0-9.=-]+", "_", candidate.label).strip("_")
+        if (folder / "summary.json").exists():
+            folders.append(folder)
+            continue
         server = config.server(candidate, folder / "vllm.log")
         if progress:
             print(f"[{number}/{len(chosen)}] {candidate.label}: starting vLLM", flush=True)
@@ -144,27 +179,7 @@ def run_tune_vllm(config: VllmTuneConfig, progress: bool = True) -> dict[str, An
             failed[candidate.label] = str(err)
             if progress:
                 print(f"    skipped: {err}", flush=True)
-    summary = merge_runs(folders, out, command=config.command, failed=failed)
-    best = recommend(summary)
-    winner = next(c for c in chosen if c.label == best[OVERALL]["setting"])
-    result = {
-        "command": config.command,
-        "target": config.target,
-        "candidates": [c.label for c in chosen],
-        "failed": failed,
-        "recommended": best,
-        "speculative_config": winner.speculative_config,
-        "environment": winner.env,
-        "forms": export_forms(config, winner),
-    }
-    try:
-        result["forms_checked"] = check_forms(config.server(winner))
-    except (ValueError, subprocess.TimeoutExpired, OSError) as err:
-        result["forms_checked"] = None
-        result["forms_refused"] = str(err)
-    (out / "tune-vllm.json").write_text(json.dumps(result, indent=1))
-    (out / "tune-vllm.md").write_text(render_tune_vllm(result))
-    return result
+    return folders, failed
 
 
 def recommend(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
