@@ -22,13 +22,9 @@ import pytest
 from specdecode import SpeculativeDecoder
 from specdecode.bench.server_counters import Counters, parse_counters
 from specdecode.cli import main
+from test_bench_serve import PROMPTS, read_run
 from test_server import make_engine, serving, tiny_models
 
-PROMPTS = [
-    {"id": "a1", "category": "alpha", "prompt": "the cat sat on"},
-    {"id": "b1", "category": "beta", "turns": ["why is the sky blue?", "and at night?"]},
-    {"id": "a2", "category": "alpha", "prompt": "hello there, how"},
-]
 TOKENS = 12
 
 
@@ -46,11 +42,6 @@ def prompts_file(tmp_path_factory) -> Path:
 
 def bench(*argv: str) -> int:
     return main(["bench", *argv])
-
-
-def read_run(out: Path) -> tuple[list[dict], dict]:
-    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    return records, json.loads((out / "summary.json").read_text())
 
 
 def overall(summary: dict, setting: str) -> dict:
