@@ -38,7 +38,13 @@ from specdecode.bench.report import write_report
 from specdecode.config import load_config
 from specdecode.core.draft_spec import DraftSpec, ModelSpec, resolve_draft_vocab
 from specdecode.core.policies import K_POLICIES
-from specdecode.data.suites import BenchPrompt, interleave_by_category, load_suite
+from specdecode.data.suites import (
+    WARM_UP,
+    WARM_UP_TOKENS,
+    BenchPrompt,
+    interleave_by_category,
+    load_suite,
+)
 from specdecode.drafters import resolve_draft
 from specdecode.drafters.tree_shape import parse_tree_spec
 from specdecode.models.loading import LoadedModel, load_model
@@ -247,10 +253,10 @@ class _TurnRunner:
     def warm_up(self, settings: list[Setting], prompts: list[BenchPrompt], progress: bool) -> None:
         """Every setting (each tuned one as every category runs it) once, on a short generation,
         before anything is timed."""
-        warm = self.prompt_ids(_Conversation(prompts[0]).next_input(0, self.config.chat))
+        warm = self.prompt_ids(_Conversation(WARM_UP).next_input(0, self.config.chat))
         running = dict.fromkeys(s.for_category(p.category) for s in settings for p in prompts)
         for setting in tqdm(running, desc="warm-up", disable=not progress, leave=False):
-            self.runner.run(setting, warm, min(8, self.config.max_new_tokens))
+            self.runner.run(setting, warm, min(WARM_UP_TOKENS, self.config.max_new_tokens))
 
     def run(
         self,

@@ -5,7 +5,9 @@ in the same records, summary, report and plots as our engine's methods. A server
 (one that does not speculate) is the baseline of the speedups and of the greedy identity checks
 (which compare texts: a server gives no token ids).
 
-Order of work: probe every server (its model), warm each up with one unrecorded request, then
+Order of work: probe every server (its model), warm each up with one unrecorded request (a short
+one on a prompt of no suite, data/suites.py's WARM_UP: a server that drafts from earlier answers
+learns nothing of the measured prompts from it), then
 per repeat, one category at a time, per prompt every server in an order rotated by the prompt's
 index, each request alone on its server (streamed, timed as `bench-serve` times it). Acceptance
 comes from each server's Prometheus counters (server_counters.py): a scrape after each request
@@ -21,7 +23,7 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +37,7 @@ from specdecode.bench.serve_client import OK, Endpoint, Outcome, probe, stream_o
 from specdecode.bench.serve_load import CHAT, COMPLETIONS, choose_model, machine_info
 from specdecode.bench.server_counters import Counters, scrape
 from specdecode.core import metrics
-from specdecode.data.suites import BenchPrompt, load_suite
+from specdecode.data.suites import WARM_UP, WARM_UP_TOKENS, BenchPrompt, load_suite
 
 RESULTS, SUMMARY, RUN = "results.jsonl", "summary.json", "run.json"
 BASELINE = "ar"  # the label of a server that does not speculate
@@ -126,8 +128,9 @@ def run_server_bench(config: ServerBenchConfig, progress: bool = True) -> dict[s
     info = _run_info(config, servers)
     (out_dir / RUN).write_text(json.dumps(info, indent=1))
     if config.warmup:
+        warm = replace(config, max_new_tokens=min(WARM_UP_TOKENS, config.max_new_tokens))
         for server in servers:
-            _request(server, config, _Conversation(prompts[0]), 0)
+            _request(server, warm, _Conversation(WARM_UP), 0)
         time.sleep(config.settle_s)
         for server in servers:
             _scrape(server)  # a server counting late has counted the warm-up by the next one

@@ -45,6 +45,12 @@ class BenchPrompt:
     turns: list[str]
 
 
+# what a benchmark warms up on: no prompt of any suite, so that a drafter that learns across
+# requests (a suffix pool) has seen nothing of what it is then measured on
+WARM_UP = BenchPrompt("warm-up", "warm-up", ["Write one short sentence about the sea."])
+WARM_UP_TOKENS = 8
+
+
 def load_suite(
     path: str | Path | None = None,
     categories: Sequence[str] | None = None,
