@@ -346,7 +346,7 @@ def _tune_vllm(args: argparse.Namespace) -> int:
     config = VllmTuneConfig(
         python=args.vllm_python,
         target=vllm_model(target.name),
-        drafts=[_vllm_draft(d) for d in args.draft],
+        drafts=args.draft,  # a preset draft: vLLM gets its converted folder (candidates)
         out=args.out or time.strftime("runs/tune-vllm-%Y%m%d-%H%M%S"),
         ks=args.vllm_k or list(DEFAULT_KS),
         prompts_file=args.prompts,
@@ -362,15 +362,6 @@ def _tune_vllm(args: argparse.Namespace) -> int:
     print((Path(config.out) / "tune-vllm.md").read_text())
     print(f"details in {config.out}/ (report.md: every candidate, every category)")
     return 0 if result else 1
-
-
-def _vllm_draft(draft: str) -> str:
-    """A model draft as vLLM loads it (a preset: its converted folder); others as given."""
-    from specdecode.config import vllm_model
-    from specdecode.core.draft_spec import DraftSpec
-
-    spec = DraftSpec.parse(draft)
-    return vllm_model(spec.model.name) if spec.kind == "model" else draft
 
 
 def handle_report(args: argparse.Namespace) -> int:
