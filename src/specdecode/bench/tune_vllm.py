@@ -12,7 +12,9 @@ machine alone. The candidates, per `--draft` and per k of `ks`:
 - other drafts (early exit, distilled, hybrid, trees) have no vLLM form: refused, one line.
 
 The recommendation per category and overall is the candidate of the highest measured decode
-speedup over `ar` (paired per prompt), or `ar` itself where nothing beats it. The files: DIR/
+speedup over `ar` (paired per prompt), or `ar` itself where nothing beats it. vLLM alone runs once
+more after the last candidate (`ar again`): on a machine whose speed drifts, its ratio to the
+first says how far apart two candidates must be before the difference is theirs. The files: DIR/
 results.jsonl, summary.json, report.md and plots of every candidate together (bench's), and
 tune-vllm.json and tune-vllm.md: the per-category choice, the winner's `vllm serve` command line
 (also as `python -m vllm.entrypoints.openai.api_server`), its tensor-parallel form and its Ray
@@ -39,6 +41,7 @@ from specdecode.core.draft_spec import DraftSpec
 PROPOSERS = "specdecode.integrations.vllm"
 DRAFT_ENV = "SPECDECODE_VLLM_DRAFT"  # integrations/vllm.py reads it
 SERVED_NAME = "target"
+AGAIN = "ar again"  # vLLM alone, measured last: the drift check
 DEFAULT_KS = (2, 4)
 
 
@@ -88,6 +91,7 @@ class VllmTuneConfig:
     chat: bool = True
     dtype: str = "bfloat16"
     vllm_args: list[str] = field(default_factory=list)  # more `vllm serve` arguments
+    drift_check: bool = True  # vLLM alone once more at the end
     command: str | None = None
 
     def validate(self) -> list[Candidate]:
@@ -118,7 +122,9 @@ def run_tune_vllm(config: VllmTuneConfig, progress: bool = True) -> dict[str, An
     """Measure every candidate on its own server; recommend; write DIR/tune-vllm.{json,md}."""
     chosen = config.validate()
     out = Path(config.out)
-    folders, failed = measure(config, chosen, out / "candidates", progress)
+    # vLLM alone once more at the end: how far the machine's speed moved during the run
+    again = [Candidate(AGAIN, None)] if config.drift_check else []
+    folders, failed = measure(config, chosen + again, out / "candidates", progress)
     summary = merge_runs(folders, out, command=config.command, failed=failed)
     best = recommend(summary)
     winner = next(c for c in chosen if c.label == best[OVERALL]["setting"])
@@ -131,6 +137,7 @@ def run_tune_vllm(config: VllmTuneConfig, progress: bool = True) -> dict[str, An
         "speculative_config": winner.speculative_config,
         "environment": winner.env,
         "forms": export_forms(config, winner),
+        "drift": drift(summary),
     }
     try:
         result["forms_checked"] = check_forms(config.server(winner))
@@ -182,12 +189,21 @@ def measure(
     return folders, failed
 
 
+def drift(summary: dict[str, Any]) -> float | None:
+    """vLLM alone at the end over vLLM alone at the start (decode tokens/s, all prompts): 1.0
+    on a machine whose speed held; None without the second run."""
+    rows = {r["setting"]: r for r in summary["rows"] if r["category"] == OVERALL}
+    if AGAIN not in rows:
+        return None
+    return rows[AGAIN]["speedup"]
+
+
 def recommend(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per category and overall: the candidate of the highest measured decode speedup over
     `ar`, with its acceptance and identity; `ar` where none is faster."""
     best: dict[str, dict[str, Any]] = {}
     for category in [OVERALL, *summary["categories"]]:
-        rows = [r for r in summary["rows"] if r["category"] == category]
+        rows = [r for r in summary["rows"] if r["category"] == category and r["setting"] != AGAIN]
         ar = next(r for r in rows if r["setting"] == BASELINE)
         row = max(rows, key=lambda r: r["speedup"] or 0.0)
         if (row["speedup"] or 0.0) <= 1.0:
@@ -301,6 +317,16 @@ def render_tune_vllm(result: dict[str, Any]) -> str:
             f"| {category} | {row['setting']} | {speedup} | {alpha} | {rate} | "
             f"{row['identical'] or '-'} |"
         )
+    moved = result.get("drift")
+    if moved is not None:
+        lines += [
+            "",
+            f"vLLM alone, measured again after the last candidate, decoded {moved:.2f}x as fast "
+            "as at the start: each candidate ran minutes after the one before, so differences "
+            f"between candidates within {abs(moved - 1):.0%} or so are the machine's, not the "
+            "settings' (candidates that draft alike, such as vLLM's `ngram` and our "
+            "`NgramProposer`, show it too).",
+        ]
     forms = result["forms"]
     lines += [
         "",
