@@ -202,8 +202,8 @@ class Stub(BaseHTTPRequestHandler):
 
 
 @contextlib.contextmanager
-def stub_server(delay_s: float = 0.0) -> Iterator[str]:
-    handler = type("StubHandler", (Stub,), {"counter": itertools.count(), "delay_s": delay_s})
+def http_stub(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """`handler` served on a free loopback port in a thread; yields its base URL."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -212,6 +212,12 @@ def stub_server(delay_s: float = 0.0) -> Iterator[str]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def stub_server(delay_s: float = 0.0) -> contextlib.AbstractContextManager[str]:
+    return http_stub(
+        type("StubHandler", (Stub,), {"counter": itertools.count(), "delay_s": delay_s})
+    )
 
 
 def test_failed_requests_are_recorded_not_raised(prompts_file, tmp_path):

@@ -13,8 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ import pytest
 from specdecode import SpeculativeDecoder
 from specdecode.bench.server_counters import Counters, parse_counters
 from specdecode.cli import main
-from test_bench_serve import PROMPTS, read_run
+from test_bench_serve import PROMPTS, http_stub, read_run
 from test_server import make_engine, serving, tiny_models
 
 TOKENS = 12
@@ -144,19 +143,10 @@ class Stub(BaseHTTPRequestHandler):
         self.reply(200, "".join([*events, "data: [DONE]\n\n"]), "text/event-stream")
 
 
-@contextlib.contextmanager
-def stub_server(counters: str) -> Iterator[str]:
+def stub_server(counters: str) -> contextlib.AbstractContextManager[str]:
     zero = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
     state = {"pending": dict(zero), "published": dict(zero)}
-    handler = type("StubHandler", (Stub,), {"counters": counters, "state": state})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    return http_stub(type("StubHandler", (Stub,), {"counters": counters, "state": state}))
 
 
 def test_counters_that_arrive_late_still_sum_per_category(prompts_file, tmp_path):
