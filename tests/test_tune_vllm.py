@@ -30,7 +30,7 @@ def prompts_file(tmp_path) -> Path:
 
 
 def test_candidates_in_the_forms_vllm_takes(tmp_path):
-    found = candidates(str(tmp_path), ["ngram:2-3", "suffix:pool=off", str(tmp_path)], [2])
+    found = candidates(["ngram:2-3", "suffix:pool=off", str(tmp_path)], [2])
     by_label = {c.label: c for c in found}
     assert list(by_label) == [
         "ar",
@@ -51,7 +51,7 @@ def test_candidates_in_the_forms_vllm_takes(tmp_path):
     assert ours.env == {"SPECDECODE_VLLM_DRAFT": "suffix:pool=off"}
     assert by_label[f"vllm {tmp_path} k=2"].speculative_config["method"] == "draft_model"
     with pytest.raises(ValueError, match="no early-exit"):
-        candidates(str(tmp_path), ["early-exit:2"], [2])
+        candidates(["early-exit:2"], [2])
 
 
 def test_tune_vllm_measures_every_candidate_and_recommends(

@@ -36,10 +36,9 @@ from specdecode.bench.aggregate import OVERALL
 from specdecode.bench.server_bench import BASELINE, ServerBenchConfig, merge_runs, run_server_bench
 from specdecode.bench.vllm_server import VllmServer
 from specdecode.config import RunConfig, to_vllm_speculative_config
-from specdecode.core.draft_spec import DraftSpec
+from specdecode.core.draft_spec import VLLM_DRAFT_ENV, DraftSpec
 
 PROPOSERS = "specdecode.integrations.vllm"
-DRAFT_ENV = "SPECDECODE_VLLM_DRAFT"  # integrations/vllm.py reads it
 SERVED_NAME = "target"
 AGAIN = "ar again"  # vLLM alone, measured last: the drift check
 DEFAULT_KS = (2, 4)
@@ -52,7 +51,7 @@ class Candidate:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def candidates(target: str, drafts: list[str], ks: list[int]) -> list[Candidate]:
+def candidates(drafts: list[str], ks: list[int]) -> list[Candidate]:
     """`ar`, then every draft at every k in the forms vLLM takes (module docstring)."""
     out = [Candidate(BASELINE, None)]
     for draft in drafts:
@@ -74,7 +73,7 @@ def ours_candidate(proposer: str, draft: str, k: int) -> Candidate:
         "model": f"{PROPOSERS}.{proposer}",
         "num_speculative_tokens": k,
     }
-    return Candidate(f"ours {draft} k={k}", config, {DRAFT_ENV: draft})
+    return Candidate(f"ours {draft} k={k}", config, {VLLM_DRAFT_ENV: draft})
 
 
 @dataclass
@@ -103,7 +102,7 @@ class VllmTuneConfig:
         for name, value in (("--limit", self.limit), ("--max-new-tokens", self.max_new_tokens)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1 (got {value})")
-        return candidates(self.target, self.drafts, self.ks)
+        return candidates(self.drafts, self.ks)
 
     def server(self, candidate: Candidate, log: Path | None = None) -> VllmServer:
         args = ["--dtype", self.dtype, *self.vllm_args]

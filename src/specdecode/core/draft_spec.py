@@ -49,6 +49,11 @@ _NUMBER = re.compile(r"[0-9]+")  # ASCII only: str.isdigit() also takes '²', wh
 _LOOKS_QUANTIZED = re.compile(r"(?i)(int|q|fp|bf)[0-9]+\w*")  # `:int2`, `:INT8`, `:q4_0`, `:fp8`
 
 
+# the draft spec of our proposers inside vLLM (integrations/vllm.py), which vLLM builds with its
+# own config only: `tune --engine vllm` sets it per candidate
+VLLM_DRAFT_ENV = "SPECDECODE_VLLM_DRAFT"
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A model and the weights it runs on: `name` is a preset, local folder, .gguf or hub id;

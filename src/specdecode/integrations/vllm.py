@@ -32,11 +32,10 @@ from typing import Any
 import torch
 
 from specdecode.core.batch import fork_drafter
+from specdecode.core.draft_spec import VLLM_DRAFT_ENV as DRAFT_ENV
 from specdecode.core.draft_spec import DraftSpec, SuffixOptions
 from specdecode.drafters.ngram import lookup
 from specdecode.drafters.suffix import SuffixDrafter
-
-DRAFT_ENV = "SPECDECODE_VLLM_DRAFT"
 
 
 def _spec(kind: str) -> DraftSpec:
