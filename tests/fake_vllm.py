@@ -5,8 +5,8 @@
 ..., env={"PYTHONPATH": root})`). It takes vLLM's arguments, starts a child process as vLLM
 starts its engine core, and serves `/health`, `/v1/models`, streamed `/v1/chat/completions`
 (the same answer for every request, TOKENS chunks) and `/metrics`. With a speculative config it
-counts vLLM's speculative counters (each request: 2 steps drafting k tokens each, 3 accepted) and
-answers faster by the config's `SPEED` factor; without one it exports no speculative counters.
+counts vLLM's speculative counters (each request: 2 steps drafting k tokens each, 3 accepted);
+without one it exports no speculative counters.
 Served names fail on purpose: `refused` exits with a ValueError line, `never` never serves; a
 proposer class whose name holds `Refused` is refused the same way.
 """
@@ -17,7 +17,7 @@ import textwrap
 from pathlib import Path
 
 TOKENS = 6
-SECONDS_PER_TOKEN = 0.01  # without speculation
+SECONDS_PER_TOKEN = 0.01
 
 STAND_IN = """
 import argparse, json, subprocess, sys, threading, time
@@ -37,9 +37,7 @@ print("CHILD", child.pid, flush=True)
 if args.served_model_name == "never":
     time.sleep(600)
 
-# seconds per token: faster with speculation, fastest with our n-gram proposer
-SPEED = {None: 1.0, "ngram": 0.8, "custom_class": 0.5, "draft_model": 0.9}
-pause = @SECONDS@ * SPEED.get((spec or {}).get("method"), 0.9)
+pause = @SECONDS@  # between chunks, so that a stream takes some time
 lock = threading.Lock()
 counts = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -224,9 +225,7 @@ def export_forms(config: VllmTuneConfig, winner: Candidate) -> dict[str, str]:
     env = " ".join(f"{k}={v}" for k, v in winner.env.items())
     prefix = f"{env} " if env else ""
     serve = prefix + server.serve_command()
-    module = prefix + " ".join(
-        ["python", "-m", "vllm.entrypoints.openai.api_server", *_quoted(server.command(8000)[3:])]
-    )
+    module = prefix + shlex.join(["python", *server.command(8000)[1:]])
     engine_kwargs: dict[str, Any] = {"tensor_parallel_size": 2, "dtype": config.dtype}
     if winner.speculative_config is not None:
         engine_kwargs["speculative_config"] = winner.speculative_config
@@ -248,12 +247,6 @@ def export_forms(config: VllmTuneConfig, winner: Candidate) -> dict[str, str]:
         "tensor_parallel": serve + " --tensor-parallel-size 2",
         "ray_serve_llm": ray,
     }
-
-
-def _quoted(args: list[str]) -> list[str]:
-    import shlex
-
-    return [shlex.quote(a) for a in args]
 
 
 CHECK_FORMS = """

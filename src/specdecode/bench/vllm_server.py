@@ -64,9 +64,7 @@ class VllmServer:
 
     def serve_command(self) -> str:
         """The command a user runs to serve the same way (`vllm serve`, their port)."""
-        args = [*self.command(8000)[5:]]  # after `python -m ... --model`
-        quoted = " ".join(_quote(a) for a in args)
-        return f"vllm serve {_quote(self.model)} {quoted}"
+        return shlex.join(["vllm", "serve", self.model, *self.command(8000)[5:]])
 
     @contextlib.contextmanager
     def running(self) -> Iterator[str]:
@@ -127,10 +125,6 @@ class VllmServer:
             f"vLLM did not become healthy within {self.start_timeout_s:g} s: "
             f"{last_error(log_path)} (its output: {log_path})"
         )
-
-
-def _quote(text: str) -> str:
-    return shlex.quote(text)
 
 
 def _temporary_log() -> str:
