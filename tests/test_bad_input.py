@@ -66,11 +66,16 @@ def test_missing_model_path():
         load_model("/no/such/folder", dtype="float8")
 
 
-def test_incompatible_tokenizers_are_refused():
-    t_tok, d_tok = char_tokenizer(), char_tokenizer(extra="xyzé")  # é gets an extra id
+def test_a_draft_that_cannot_write_the_targets_text_is_refused():
+    t_tok, d_tok = char_tokenizer(extra="é"), char_tokenizer()  # the draft has no é
     target = wrap_model(tiny_llama(vocab=40), t_tok)
     draft = wrap_model(tiny_llama(seed=1, vocab=40), d_tok)
-    with pytest.raises(ValueError, match="incompatible tokenizers: the target's tokenizer has 34"):
+    with pytest.raises(
+        ValueError,
+        match="another tokenizer \\(the target's tokenizer has 35 tokens, the draft's 34\\) and "
+        "cannot write the target's text: it writes 'é' of the target's text and reads back "
+        "'<unk>'",
+    ):
         SpeculativeDecoder(target, draft)
 
 
@@ -131,15 +136,15 @@ def test_cli_missing_model_and_incompatible_tokenizers(tmp_path, capsys):
         [
             "generate",
             "--target",
-            str(tmp_path / "a"),
-            "--draft",
             str(tmp_path / "b"),
+            "--draft",
+            str(tmp_path / "a"),
             "--prompt",
             "hi",
         ]
     )
     assert code == 2
-    assert "incompatible tokenizers" in capsys.readouterr().err
+    assert "cannot write the target's text" in capsys.readouterr().err
 
 
 def test_cli_empty_prompt(saved_model, capsys):

@@ -608,7 +608,7 @@ def test_bad_input_is_one_clear_line(pair, distilled, tmp_path, monkeypatch, cap
     fails(args, 2, "no prompts to distil on: ")
     args = distill_args(pair, tmp_path / "b")
     args[args.index("--draft") + 1] = str(pair / "foreign")
-    fails(args, 2, "cannot draft for target, so it cannot be distilled for it: incompatible tokenizers")  # fmt: skip
+    fails(args, 2, "cannot be distilled for target (distilling needs the target's tokenizer): incompatible tokenizers")  # fmt: skip
     # no room in the context for a prompt written from even one example, and its answer
     args = distill_args(pair, tmp_path / "f", "--self-prompts", "1", "--max-new-tokens", "1000")
     fails(args, 2, "--self-prompts, writing from prompt 'qa-")

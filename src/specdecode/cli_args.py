@@ -193,6 +193,7 @@ def engine_from_args(args: argparse.Namespace) -> SpeculativeDecoder:
     add_policy_args; add_generation_config_arg's, where given)."""
     from specdecode import SpeculativeDecoder, load_model
     from specdecode.drafters import resolve_draft
+    from specdecode.drafters.cross_tokenizer import CrossTokenizerDrafter
 
     run = run_config_from_args(args)
     draft = run.draft_spec
@@ -207,7 +208,7 @@ def engine_from_args(args: argparse.Namespace) -> SpeculativeDecoder:
     k, tree = run.k, run.tree
     if auto:  # this machine's calibration picks them (measured first where not cached)
         k, tree = resolve_auto(auto, run, target, drafter)
-    return SpeculativeDecoder(
+    engine = SpeculativeDecoder(
         target,
         drafter,
         k=k,
@@ -216,6 +217,11 @@ def engine_from_args(args: argparse.Namespace) -> SpeculativeDecoder:
         tree=tree,
         generation_config=getattr(args, "generation_config", "auto"),
     )
+    if isinstance(engine.drafter, CrossTokenizerDrafter):  # say which way it drafts
+        print(
+            f"specdecode: draft {engine.drafter.name}: {engine.drafter.describe()}", file=sys.stderr
+        )
+    return engine
 
 
 # -- `auto` on the command line: this machine's calibration picks k or the tree ----------------

@@ -70,7 +70,8 @@ def _vocab(target: Any, draft: Any) -> int:
         return common_vocab_size(target, draft)
     except ValueError as err:
         raise ValueError(
-            f"{draft.name} cannot draft for {target.name}, so it cannot be distilled for it: {err}"
+            f"{draft.name} cannot be distilled for {target.name} (distilling needs the "
+            f"target's tokenizer): {err}"
         ) from None
 
 

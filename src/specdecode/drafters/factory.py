@@ -10,6 +10,7 @@ from specdecode.core.draft_spec import DraftSpec, ModelSpec, resolve_draft_vocab
 from specdecode.core.policies import prior_cost_ratio
 from specdecode.core.protocols import Drafter
 from specdecode.core.tree import TreeDrafter, check_tree_attention
+from specdecode.drafters.cross_tokenizer import CrossTokenizerDrafter
 from specdecode.drafters.eagle import EagleDrafter
 from specdecode.drafters.early_exit import EarlyExitDrafter
 from specdecode.drafters.hybrid import HybridDrafter
@@ -20,10 +21,11 @@ from specdecode.drafters.tree_model import TreeModelDrafter
 from specdecode.drafters.tree_shape import parse_tree_spec
 from specdecode.kernels.cpu_linear import apply_kernel
 from specdecode.models.adapters import check_target, read_result
-from specdecode.models.compat import common_vocab_size, logits_size
+from specdecode.models.compat import common_vocab_size, logits_size, tokenizer_difference
 from specdecode.models.eagle_head import load_head
 from specdecode.models.loading import load_model, wrap_model
 from specdecode.models.quantized import quantize_loaded
+from specdecode.models.tokenizer_bridge import round_trip_failure, shared_tokens
 
 
 def make_drafter(
@@ -49,18 +51,54 @@ def make_drafter(
         if draft is None or isinstance(draft, (Drafter, TreeDrafter)):
             raise ValueError(f"tree={tree!r} needs a draft model (a model or early-exit:N)")
         loaded = wrap_model(draft)
+        _same_tokenizer(target, loaded, f"tree={tree!r}")
         return TreeModelDrafter(loaded.model, shape, common_vocab_size(target, loaded), loaded.name)
     if draft is None or isinstance(draft, (Drafter, TreeDrafter)):
         drafter = draft
     else:
-        loaded = wrap_model(draft)
-        vocab = common_vocab_size(target, loaded)
-        drafter = ModelDrafter(loaded.model, vocab_size=vocab, name=loaded.name)
+        drafter = model_drafter(wrap_model(draft), target)
     if confidence is not None:
         if not isinstance(drafter, ModelDrafter):
             raise ValueError("confidence needs a model draft (a model or early-exit:N)")
         drafter.confidence = check_confidence(confidence)
     return drafter
+
+
+def model_drafter(loaded: Any, target: Any) -> ModelDrafter | CrossTokenizerDrafter:
+    """A chain drafter over the draft model `loaded` for `target` (LoadedModels): a
+    ModelDrafter over their common vocabulary, or, where the tokenizers differ, a
+    CrossTokenizerDrafter; ValueError for a draft of another tokenizer that cannot write the
+    target's text or shares no token with it."""
+    difference = tokenizer_difference(target, loaded)
+    if difference is None:
+        vocab = common_vocab_size(target, loaded)
+        return ModelDrafter(loaded.model, vocab_size=vocab, name=loaded.name)
+    failure = round_trip_failure(target.tokenizer, loaded.tokenizer)
+    if failure is not None:
+        raise ValueError(
+            f"draft {loaded.name} has another tokenizer ({difference}) and cannot write the "
+            f"target's text: {failure}"
+        )
+    width = logits_size(target.model)
+    shared = shared_tokens(target.tokenizer, loaded.tokenizer, logits_size(loaded.model), width)
+    if not len(shared):
+        raise ValueError(
+            f"draft {loaded.name} has another tokenizer ({difference}) and no token in common "
+            "with the target's"
+        )
+    return CrossTokenizerDrafter(
+        loaded.model, target.tokenizer, loaded.tokenizer, shared, width, name=loaded.name
+    )
+
+
+def _same_tokenizer(target: Any, loaded: Any, what: str) -> None:
+    """ValueError naming `what` where the draft's tokenizer is not the target's."""
+    difference = tokenizer_difference(target, loaded)
+    if difference is not None:
+        raise ValueError(
+            f"{what} needs a draft of the target's tokenizer ({difference}); a draft of "
+            "another tokenizer drafts chains"
+        )
 
 
 def resolve_draft(
@@ -112,6 +150,7 @@ def hybrid_drafter(draft: Any, target: Any, options: Any = None) -> HybridDrafte
     """`MODEL+suffix`: `draft` (a model, loaded or not) drafting chains over the vocabulary it
     shares with `target` (a LoadedModel), in turns with a SuffixDrafter of `options`."""
     loaded = wrap_model(draft)
+    _same_tokenizer(target, loaded, f"{loaded.name}+suffix")
     model = ModelDrafter(loaded.model, common_vocab_size(target, loaded), loaded.name)
     prior = prior_cost_ratio(target.model, model)
     suffix = SuffixDrafter(options)

@@ -34,6 +34,14 @@ def describe_vocab_difference(target_tok: Any, draft_tok: Any) -> str | None:
     return "the tokenizers map tokens to different ids"
 
 
+def tokenizer_difference(target: Any, draft: Any) -> str | None:
+    """What differs between the tokenizers of `target` and `draft` (LoadedModel-like), or None
+    when they are the same or one of them has none (nothing to compare)."""
+    if target.tokenizer is None or draft.tokenizer is None:
+        return None
+    return describe_vocab_difference(target.tokenizer, draft.tokenizer)
+
+
 def common_vocab_size(target: Any, draft: Any) -> int:
     """Vocabulary both models can score: min of the two logit widths.
 
@@ -41,10 +49,9 @@ def common_vocab_size(target: Any, draft: Any) -> int:
     token fits in both; genuinely different tokenizers raise ValueError saying what differs.
     `target` and `draft` are LoadedModel-like (attributes `model` and `tokenizer`).
     """
-    if target.tokenizer is not None and draft.tokenizer is not None:
-        difference = describe_vocab_difference(target.tokenizer, draft.tokenizer)
-        if difference is not None:
-            raise ValueError(f"incompatible tokenizers: {difference}")
+    difference = tokenizer_difference(target, draft)
+    if difference is not None:
+        raise ValueError(f"incompatible tokenizers: {difference}")
     common = min(logits_size(target.model), logits_size(draft.model))
     tokenizer = target.tokenizer or draft.tokenizer
     if tokenizer is not None and len(tokenizer) > common:
