@@ -244,3 +244,44 @@ def test_sampling_through_the_shared_tokens_keeps_the_targets_distribution():
     assert (proposal.q_draft[:, 5] == 0).all()
     assert torch.allclose(proposal.q_draft.sum(-1), torch.ones(3))
     assert set(proposal.tokens.tolist()) <= {0, 1, 2, 3, 4}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_batch_answers_each_prompt_as_alone(tokenizers, temperature):
+    """Rows of one batch each draft with their own copy (their own committed text and cache):
+    greedy or sampled, every answer is the one `generate` gives alone."""
+    t_tok, d_tok = tokenizers
+    target = wrap_model(tiny_llama(seed=0, vocab=len(t_tok)), t_tok)
+    draft = wrap_model(tiny_llama(seed=1, vocab=len(d_tok)), d_tok, name="other")
+    engine = SpeculativeDecoder(target, draft, k=3, k_policy="fixed")
+    batch = engine.generate_batch(PROMPTS, 16, temperature=temperature, seed=3, max_batch=3)
+    for prompt, got in zip(PROMPTS, batch, strict=True):
+        alone = engine.generate(prompt, 16, temperature=temperature, seed=3)
+        assert got.token_ids == alone.token_ids, prompt
+    assert sum(r.stats.drafted for r in batch) > 0
+
+
+def test_trees_and_hybrids_need_the_targets_tokenizer(tokenizers):
+    from specdecode.drafters import hybrid_drafter
+
+    t_tok, d_tok = tokenizers
+    target = wrap_model(tiny_llama(seed=0, vocab=len(t_tok)), t_tok)
+    draft = wrap_model(tiny_llama(seed=1, vocab=len(d_tok)), d_tok, name="other")
+    with pytest.raises(ValueError, match="tree='static:2,1' needs a draft of the target's tok"):
+        SpeculativeDecoder(target, draft, tree="static:2,1")
+    with pytest.raises(ValueError, match="other\\+suffix needs a draft of the target's tokenizer"):
+        hybrid_drafter(draft, target)
+    with pytest.raises(ValueError, match="confidence needs a draft of the target's tokenizer"):
+        SpeculativeDecoder(target, draft, confidence=0.5)
+
+
+def test_the_command_line_says_which_way_it_drafts(tokenizers, tmp_path, capsys):
+    from specdecode.cli import main
+
+    for name, tok, seed in (("target", tokenizers[0], 0), ("draft", tokenizers[1], 1)):
+        tiny_llama(seed=seed, vocab=len(tok)).save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    argv = ["generate", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft")]
+    assert main([*argv, "--dtype", "float32", "--prompt", "def add", "--max-new-tokens", "8"]) == 0
+    err = capsys.readouterr().err
+    assert "a draft of another tokenizer (300 tokens, the target's 330): greedy drafts " in err

@@ -48,8 +48,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--draft",
         default=None,
-        help="draft: a model (same forms as --target; MODEL:int8 / MODEL:int4 runs it on int8 / "
-        "4-bit weights), early-exit:N, ngram[:MIN-MAX], suffix[:OPTIONS] or MODEL+suffix",
+        help="draft: a model (same forms as --target, of its tokenizer or another; MODEL:int8 / "
+        "MODEL:int4 runs it on int8 / 4-bit weights), early-exit:N, ngram[:MIN-MAX], "
+        "suffix[:OPTIONS] or MODEL+suffix",
     )
     parser.add_argument("--dtype", default=None, help="bfloat16 (default), float32, float16")
     parser.add_argument(

@@ -27,6 +27,7 @@ from specdecode.core.sampling import SamplingParams
 from specdecode.core.types import Stats
 from specdecode.drafters.model import ModelDrafter
 from specdecode.drafters.suffix import SuffixDrafter, pool_of
+from specdecode.models.compat import tokenizer_difference
 from specdecode.models.lean import target_cache
 from specdecode.models.loading import LoadedModel
 from specdecode.runtime.engine import SpeculativeDecoder
@@ -251,9 +252,14 @@ class MethodRunner:
         )
         extra: dict[str, Any] = {}
         if setting.method == "hf-assisted":
-            assistant = self.drafts[setting.draft].model
+            draft = self.drafts[setting.draft]
+            assistant = draft.model
             _set_assistant_schedule(assistant, setting)
             extra["assistant_model"] = assistant
+            if tokenizer_difference(self.target, draft) is not None:
+                # another tokenizer: HF's universal assisted generation drafts through text
+                extra["tokenizer"] = self.target.tokenizer
+                extra["assistant_tokenizer"] = draft.tokenizer
         elif setting.method == "hf-prompt-lookup":
             config.prompt_lookup_num_tokens = setting.k
             config.max_matching_ngram_size = HF_PROMPT_LOOKUP_NGRAM

@@ -58,6 +58,8 @@ def make_drafter(
     else:
         drafter = model_drafter(wrap_model(draft), target)
     if confidence is not None:
+        if isinstance(drafter, CrossTokenizerDrafter):
+            raise ValueError("confidence needs a draft of the target's tokenizer")
         if not isinstance(drafter, ModelDrafter):
             raise ValueError("confidence needs a model draft (a model or early-exit:N)")
         drafter.confidence = check_confidence(confidence)
