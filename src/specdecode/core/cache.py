@@ -62,35 +62,96 @@ class Cache(Protocol):
 # model -> an empty cache for it (KVCache, or lean.target_cache where the target runs lean)
 NewCache = Callable[[Any], Cache]
 
-# a target whose caches keep its features holds this attribute (`keep_features`)
+# a target whose caches keep its features holds its FeatureTaps under this attribute
 _FEATURES_FLAG = "_specdecode_keeps_features"
 
 
-def keep_features(model: Any) -> None:
-    """Make every cache made over `model` from now on keep its features: the last hidden state
-    after the final norm (what the output layer reads), one [D] row per cached position, as
-    `cache.features()` [len, D]. A drafter fed the target's own hidden states (an EAGLE-style
-    head, drafters/eagle.py) asks for them; other caches skip the copy. Over Hugging Face's
-    forward (KVCache) a forward hook on the final norm hands them over: no forked model code."""
-    if keeps_features(model):
-        return
-    tapped: list[torch.Tensor] = []  # the last forward's norm output, [1, n, D]
+class FeatureTaps:
+    """Where a feature-keeping model's hooks leave the hidden states of its last forward.
 
-    def tap(module: Any, args: Any, out: torch.Tensor) -> None:
-        tapped[:] = [out]
+    `layers` are hidden-state indices as Hugging Face's `output_hidden_states` numbers them:
+    i < L is the residual stream entering decoder layer i (0: the embeddings), L (the layer
+    count) the final norm's output, what the output layer reads. A position's feature is the
+    tapped states side by side: [len(layers) * D]. An EAGLE-3 head reads three layers
+    (models/eagle_head.py); its training adds L, for the target's own distribution.
+    """
 
-    model.get_decoder().norm.register_forward_hook(tap)
-    setattr(model, _FEATURES_FLAG, tapped)
+    def __init__(self, layers: tuple[int, ...], hidden: int) -> None:
+        self.layers = layers
+        self.width = len(layers) * hidden
+        self._states: dict[int, torch.Tensor] = {}
+
+    def put(self, layer: int, states: torch.Tensor) -> None:
+        self._states[layer] = states
+
+    def take(self) -> torch.Tensor | None:
+        """The last forward's features, [..., n, width] (the tapped states concatenated), or
+        None where no forward ran since the last take; the taps are then empty."""
+        if len(self._states) < len(self.layers):
+            self._states.clear()
+            return None
+        out = torch.cat([self._states[i] for i in self.layers], dim=-1)
+        self._states.clear()
+        return out
+
+
+def keep_features(model: Any, layers: tuple[int, ...] | None = None) -> FeatureTaps:
+    """Make every cache made over `model` from now on keep its features at hidden-state indices
+    `layers` (FeatureTaps; None: the final norm's output alone), one row per cached position,
+    as `cache.features()` [len, width]. A drafter fed the target's own hidden states (an
+    EAGLE-3 head, drafters/eagle.py) asks for them; other caches skip the copy. Over Hugging
+    Face's forward (KVCache, the static store) hooks on the decoder layers and the final norm
+    hand them over, no forked model code; the lean forward taps its own loop (models/lean.py).
+    A model keeps one set: asking for another is a ValueError."""
+    base = model.get_decoder()
+    count = len(base.layers)
+    layers = tuple(layers) if layers is not None else (count,)
+    taps = tapped_features(model)
+    if taps is not None:
+        if taps.layers != layers:
+            raise ValueError(
+                f"this target already keeps the features of hidden states {list(taps.layers)}, "
+                f"not {list(layers)}: load it again for another head"
+            )
+        return taps
+    if not layers or any(not 0 <= i <= count for i in layers) or len(set(layers)) != len(layers):
+        raise ValueError(
+            f"hidden-state indices {list(layers)} for a target of {count} layers: each once, "
+            f"from 0 (the embeddings) to {count} (the final norm's output)"
+        )
+    taps = FeatureTaps(layers, model.config.hidden_size)
+    for index in layers:
+        if index == count:
+            base.norm.register_forward_hook(lambda m, a, out: taps.put(count, out))
+        else:
+            base.layers[index].register_forward_pre_hook(_layer_input(taps, index), with_kwargs=True)
+    setattr(model, _FEATURES_FLAG, taps)
+    return taps
+
+
+def _layer_input(taps: FeatureTaps, index: int) -> Callable[..., None]:
+    """A pre-hook keeping the hidden states a decoder layer is called with (its residual
+    stream input: positional or `hidden_states=`)."""
+
+    def hook(module: Any, args: tuple, kwargs: dict) -> None:
+        taps.put(index, args[0] if args else kwargs["hidden_states"])
+
+    return hook
 
 
 def keeps_features(model: Any) -> bool:
     return tapped_features(model) is not None
 
 
-def tapped_features(model: Any) -> list[torch.Tensor] | None:
-    """Where the hook on a feature-keeping model's final norm leaves its last output (a list
-    holding it until a cache takes it), or None for a model that keeps none."""
+def tapped_features(model: Any) -> FeatureTaps | None:
+    """The FeatureTaps of a feature-keeping model, or None for a model that keeps none."""
     return getattr(model, _FEATURES_FLAG, None)
+
+
+def feature_width(model: Any) -> int:
+    """The width of one position's feature on a feature-keeping model (0 on another)."""
+    taps = tapped_features(model)
+    return taps.width if taps is not None else 0
 
 
 def forward_rows(
@@ -145,18 +206,18 @@ class KVCache(Cache):
         self.hf = DynamicCache()
         self.cache_kwarg = cache_kwarg(type(model))
         self._can_trim_logits = "logits_to_keep" in _forward_params(type(model))
-        # [capacity, D]: the final norm's output per cached position (the first len(self)
-        # valid, as a LeanCache's), where the model keeps features; grown by doubling
+        # [capacity, W]: each cached position's feature (the first len(self) valid, as a
+        # LeanCache's), where the model keeps features (keep_features); grown by doubling
         self._features: torch.Tensor | None = None
         self._tapped = tapped_features(model)
         if self._tapped is not None:
-            self._features = torch.empty(0, model.config.hidden_size, dtype=model.dtype)
+            self._features = torch.empty(0, self._tapped.width, dtype=model.dtype)
 
     def __len__(self) -> int:
         return self.hf.get_seq_length()
 
     def features(self) -> torch.Tensor:
-        """[len, D]: the final norm's output at every cached position (`keep_features`)."""
+        """[len, W]: the feature of every cached position (`keep_features`)."""
         if self._features is None:
             raise ValueError("this cache keeps no features: call cache.keep_features(model) first")
         return self._features[: len(self)]
@@ -222,13 +283,15 @@ class KVCache(Cache):
             kwargs["attention_mask"] = attention_mask
         past = len(self)
         out = self.model(input_ids=input_ids[None], use_cache=True, **kwargs)
-        if self._tapped:  # the final norm's output over the n new positions: [1, n, D]
-            self._keep_features(past, self._tapped.pop()[0])
+        if self._tapped is not None:  # the features of the n new positions: [1, n, W]
+            new = self._tapped.take()
+            assert new is not None, "the forward ran every tapped layer"
+            self._keep_features(past, new[0])
         logits = out.logits[0]  # [n, V] or [1, V]
         return logits[-1:] if last_only else logits
 
     def _keep_features(self, past: int, new: torch.Tensor) -> None:
-        """Write the features [n, D] of positions past .. past + n (the buffer doubles)."""
+        """Write the features [n, W] of positions past .. past + n (the buffer doubles)."""
         assert self._features is not None
         end = past + new.shape[0]
         if end > self._features.shape[0] or self._features.device != new.device:

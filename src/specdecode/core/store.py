@@ -22,7 +22,13 @@ from typing import Any
 
 import torch
 
-from specdecode.core.cache import Cache, cache_kwarg, compaction, tapped_features
+from specdecode.core.cache import (
+    Cache,
+    FeatureTaps,
+    cache_kwarg,
+    compaction,
+    tapped_features,
+)
 from specdecode.core.tree import additive_mask, check_tree_attention
 
 
@@ -93,12 +99,12 @@ class StaticStore(RowPool):
         self.keys = [make() for _ in range(layers)]  # [rows, Hkv, max_len + 1, d] per layer
         self.values = [make() for _ in range(layers)]
         self.lengths = [0] * rows
-        # [rows, max_len + 1, D]: each position's feature where the model keeps them
-        # (cache.keep_features), read through the hook KVCache reads too
-        self.tapped: list[torch.Tensor] | None = tapped_features(model)
+        # [rows, max_len + 1, W]: each position's feature where the model keeps them
+        # (cache.keep_features), read through the hooks KVCache reads too
+        self.tapped: FeatureTaps | None = tapped_features(model)
         self.features: torch.Tensor | None = None
         if self.tapped is not None:
-            size = (rows, max_len + 1, model.config.hidden_size)
+            size = (rows, max_len + 1, self.tapped.width)
             self.features = torch.zeros(size, dtype=param.dtype, device=param.device)
 
     @property
@@ -130,7 +136,7 @@ class StoreRow(Cache):
         return self.store.lengths[self.row]
 
     def features(self) -> torch.Tensor:
-        """[len, D]: the final norm's output at every cached position (`keep_features`)."""
+        """[len, W]: the feature of every cached position (`keep_features`)."""
         if self.store.features is None:
             raise ValueError("this cache keeps no features: call cache.keep_features(model) first")
         return self.store.features[self.row, : len(self)]
@@ -158,7 +164,7 @@ class StoreRow(Cache):
                 row = states[self.row]  # [Hkv, max_len, d]
                 row[:, run : keep.numel()] = row[:, tail.to(row.device)]  # gather, then write
             if self.store.features is not None:
-                row = self.store.features[self.row]  # [max_len, D]
+                row = self.store.features[self.row]  # [max_len, W]
                 row[run : keep.numel()] = row[tail.to(row.device)]
         self.store.lengths[self.row] = keep.numel()
 
@@ -252,8 +258,8 @@ class StoreRow(Cache):
         )
         for r, past, size in zip(rows, pasts, sizes, strict=True):
             store.lengths[r.row] = past + size
-        if store.tapped:  # the final norm's output, [B, n, D]: each row's own positions
-            tapped = store.tapped.pop()
+        tapped = store.tapped.take() if store.tapped is not None else None
+        if tapped is not None:  # the features, [B, n, W]: each row's own positions
             for b, (r, past, size) in enumerate(zip(rows, pasts, sizes, strict=True)):
                 store.features[r.row, past : past + size] = tapped[b, :size]  # type: ignore[index]
         logits = out.logits  # [B, n, V]

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from specdecode.core.cache import Cache, KVCache, compaction, keeps_features
+from specdecode.core.cache import Cache, KVCache, compaction, feature_width, tapped_features
 from specdecode.core.store import RowPool, StoreFull, kv_shape
 from specdecode.kernels.build import KernelUnavailable, extension
 from specdecode.kernels.cpu_linear import direct_linear, prefill_linear
@@ -210,13 +210,14 @@ class LeanCache(Cache):
             ids = torch.zeros(CAPACITY, dtype=torch.long, device=self.device)
         self.kv = kv
         self.ids = ids  # [capacity] int64: the token id each cached position holds
-        # [capacity, D]: the final norm's output per position, where the model keeps features
+        # [capacity, W]: each position's feature, where the model keeps features
         # (cache.keep_features); a store row's are the store's, kept with its prefix
-        if features is None and keeps_features(model):
-            features = torch.empty(
-                kv.shape[3], config.hidden_size, dtype=self.dtype, device=self.device
-            )
+        taps = tapped_features(model)
+        if features is None and taps is not None:
+            features = torch.empty(kv.shape[3], taps.width, dtype=self.dtype, device=self.device)
         self._features = features
+        # the hidden-state indices tapped (the final norm's is the layer count), or ()
+        self._taps: tuple[int, ...] = taps.layers if taps is not None else ()
         self._fused = _fused_ops(model, self.dtype, self.device, self.head_dim)
         # per layer (q, k, v, o, gate, up, down), then the output layer: the kernel calls
         # themselves where the draft's linears run on specdecode's kernels
@@ -236,7 +237,7 @@ class LeanCache(Cache):
         return self.length
 
     def features(self) -> torch.Tensor:
-        """[len, D]: the final norm's output at every cached position (`keep_features`)."""
+        """[len, W]: the feature of every cached position (`keep_features`)."""
         if self._features is None:
             raise ValueError("this cache keeps no features: call cache.keep_features(model) first")
         return self._features[: self.length]
@@ -403,7 +404,10 @@ class LeanCache(Cache):
         fused = self._fused if fused_rows else None
         bounds = list(itertools.accumulate(sizes, initial=0))
         linears = self._prefill if on_torch else self._linears
-        x, delta = self._layers(x, caches, pasts, cos, sin, row_masks, bounds, fused, linears)
+        tapped: dict[int, torch.Tensor] = {}  # hidden-state index -> [N, D]
+        x, delta = self._layers(
+            x, caches, pasts, cos, sin, row_masks, bounds, fused, linears, tapped
+        )
         for cache, past, end, tokens in zip(caches, pasts, ends, inputs, strict=True):
             cache.ids[past:end] = tokens
             cache.length = end
@@ -411,10 +415,12 @@ class LeanCache(Cache):
             cache.fused_len = end if leading else min(cache.fused_len, past)
         if self._features is not None:  # every row's features, then the rows asked for
             _, h = self._add_norm(x, delta, base.norm, fused)  # [N, D], row by row
+            tapped[len(self.layers)] = h
+            rows = torch.cat([tapped[i].to(self.dtype) for i in self._taps], dim=-1)  # [N, W]
             for cache, past, end, a, b in zip(
                 caches, pasts, ends, bounds, bounds[1:], strict=False
             ):
-                cache._features[past:end] = h[a:b]
+                cache._features[past:end] = rows[a:b]
             if last_only:
                 h = h[[b - 1 for b in bounds[1:]]]
                 bounds = list(range(len(caches) + 1))
@@ -442,17 +448,23 @@ class LeanCache(Cache):
         bounds: list[int],  # sequence b's rows are bounds[b]:bounds[b + 1]
         fused: Any,
         linears: list[tuple[Callable[[torch.Tensor], torch.Tensor], ...]],  # per layer
+        tapped: dict[int, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x through every decoder layer, writing each layer's keys and values -> (x, delta):
         the residual stream after the last layer and that layer's MLP output, not yet added.
-        `linears`: each layer's projections (`layer_projections`' order)."""
-        if fused is not None and self._native is not None and len(caches) == 1 and NATIVE_LOOP:
+        `linears`: each layer's projections (`layer_projections`' order). The residual stream
+        entering each tapped layer goes to `tapped` (cache.keep_features)."""
+        inner = [i for i in self._taps if i < len(self.layers)]  # the native loop has no taps
+        native = fused is not None and self._native is not None and NATIVE_LOOP and not inner
+        if native and len(caches) == 1:
             return self._native.forward(x, self.kv, pasts[0], cos, sin, row_masks[0])
         attend = self._attend_fused if fused is not None else self._attend
         delta = None  # the last block's output, added to x by the next norm
         for index, layer in enumerate(self.layers):
             q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj = linears[index]
             x, h = self._add_norm(x, delta, layer.input_layernorm, fused)
+            if index in inner:
+                tapped[index] = x
             q, k, v = q_proj(h), k_proj(h), v_proj(h)  # [N, H * d], [N, Hkv * d] x 2
             if len(caches) == 1:
                 out = attend(q, k, v, cos, sin, self.kv[index], pasts[0], row_masks[0])
@@ -574,13 +586,11 @@ class LeanStore(RowPool):
         device = next(model.parameters()).device
         self.kv = torch.empty(rows, layers, 2, kv_heads, max_len, head_dim, device=device)
         self.ids = torch.zeros(rows, max_len, dtype=torch.long, device=device)
-        # [rows, max_len, D]: each position's feature where the model keeps them
+        # [rows, max_len, W]: each position's feature where the model keeps them
         dtype = next(model.parameters()).dtype
-        hidden = model.config.hidden_size
+        width = feature_width(model)
         self.features = (
-            torch.empty(rows, max_len, hidden, dtype=dtype, device=device)
-            if keeps_features(model)
-            else None
+            torch.empty(rows, max_len, width, dtype=dtype, device=device) if width else None
         )
         self._left: list[LeanCache | None] = [None] * rows  # a freed row's last cache
 
