@@ -124,7 +124,9 @@ def keep_features(model: Any, layers: tuple[int, ...] | None = None) -> FeatureT
         if index == count:
             base.norm.register_forward_hook(lambda m, a, out: taps.put(count, out))
         else:
-            base.layers[index].register_forward_pre_hook(_layer_input(taps, index), with_kwargs=True)
+            base.layers[index].register_forward_pre_hook(
+                _layer_input(taps, index), with_kwargs=True
+            )
     setattr(model, _FEATURES_FLAG, taps)
     return taps
 
