@@ -166,9 +166,23 @@ def canonical_draft(name: str) -> str:
     model = str(ModelSpec(_absolute(spec.model.name), spec.model.quantization))
     if spec.kind == "distilled":  # the adapter's hash too: a new distillation in DIR is a new draft
         return f"distilled:{model}@{_adapter_hash(spec.model.name)}"
-    if spec.kind == "eagle":  # the same for a head: its weights' hash
-        return f"eagle:{model}@{_adapter_hash(spec.model.name, 'eagle.json', ('sha256',))}"
+    if spec.kind == "eagle":  # the same for a head: its weights' hash (trained here) or size
+        return f"eagle3:{model}@{_head_identity(spec.model.name)}"
     return model
+
+
+def _head_identity(folder: str) -> str:
+    """An EAGLE-3 head's weights: their hash in DIR/eagle.json for a head trained here, else
+    (a published head) the weights file's size and time, without reading a gigabyte."""
+    trained = _adapter_hash(folder, "eagle.json", ("sha256",))
+    if trained != "unfinished":
+        return trained
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        path = Path(folder).expanduser() / name
+        if path.is_file():
+            stat = path.stat()
+            return f"{stat.st_size}-{stat.st_mtime_ns}"
+    return "unfinished"
 
 
 def _adapter_hash(

@@ -79,21 +79,21 @@ def decode_bytes(target: Any, drafter: Any | None, n_tokens: int) -> int:
     lean_draft = isinstance(getattr(drafter, "cache", None), LeanCache)
     lean_target = isinstance(target_cache(target), LeanCache)
     total = estimate_bytes(target, draft, n_tokens, lean_draft, lean_target)
-    head = getattr(drafter, "head", None)  # an EAGLE-style head (drafters/eagle.py)
+    head = getattr(drafter, "head", None)  # an EAGLE-3 head (drafters/eagle.py)
     if head is not None:
         total += head_bytes(target, head, n_tokens, lean_target)
     return total
 
 
 def head_bytes(target: Any, head: Any, n_tokens: int, lean_target: bool = False) -> int:
-    """What an EAGLE-style head adds over `n_tokens`: its weights (what it shares with the
-    target counted once), its own one-layer cache, and the features the target's cache keeps
-    (one hidden-size vector a position, float32 in a lean cache, else the target's dtype)."""
-    element = head.body.norm.weight.element_size()  # its cache's dtype (a quantized fc: meta)
+    """What an EAGLE-3 head adds over `n_tokens`: its weights (what it shares with the target
+    counted once), its own one-layer cache, and the features the target's cache keeps (three
+    hidden states a position, float32 in a lean cache, else the target's dtype)."""
+    element = head.dtype.itemsize  # its cache's dtype (a quantized linear's weight: meta)
     config = getattr(target.config, "text_config", target.config)
     feature_element = 4 if lean_target else target.dtype.itemsize
-    features = config.hidden_size * feature_element * n_tokens
-    cache = kv_bytes_per_token(head.body, element=element) * n_tokens
+    features = len(head.aux_layers) * config.hidden_size * feature_element * n_tokens
+    cache = kv_bytes_per_token(head, layers=1, element=element) * n_tokens
     return weights_bytes(head) - _shared_bytes(target, head) + cache + features
 
 

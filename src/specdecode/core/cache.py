@@ -77,7 +77,7 @@ class FeatureTaps:
     """
 
     def __init__(self, layers: tuple[int, ...], hidden: int) -> None:
-        self.layers = layers
+        self.layers = layers  # an index may repeat (a small target's head reads one twice)
         self.width = len(layers) * hidden
         self._states: dict[int, torch.Tensor] = {}
 
@@ -87,7 +87,7 @@ class FeatureTaps:
     def take(self) -> torch.Tensor | None:
         """The last forward's features, [..., n, width] (the tapped states concatenated), or
         None where no forward ran since the last take; the taps are then empty."""
-        if len(self._states) < len(self.layers):
+        if len(self._states) < len(set(self.layers)):
             self._states.clear()
             return None
         out = torch.cat([self._states[i] for i in self.layers], dim=-1)
@@ -114,13 +114,13 @@ def keep_features(model: Any, layers: tuple[int, ...] | None = None) -> FeatureT
                 f"not {list(layers)}: load it again for another head"
             )
         return taps
-    if not layers or any(not 0 <= i <= count for i in layers) or len(set(layers)) != len(layers):
+    if not layers or any(not 0 <= i <= count for i in layers):
         raise ValueError(
-            f"hidden-state indices {list(layers)} for a target of {count} layers: each once, "
-            f"from 0 (the embeddings) to {count} (the final norm's output)"
+            f"hidden-state indices {list(layers)} for a target of {count} layers: from 0 (the "
+            f"embeddings) to {count} (the final norm's output)"
         )
     taps = FeatureTaps(layers, model.config.hidden_size)
-    for index in layers:
+    for index in sorted(set(layers)):
         if index == count:
             base.norm.register_forward_hook(lambda m, a, out: taps.put(count, out))
         else:

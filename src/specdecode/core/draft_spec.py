@@ -3,8 +3,9 @@
 OPTIONS as `SuffixOptions` reads them), `MODEL+suffix[:OPTIONS]` (a hybrid: each step the model's
 chain or the suffix's tree, whichever is worth more; drafters/hybrid.py), `early-exit:N`, `distilled:DIR[:int8|:int4]` (a draft trained for its target by
 `specdecode distill`: DIR/distill.json names the base draft, DIR/adapter holds what it learnt) or
-`eagle:DIR[:int8|:int4]` (an EAGLE-style head over the target's features, trained by
-`specdecode distill --kind eagle`: DIR/eagle.json and DIR/head.safetensors).
+`eagle3:DIR[:int8|:int4]` (an EAGLE-3 head over the target's hidden states, as published or
+trained by `specdecode distill --kind eagle`: DIR/config.json and DIR/model.safetensors;
+`eagle:DIR` is the same).
 
 No heavy imports (no torch, no transformers), so the command line and the run config check a
 draft before any model is loaded. `drafters.resolve_draft` builds the drafter from a DraftSpec.
@@ -34,16 +35,18 @@ DRAFT_VOCAB_ENV = "SPECDECODE_DRAFT_VOCAB"
 MODEL_FORMS = "expected MODEL, MODEL:int8 or MODEL:int4 (int8 / 4-bit weights)"
 DRAFT_FORMS = (
     "a draft is MODEL, MODEL:int8, MODEL:int4, ngram, ngram:MIN-MAX, suffix[:OPTIONS], "
-    "MODEL+suffix[:OPTIONS], early-exit:N, distilled:DIR[:int8|:int4] or eagle:DIR[:int8|:int4] "
+    "MODEL+suffix[:OPTIONS], early-exit:N, distilled:DIR[:int8|:int4] or "
+    "eagle3:DIR[:int8|:int4] "
     "(e.g. qwen2.5-coder-0.5b-instruct:int4, ngram:1-3, suffix, suffix:depth=8,pool=off, "
     "qwen2.5-coder-0.5b-instruct:int4+suffix, early-exit:8, distilled:runs/distill:int4, "
-    "eagle:runs/eagle:int4)"
+    "eagle3:runs/eagle:int4)"
 )
 SUFFIX = "suffix"
 HYBRID = "+suffix"  # what joins a model and the suffix drafter in a hybrid's spec
 DISTILLED = "distilled:"  # the prefix of a distilled draft's spec
-EAGLE = "eagle:"  # the prefix of an EAGLE-style head's spec
+EAGLE = "eagle3:"  # the prefix of an EAGLE-3 head's spec
 _FOLDER_KINDS = {"distilled": DISTILLED, "eagle": EAGLE}  # kinds named by a trained folder
+_ALIASES = {"eagle:": "eagle"}  # other prefixes of a folder kind (read, never printed)
 
 _NUMBER = re.compile(r"[0-9]+")  # ASCII only: str.isdigit() also takes '²', which int() refuses
 _LOOKS_QUANTIZED = re.compile(r"(?i)(int|q|fp|bf)[0-9]+\w*")  # `:int2`, `:INT8`, `:q4_0`, `:fp8`
@@ -230,7 +233,7 @@ class DraftSpec:
 
     @property
     def eagle_dir(self) -> str | None:
-        """The folder an EAGLE-style head was written to (`eagle:DIR`), else None."""
+        """The folder of an EAGLE-3 head (`eagle3:DIR`), else None."""
         return self.model.name if self.kind == "eagle" else None  # type: ignore[union-attr]
 
     @property
@@ -276,7 +279,7 @@ class DraftSpec:
                 "early-exit shares the target's",
             )
         if kind in _FOLDER_KINDS:
-            prefix = _FOLDER_KINDS[kind]
+            prefix = _folder_prefix(head, kind)
             folder = head[len(prefix) :]
             if not folder:
                 raise _bad_draft(text, f"{prefix} needs its folder, {prefix}DIR")
@@ -327,11 +330,22 @@ def _kind(head: str) -> DraftKind:
     if head.startswith("early-exit"):
         return "early-exit"
     for kind, prefix in _FOLDER_KINDS.items():
-        if head == kind or head.startswith(prefix):
+        if head in (kind, prefix[:-1]) or head.startswith(prefix):
+            return kind  # type: ignore[return-value]
+    for prefix, kind in _ALIASES.items():
+        if head.startswith(prefix):
             return kind  # type: ignore[return-value]
     if head == "ngram" or head.startswith("ngram:"):
         return "ngram"
     return "model"
+
+
+def _folder_prefix(head: str, kind: str) -> str:
+    """The prefix `head` names its folder kind with (the canonical one or an alias)."""
+    for prefix, alias in _ALIASES.items():
+        if alias == kind and head.startswith(prefix):
+            return prefix
+    return _FOLDER_KINDS[kind]
 
 
 def resolve_draft_vocab(size: int | str | None) -> int | None:

@@ -79,8 +79,9 @@ def add_distill_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
         choices=("lora", "eagle"),
         default="lora",
         help="what to train: lora (adapters on --draft; use as --draft distilled:OUT) or eagle "
-        "(a one-layer head over the target's own hidden states, EAGLE-style; --draft only "
-        "speeds up the answers; use as --draft eagle:OUT or eagle:OUT:int4)",
+        "(an EAGLE-3 head over three of the target's hidden states, written in the published "
+        "speculators layout; --draft only speeds up the answers; use as --draft eagle3:OUT or "
+        "eagle3:OUT:int4)",
     )
     parser.add_argument("--loss", choices=("kl", "tv"), default="kl", help="forward KL or TV")
     parser.add_argument("--lora-rank", type=int, default=16)
@@ -177,14 +178,15 @@ def summary(record: dict, out: str) -> str:
         before, after = training["before"], training["after"]
         return "\n".join(
             [
-                f"an EAGLE-style head for {record['target']}: {data['answers']} answers "
+                f"an EAGLE-3 head for {record['target']}: {data['answers']} answers "
                 f"({data['tokens']} tokens); {len(data['heldout_prompt_ids'])} prompts held out",
                 f"training: {training['steps']} steps, {training['tokens']} positions in "
                 f"{training['seconds']:.0f} s; top-1 agreement with the target "
                 f"{before['top1']:.3f} -> {after['top1']:.3f} (on {training['eval_answers']} "
                 "training answers)",
-                f"written: {out}/head.safetensors, {out}/eagle.json",
-                f"use it: --draft eagle:{out} (or eagle:{out}:int4)",
+                f"written: {out}/config.json, {out}/model.safetensors (the speculators "
+                f"layout: vLLM and SGLang read it too), {out}/eagle.json",
+                f"use it: --draft eagle3:{out} (or eagle3:{out}:int4)",
             ]
         )
     return "\n".join(

@@ -12,7 +12,7 @@ from specdecode.core.draft_spec import DraftSpec, ModelSpec
 
 LOSSES = ("kl", "tv")  # forward KL(p_target || q_draft) or total variation, on the top-k + tail
 AUTOCAST = ("auto", "bf16", "off")
-KINDS = ("lora", "eagle")  # LoRA adapters on the draft, or an EAGLE-style head (distill/eagle.py)
+KINDS = ("lora", "eagle")  # LoRA adapters on the draft, or an EAGLE-3 head (distill/eagle.py)
 _TIME_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
 _TOKEN_UNITS = {"": 1, "k": 1_000, "K": 1_000, "M": 1_000_000}
 _BUDGET = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h|k|K|M)?")

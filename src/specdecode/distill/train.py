@@ -274,7 +274,7 @@ class Checkpoints:
 
     What of the model a checkpoint holds: its LoRA adapter's weights by default; `weights`
     (model -> state dict) and `load_weights` (model, state dict) for any other trained part
-    (an EAGLE-style head's, distill/eagle.py)."""
+    (an EAGLE-3 head's, distill/eagle.py)."""
 
     def __init__(
         self,

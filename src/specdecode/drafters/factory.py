@@ -121,7 +121,8 @@ def resolve_draft(
     weights (bfloat16 on a CPU with AVX2 only; models/quantized.py), its bfloat16 weights freed.
     `distilled:DIR[:int8|:int4]` loads the base draft DIR/distill.json names with DIR's adapter
     merged (then quantized, where asked), checked against `target`'s tokenizer.
-    `eagle:DIR[:int8|:int4]` -> an EagleDrafter: DIR's head over `target`'s features
+    `eagle3:DIR[:int8|:int4]` (or `eagle:DIR`) -> an EagleDrafter: DIR's EAGLE-3 head, as
+    published or trained by `distill --kind eagle`, over `target`'s features
     (models/eagle_head.py), on the kernels and the weights asked for, like a draft model's.
 
     A draft model's output layer keeps `draft_vocab` ids (None: $SPECDECODE_DRAFT_VOCAB, else
@@ -141,7 +142,7 @@ def resolve_draft(
     if spec.kind == "distilled":
         return _load_distilled(spec, target, dtype, device, vocab)
     if spec.kind == "eagle":
-        return _load_eagle(spec, target, vocab)
+        return _load_eagle(spec, target)
     loaded = load_model(spec.model, dtype=dtype, device=device, role="draft", draft_vocab=vocab)
     if spec.kind == "hybrid":
         return hybrid_drafter(loaded, target, spec.suffix)
@@ -177,11 +178,12 @@ def _load_distilled(spec: DraftSpec, target: Any, dtype: Any, device: Any, vocab
     return loaded
 
 
-def _load_eagle(spec: DraftSpec, target: Any, vocab: int | None):
+def _load_eagle(spec: DraftSpec, target: Any):
     folder = spec.eagle_dir
     model = getattr(target, "model", target)
-    head, record = load_head(folder, model, vocab, getattr(target, "tokenizer", None))
-    check_target(record, folder, target, "EAGLE head")
+    head, record = load_head(folder, model)
+    if record is not None:  # a head trained here: its tokenizer and target checked too
+        check_target(record, folder, target, "EAGLE-3 head")
     loaded = wrap_model(head, name=str(spec))
     loaded.kernel = apply_kernel(head)
     quantize_loaded(loaded, spec.model, keep_weights=False, role="draft")  # type: ignore[arg-type]

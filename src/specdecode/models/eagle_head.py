@@ -1,241 +1,417 @@
-"""An EAGLE-style draft head: one decoder layer over the target's own features.
+"""An EAGLE-3 draft head, in the layout the published heads use.
 
-EAGLE (Li et al. 2024) drafts with the target's last hidden state instead of a second model: at
-position j the head reads f_j, the target's feature there (the final norm's output, what its
-output layer reads), and the embedding of the token after it, t_{j+1}; one decoder layer predicts
-f_{j+1}, and the target's own output layer turns that into the next token t_{j+2}. Drafting
-further feeds the head its own predicted feature. A step costs one layer and an output layer, not
-a model: about a tenth of the target's weights for Qwen2.5-1.5B over the draft vocabulary (its
-measured cost and acceptance: docs/results.md).
+EAGLE-3 (Li et al. 2025, arXiv:2503.01840) drafts with one decoder layer over three of the
+target's hidden states instead of a second model. At head position j it reads the residual
+stream entering three of the target's layers at j (low, middle, high: by default 2, L // 2 and
+L - 3 of L layers; hidden-state indices as in cache.FeatureTaps), fused by `fc` [3T -> H], and
+the embedding of the token after it, t_{j+1}; the layer's attention reads both side by side
+([input_layernorm(embedding), hidden_norm(fused)], 2H wide). Its output h (before the final
+norm) is the head's guess at the next position's state; through `norm` and `lm_head` over the
+draft vocabulary it is the distribution of t_{j+2}, draft id d being target id d + d2t[d].
+Drafting further feeds h in place of fc's output.
 
-The layer is the target family's own decoder layer (a one-layer model built from the target's
-config by Hugging Face, not code of ours), started from a copy of the target's last layer; `fc`
-maps [embedding, feature] (2D) to its input (D). The output layer is the target's, over the draft
-vocabulary (models/draft_vocab.py), and never trained. What is trained and saved: `fc` and the
-layer (with its norm). Save/load: DIR/head.safetensors and DIR/head.json (drafters/eagle.py,
-distill/eagle.py).
+The published layouts (`eagle3:DIR` reads either; docs/usage.md): a folder with config.json and
+model.safetensors (or pytorch_model.bin) whose weights are named as `speculators` writes them
+(`layers.0.*`; config with `speculators_model_type` "eagle3", `transformer_layer_config`,
+`draft_vocab_size`) or as the EAGLE repository and SpecForge do (`midlayer.*`; a Llama config
+with `draft_vocab_size`), `d2t` the offsets from draft to target ids. A head without its own
+`embed_tokens` reads the target's. `specdecode distill --kind eagle` writes the speculators
+layout, with DIR/eagle.json (written last) recording its training and the weights' hash.
+
+The layer's parts are Hugging Face's Llama modules (rotary embedding, RMSNorm, MLP); only the
+attention, whose projections read 2H, is written here.
 """
 
 from __future__ import annotations
 
-import copy
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from specdecode.core.cache import cache_kwarg
-from specdecode.kernels.quantize import is_quantized, quantized_weights
-from specdecode.models.draft_vocab import DraftVocabHead, kept_ids
 from specdecode.models.fetch import sha256_file
 from specdecode.models.files import load_json, save_json, write_atomic
 
-
-def head_config(target_config: Any) -> Any:
-    """The target's config cut to one decoder layer, with no vocabulary of its own (the head
-    reads embeddings and writes through the target's output layer)."""
-    config = copy.deepcopy(target_config)
-    config.num_hidden_layers = 1
-    if getattr(config, "layer_types", None):
-        config.layer_types = list(config.layer_types[-1:])
-    config.vocab_size = 1
-    config.pad_token_id = None
-    config.tie_word_embeddings = False
-    return config
+CONFIG_FILE, WEIGHTS_FILE, RECORD_FILE, RECORD_FORMAT = (
+    "config.json",
+    "model.safetensors",
+    "eagle.json",
+    2,
+)
+OTHER_WEIGHTS = "pytorch_model.bin"  # the EAGLE repository's heads
 
 
-class EagleHead(torch.nn.Module):
-    """fc [2D -> D] + one decoder layer and its norm (`body`, a one-layer base model); the
-    output layer (`output`) is the target's over the kept ids, set by `attach_output`."""
+@dataclass(frozen=True)
+class HeadShape:
+    """What a head folder's config.json says about the head and the target it was made for."""
 
-    def __init__(self, target_config: Any) -> None:
+    layer: dict[str, Any]  # the decoder layer's Llama config (hidden_size, heads, rope, ...)
+    draft_vocab: int
+    target_vocab: int
+    target_hidden: int
+    aux_layers: tuple[int, ...] | None  # the target's hidden-state indices; None: the default
+    norm_before_residual: bool
+    verifier: str | None  # the target it was trained for, where the config names it
+
+    @property
+    def hidden(self) -> int:
+        return int(self.layer["hidden_size"])
+
+    def aux_for(self, target_layers: int) -> tuple[int, ...]:
+        """The hidden-state indices the head reads on a target of `target_layers` layers."""
+        if self.aux_layers is not None:
+            return self.aux_layers
+        return (2, target_layers // 2, target_layers - 3)
+
+
+def read_shape(raw: dict[str, Any], where: str) -> HeadShape:
+    """A HeadShape from a config.json's dict (speculators' or the EAGLE repository's); a
+    ValueError naming `where` for anything else."""
+    if raw.get("speculators_model_type") == "eagle3":
+        layer = dict(raw.get("transformer_layer_config") or {})
+        verifier = (raw.get("speculators_config") or {}).get("verifier") or {}
+        name = verifier.get("name_or_path")
+    elif "draft_vocab_size" in raw and "hidden_size" in raw:
+        layer, name = dict(raw), None
+    else:
+        raise ValueError(
+            f"{where} is not an EAGLE-3 head's config (no speculators_model_type 'eagle3', "
+            "no draft_vocab_size)"
+        )
+    missing = [
+        key
+        for key in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+        if key not in layer
+    ]
+    if missing or "draft_vocab_size" not in raw:
+        raise ValueError(f"{where}: an EAGLE-3 config without {missing or ['draft_vocab_size']}")
+    aux = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids"
+    )
+    return HeadShape(
+        layer=layer,
+        draft_vocab=int(raw["draft_vocab_size"]),
+        target_vocab=int(layer["vocab_size"]),
+        target_hidden=int(raw.get("target_hidden_size") or layer["hidden_size"]),
+        aux_layers=tuple(int(i) for i in aux) if aux else None,
+        norm_before_residual=bool(raw.get("norm_before_residual", False)),
+        verifier=name,
+    )
+
+
+def _layer_config(shape: HeadShape) -> Any:
+    # slow import (transformers' model classes, ~1.5 s): eagle_head is imported by the
+    # command line's parser (through the drafters)
+    from transformers import LlamaConfig
+
+    fields = {k: v for k, v in shape.layer.items() if k not in ("architectures", "model_type")}
+    fields["num_hidden_layers"] = 1
+    return LlamaConfig(**fields)
+
+
+class Eagle3Attention(torch.nn.Module):
+    """Self-attention whose projections read [embedding, hidden] (2H) and write H."""
+
+    def __init__(self, config: Any) -> None:
         super().__init__()
-        # slow import (transformers' model classes, ~1.5 s): eagle_head is imported by the
-        # command line's parser (through the drafters)
-        from transformers import AutoModel
+        hidden, bias = config.hidden_size, bool(getattr(config, "attention_bias", False))
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = int(getattr(config, "head_dim", None) or hidden // self.heads)
+        self.q_proj = torch.nn.Linear(2 * hidden, self.heads * self.head_dim, bias=bias)
+        self.k_proj = torch.nn.Linear(2 * hidden, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = torch.nn.Linear(2 * hidden, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = torch.nn.Linear(self.heads * self.head_dim, hidden, bias=bias)
 
-        config = head_config(target_config)
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [n, 2H] -> queries [Hq, n, d], keys and values [Hkv, n, d], rotated."""
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        n, d = x.shape[0], self.head_dim
+        q = self.q_proj(x).view(n, self.heads, d).transpose(0, 1)
+        k = self.k_proj(x).view(n, self.kv_heads, d).transpose(0, 1)
+        v = self.v_proj(x).view(n, self.kv_heads, d).transpose(0, 1)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=0)  # cos, sin [n, d]
+        return q, k, v
+
+    def attend(
+        self,
+        q: torch.Tensor,  # [Hq, n, d]
+        k: torch.Tensor,  # [Hkv, L, d]
+        v: torch.Tensor,  # [Hkv, L, d]
+        allowed: torch.Tensor,  # [n, L] bool: which keys each query sees
+    ) -> torch.Tensor:
+        """-> [n, H]: the attention's output projected back."""
+        group = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)  # [Hq, L, d]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)  # [Hq, n, d]
+        return self.o_proj(out.transpose(0, 1).reshape(q.shape[1], -1))
+
+
+class Eagle3Layer(torch.nn.Module):
+    """The head's decoder layer: named as the published weights name it."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = LlamaRMSNorm(hidden, eps=eps)
+        self.hidden_norm = LlamaRMSNorm(hidden, eps=eps)
+        self.post_attention_layernorm = LlamaRMSNorm(hidden, eps=eps)
+        self.self_attn = Eagle3Attention(config)
+        self.mlp = LlamaMLP(config)
+
+
+class Eagle3Head(torch.nn.Module):
+    """fc [3T -> H], one Eagle3Layer, the final norm, lm_head [H -> draft vocabulary] and d2t;
+    `embed_tokens` where the head has its own (else the target's is handed to `embed`)."""
+
+    def __init__(self, shape: HeadShape, aux_layers: tuple[int, ...], own_embedding: bool):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+
+        config = _layer_config(shape)
+        self.shape, self.config, self.aux_layers = shape, config, aux_layers
         hidden = config.hidden_size
-        self.config = config
-        self.fc = torch.nn.Linear(2 * hidden, hidden, bias=False)
-        self.body = AutoModel.from_config(config)
-        self.body.embed_tokens.requires_grad_(False)  # a placeholder: the head reads embeddings
-        self.output: DraftVocabHead | None = None
+        self.embed_tokens = (
+            torch.nn.Embedding(shape.target_vocab, hidden) if own_embedding else None
+        )
+        self.fc = torch.nn.Linear(len(aux_layers) * shape.target_hidden, hidden, bias=False)
+        self.layers = torch.nn.ModuleList([Eagle3Layer(config)])
+        self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.lm_head = torch.nn.Linear(hidden, shape.draft_vocab, bias=False)
+        self.register_buffer("d2t", torch.zeros(shape.draft_vocab, dtype=torch.long))
+        self.rotary = LlamaRotaryEmbedding(config)
 
-    @classmethod
-    def from_target(cls, target: Any) -> EagleHead:
-        """A head to train: the layer and the final norm copied from the target's last layer
-        and norm (float32), fc as [embedding, feature] -> embedding + feature / 2."""
-        head = cls(target.config)
-        base = target.get_decoder()
-        with torch.no_grad():
-            head.body.layers[0].load_state_dict(_float_state(base.layers[-1], head.body.layers[0]))
-            head.body.norm.load_state_dict(_float_state(base.norm, head.body.norm))
-            hidden = head.config.hidden_size
-            eye = torch.eye(hidden)
-            head.fc.weight.copy_(torch.cat([eye, eye / 2], dim=1))
-        return head.float()
+    @property
+    def dtype(self) -> torch.dtype:
+        """The head's activations' dtype (a norm's: a quantized linear's weight is on meta)."""
+        return self.norm.weight.dtype
 
-    def trained_state(self) -> dict[str, torch.Tensor]:
-        """What training changes and a head folder keeps: fc and the body (layer and norm)."""
-        return {
-            name: tensor
-            for name, tensor in self.state_dict().items()
-            if not name.startswith(("output.", "body.embed_tokens."))
-        }
+    def get_input_embeddings(self) -> torch.nn.Module | None:
+        """Its own embedding (a lookup), or None where it reads the target's."""
+        return self.embed_tokens
 
-    def attach_output(self, target: Any, vocab_size: int | None, tokenizer: Any = None) -> None:
-        """The target's output layer over its first `vocab_size` ids and every special one
-        (all of them with None), in the head's dtype; a copy: the head may be quantized."""
-        weight = output_weight(target)  # [V, D]
-        vocab = weight.shape[0]
-        configs = [getattr(target, name, None) for name in ("config", "generation_config")]
-        keep = kept_ids(vocab, vocab_size or vocab, tokenizer, configs)
-        linear = torch.nn.Linear(weight.shape[1], vocab, bias=False, device="meta")
-        linear.weight = torch.nn.Parameter(weight, requires_grad=False)
-        dtype = self.fc.weight.dtype
-        self.output = DraftVocabHead(linear, keep).to(dtype)
-        self.output.requires_grad_(False)
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.lm_head
 
-    def get_input_embeddings(self) -> torch.nn.Module:
-        """The body's placeholder embedding (one row): the head reads the target's."""
-        return self.body.embed_tokens
+    def target_ids(self) -> torch.Tensor:
+        """[draft vocabulary] int64: each draft id's target id."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
 
-    def get_output_embeddings(self) -> torch.nn.Module | None:
-        return self.output
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [n, d] of positions [n]."""
+        cos, sin = self.rotary(self.norm.weight[None, None], positions[None])
+        return cos[0].to(self.dtype), sin[0].to(self.dtype)
+
+    def step_in(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, from_target: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention's input [n, 2H] and the residual [n, H], from the embeddings [n, H] and
+        the target's features [n, 3T] (`from_target`) or the head's own outputs [n, H]."""
+        layer = self.layers[0]
+        hidden = hidden.to(self.dtype)
+        if from_target:
+            hidden = self.fc(hidden)
+        if self.shape.norm_before_residual:
+            hidden = residual = layer.hidden_norm(hidden)
+        else:
+            residual, hidden = hidden, layer.hidden_norm(hidden)
+        x = torch.cat([layer.input_layernorm(embeds.to(self.dtype)), hidden], dim=-1)
+        return x, residual
+
+    def step_out(self, residual: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The layer's output h [n, H] (before the final norm) after its attention."""
+        layer = self.layers[0]
+        h = residual + attended
+        return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def forward(
         self,
-        embeds: torch.Tensor,  # [n, D]: the embeddings of t_{j+1}
-        features: torch.Tensor,  # [n, D]: f_j, the target's (or the head's own predicted)
-        positions: torch.Tensor,  # [n] int64: j
-        cache: Any = None,  # a transformers DynamicCache over earlier positions, or None
+        embeds: torch.Tensor,  # [n, H]: the embeddings of t_{j+1}
+        hidden: torch.Tensor,  # [n, 3T] the target's features at j, or [n, H] the head's own
+        positions: torch.Tensor,  # [n] int64: j, consecutive after the cache's
+        cache: Any,  # a transformers DynamicCache over the head's earlier positions
+        from_target: bool,
     ) -> torch.Tensor:
-        """The predicted features f_{j+1}: [n, D] (after the head's norm, as the target's)."""
-        dtype = self.fc.weight.dtype  # (a quantized fc keeps its weight's dtype, on meta)
-        x = self.fc(torch.cat([embeds.to(dtype), features.to(dtype)], dim=-1))  # [n, D]
-        out = self.body(
-            inputs_embeds=x[None],
-            position_ids=positions[None],
-            use_cache=cache is not None,
-            **{cache_kwarg(type(self.body)): cache},
-        )
-        return out.last_hidden_state[0]  # [n, D]
+        """h [n, H]: the layer's output (its final norm and lm_head give the next token)."""
+        x, residual = self.step_in(embeds, hidden, from_target)
+        attn = self.layers[0].self_attn
+        q, k, v = attn.project(x, *self.rope(positions))
+        past = cache.get_seq_length()
+        k, v = cache.update(k[None], v[None], 0)  # [1, Hkv, past + n, d]
+        n, length = x.shape[0], k.shape[2]
+        allowed = (
+            torch.arange(length, device=x.device)[None]
+            <= past + torch.arange(n, device=x.device)[:, None]
+        )  # [n, L]: causal
+        return self.step_out(residual, attn.attend(q, k[0], v[0], allowed))
 
-    def logits(self, features: torch.Tensor) -> torch.Tensor:
-        """[n, D] -> [n, V] over the target's vocabulary (-inf outside the kept ids)."""
-        if self.output is None:
-            raise ValueError("attach_output(target, ...) first")
-        return self.output(features)
-
-
-def output_weight(target: Any) -> torch.Tensor:
-    """The target's output layer weight [V, D] as a plain tensor: its own, or (a tied output
-    layer whose weight a quantized target freed) the input embedding, or dequantized codes."""
-    head = target.get_output_embeddings()
-    weight = getattr(head, "weight", None)
-    if weight is not None and not weight.is_meta:
-        return weight.detach()
-    embed = target.get_input_embeddings().weight
-    if getattr(target.config, "tie_word_embeddings", False) and not embed.is_meta:
-        return embed.detach()
-
-    return quantized_weights(head)
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[n, H] -> [n, draft vocabulary], float32."""
+        return self.lm_head(self.norm(h)).float()
 
 
-def _float_state(source: torch.nn.Module, like: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """`source`'s parameters under `like`'s state-dict names, float32: a quantized target's
-    linears (their bfloat16 weights freed) give their dequantized weights."""
-    modules = dict(source.named_modules())
-    state = {}
-    for name in like.state_dict():
-        owner, _, attr = name.rpartition(".")
-        module = modules[owner]
-        tensor = getattr(module, attr)
-        if attr == "weight" and (tensor.is_meta or is_quantized(module)):
-            tensor = quantized_weights(module)
-        state[name] = tensor.detach().float().clone()
-    return state
+# -- a head's folder ------------------------------------------------------------------------
 
 
-# -- a head's folder: DIR/head.safetensors, then DIR/eagle.json (written last) --------------
-
-HEAD_FILE, HEAD_RECORD, HEAD_FORMAT = "head.safetensors", "eagle.json", 1
-# the target config fields a head's shapes depend on
-TARGET_FIELDS = (
-    "model_type",
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-)
+def _weights_path(folder: Path) -> Path:
+    for name in (WEIGHTS_FILE, OTHER_WEIGHTS):
+        if (folder / name).is_file():
+            return folder / name
+    raise ValueError(f"EAGLE-3 head {folder}: no {WEIGHTS_FILE} (nor {OTHER_WEIGHTS})")
 
 
-def target_fingerprint(target: Any) -> dict[str, Any]:
-    return {name: getattr(target.config, name, None) for name in TARGET_FIELDS}
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The weights under the speculators names (`midlayer.` read as `layers.0.`)."""
+    if path.suffix == ".safetensors":
+        raw = load_file(str(path))
+    else:
+        raw = torch.load(path, map_location="cpu", weights_only=True)
+    out = {}
+    for name, tensor in raw.items():
+        name = name.removeprefix("model.").replace("midlayer.", "layers.0.")
+        out[name] = tensor
+    return out
 
 
-def write_head(out: Path, head: EagleHead, record: dict[str, Any]) -> None:
-    """The trained weights, then the record naming their hash: only a whole folder loads."""
-    out.mkdir(parents=True, exist_ok=True)
-    record_path = out / HEAD_RECORD
-    if record_path.exists():
-        record_path.unlink()  # no head that loads until the last write
-    state = {name: t.detach().cpu().contiguous() for name, t in head.trained_state().items()}
-    write_atomic(out / HEAD_FILE, "the head", lambda path: save_file(state, str(path)))
-    record = {**record, "format": HEAD_FORMAT, "sha256": sha256_file(out / HEAD_FILE)}
-    save_json(record_path, record, HEAD_RECORD)
-
-
-def read_head_record(folder: str | Path) -> dict[str, Any]:
-    """DIR/eagle.json, checked against DIR/head.safetensors; ValueError naming what is wrong."""
-    out = Path(folder).expanduser()
-    if not out.is_dir():
-        raise ValueError(f"EAGLE head {folder}: no such folder")
-    record_path, weights = out / HEAD_RECORD, out / HEAD_FILE
+def read_record(folder: Path) -> dict[str, Any] | None:
+    """DIR/eagle.json of a head trained here, checked against DIR's weights (None for a head
+    from elsewhere); ValueError for a record that does not match."""
+    record_path = folder / RECORD_FILE
     if not record_path.is_file():
-        raise ValueError(
-            f"EAGLE head {folder}: no {HEAD_RECORD} (an unfinished or missing training: run "
-            "`specdecode distill --kind eagle --out DIR` to finish or write one)"
-        )
+        return None
     try:
         record = load_json(record_path)
     except ValueError as err:
-        raise ValueError(f"EAGLE head {folder}: {HEAD_RECORD} is not JSON ({err})") from None
-    if not isinstance(record, dict) or record.get("format") != HEAD_FORMAT:
-        raise ValueError(f"EAGLE head {folder}: {HEAD_RECORD} is not a head record")
+        raise ValueError(f"EAGLE-3 head {folder}: {RECORD_FILE} is not JSON ({err})") from None
+    if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
+        raise ValueError(
+            f"EAGLE-3 head {folder}: {RECORD_FILE} is not an EAGLE-3 head's record (a head "
+            "of an older kind: train it again with `specdecode distill --kind eagle`)"
+        )
+    weights = folder / WEIGHTS_FILE
     if not weights.is_file() or sha256_file(weights) != record.get("sha256"):
         raise ValueError(
-            f"EAGLE head {folder}: {HEAD_FILE} is missing or not the one {HEAD_RECORD} records "
-            "(changed or half-written): train it again"
+            f"EAGLE-3 head {folder}: {WEIGHTS_FILE} is missing or not the one {RECORD_FILE} "
+            "records (changed or half-written): train it again"
         )
     return record
 
 
-def load_head(folder: str | Path, target: Any, vocab_size: int | None, tokenizer: Any = None):
-    """The head in DIR for `target` (a model), in the target's dtype and device, with the
-    target's output layer over `vocab_size` ids attached; ValueError if DIR's head was trained
-    for a target of other shapes."""
-    record = read_head_record(folder)
-    have = target_fingerprint(target)
-    differ = [k for k in TARGET_FIELDS if record["target_config"].get(k) != have.get(k)]
-    if differ:
-        raise ValueError(
-            f"EAGLE head {folder} was trained for {record['target']} ("
-            + ", ".join(f"{k}={record['target_config'].get(k)}" for k in differ)
-            + "), not for this target ("
-            + ", ".join(f"{k}={have.get(k)}" for k in differ)
-            + ")"
+def head_mismatch(shape: HeadShape, target: Any) -> str | None:
+    """Why a head of `shape` cannot read `target`'s features (one clause), or None."""
+    config = getattr(target.config, "text_config", target.config)
+    layers = int(config.num_hidden_layers)
+    vocab = int(target.get_input_embeddings().weight.shape[0])
+    made_for = f" (for {shape.verifier})" if shape.verifier else ""
+    if shape.target_hidden != config.hidden_size:
+        return (
+            f"it reads hidden size {shape.target_hidden}{made_for}, this target's is "
+            f"{config.hidden_size}"
         )
-    head = EagleHead(target.config)
-    missing, unexpected = head.load_state_dict(
-        load_file(str(Path(folder).expanduser() / HEAD_FILE)), strict=False
-    )
-    if unexpected or any(not n.startswith("body.embed_tokens.") for n in missing):
-        raise ValueError(f"EAGLE head {folder}: {HEAD_FILE} does not hold this head's weights")
+    if shape.target_vocab != vocab:
+        return (
+            f"it writes a vocabulary of {shape.target_vocab} tokens{made_for}, this target's "
+            f"has {vocab}"
+        )
+    aux = shape.aux_for(layers)
+    if len(aux) != 3 or any(not 0 <= i < layers for i in aux):
+        return (
+            f"it reads hidden states {list(aux)}{made_for}, this target has {layers} layers "
+            f"(0 to {layers - 1})"
+        )
+    return None
+
+
+def load_head(folder: str | Path, target: Any) -> tuple[Eagle3Head, dict[str, Any] | None]:
+    """The EAGLE-3 head in DIR for `target` (a model), in the target's dtype and device, and
+    its training record where it was trained here (else None); ValueError naming the mismatch
+    for a head made for another target, or a folder that holds no head."""
+    out = Path(folder).expanduser()
+    if not out.is_dir():
+        raise ValueError(f"EAGLE-3 head {folder}: no such folder")
+    record = read_record(out)
+    if not (out / CONFIG_FILE).is_file():
+        raise ValueError(f"EAGLE-3 head {folder}: no {CONFIG_FILE}")
+    try:
+        raw = load_json(out / CONFIG_FILE)
+    except ValueError as err:
+        raise ValueError(f"EAGLE-3 head {folder}: {CONFIG_FILE} is not JSON ({err})") from None
+    shape = read_shape(raw if isinstance(raw, dict) else {}, f"EAGLE-3 head {folder}")
+    problem = head_mismatch(shape, target)
+    if problem:
+        raise ValueError(f"EAGLE-3 head {folder} is for another target: {problem}")
+    weights = _read_weights(_weights_path(out))
+    own_embedding = "embed_tokens.weight" in weights
+    if not own_embedding and shape.hidden != shape.target_hidden:
+        raise ValueError(
+            f"EAGLE-3 head {folder}: no embed_tokens of its own, and its hidden size "
+            f"{shape.hidden} is not the target's {shape.target_hidden}"
+        )
+    config = getattr(target.config, "text_config", target.config)
+    head = Eagle3Head(shape, shape.aux_for(int(config.num_hidden_layers)), own_embedding)
+    if "fc.bias" in weights:  # the speculators trainer's fc has a bias
+        head.fc.bias = torch.nn.Parameter(torch.zeros(head.fc.out_features))
+    state = {k: v for k, v in weights.items() if k != "t2d"}
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"EAGLE-3 head {folder}: its weights are not an EAGLE-3 head's (missing "
+            f"{sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]})"
+        )
+    ids = head.target_ids()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= shape.target_vocab):
+        raise ValueError(
+            f"EAGLE-3 head {folder}: d2t maps draft ids outside the target's vocabulary"
+        )
     parameter = next(target.parameters())
     head = head.to(parameter.device, parameter.dtype).eval()
     head.requires_grad_(False)
-    head.attach_output(target, vocab_size, tokenizer)
     return head, record
+
+
+def head_config(head: Eagle3Head, verifier: str) -> dict[str, Any]:
+    """The config.json of `head` in the speculators layout."""
+    layer = head.config.to_diff_dict()
+    layer.update(model_type="llama", num_hidden_layers=1, vocab_size=head.shape.target_vocab)
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": head.shape.draft_vocab,
+        "norm_before_residual": head.shape.norm_before_residual,
+        "target_hidden_size": head.shape.target_hidden,
+        "eagle_aux_hidden_state_layer_ids": list(head.aux_layers),
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier},
+        },
+    }
+
+
+def write_head(out: Path, head: Eagle3Head, verifier: str, record: dict[str, Any]) -> None:
+    """config.json, model.safetensors (speculators' names, t2d included), then eagle.json
+    naming the weights' hash: only a whole folder loads as a head trained here."""
+    out.mkdir(parents=True, exist_ok=True)
+    record_path = out / RECORD_FILE
+    if record_path.exists():
+        record_path.unlink()  # no head that loads until the last write
+    state = {
+        name: t.detach().cpu().contiguous()
+        for name, t in head.state_dict().items()
+        if not name.startswith(("embed_tokens.", "rotary."))
+    }
+    t2d = torch.zeros(head.shape.target_vocab, dtype=torch.bool)
+    t2d[head.target_ids().cpu()] = True
+    state["t2d"] = t2d
+    save_json(out / CONFIG_FILE, head_config(head, verifier), CONFIG_FILE)
+    write_atomic(out / WEIGHTS_FILE, "the head", lambda path: save_file(state, str(path)))
+    record = {**record, "format": RECORD_FORMAT, "sha256": sha256_file(out / WEIGHTS_FILE)}
+    save_json(record_path, record, RECORD_FILE)
