@@ -249,7 +249,8 @@ def test_a_published_head_drafts_for_a_4bit_target_on_the_lean_forward(tmp_path)
 
 
 @needs_kernel()
-def test_a_store_row_keeps_the_features_of_the_prefix_it_reuses():
+def test_a_store_row_keeps_the_features_of_the_prefix_it_reuses(monkeypatch):
+    from specdecode.models import lean
     from specdecode.models.lean import VERIFY_TOKENS, LeanStore
 
     target = on_kernel(tiny_llama(seed=0, layers=4, **WIDE))
@@ -270,6 +271,16 @@ def test_a_store_row_keeps_the_features_of_the_prefix_it_reuses():
         fresh.forward(prompt, last_only=True)
     assert row.features().shape[1] == 3 * target.config.hidden_size
     assert torch.equal(row.features(), fresh.features())
+    with torch.inference_mode():  # decode steps: the layer loop in one C++ call taps too
+        for token in then[:3]:
+            fresh.forward(token.view(1))
+    monkeypatch.setattr(lean, "NATIVE_LOOP", False)  # ... the same as the loop in Python
+    looped = LeanCache(target, VERIFY_TOKENS, residual=store.residual)
+    with torch.inference_mode():
+        looped.forward(prompt, last_only=True)
+        for token in then[:3]:
+            looped.forward(token.view(1))
+    assert torch.equal(looped.features(), fresh.features())
 
 
 def test_the_bench_counts_a_heads_weights_its_cache_and_the_kept_features(tmp_path):

@@ -109,21 +109,27 @@ class LeanLayers {
   // x [n, D] the embedded rows, the residual stream (float32 when `wide`, else bfloat16); kv [layers, 2, Hkv, capacity, d] float32, its first `past`
   // positions valid; cos, sin [n, d] float32; mask [n, past + n] additive float32 or none
   // (causal). Writes the n new keys and values at past.. and returns (x, delta) after the last
-  // layer: its residual stream and its MLP's output, not yet added.
-  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x,
-                                                   const torch::Tensor& kv, int64_t past,
-                                                   const torch::Tensor& cos,
-                                                   const torch::Tensor& sin,
-                                                   const c10::optional<torch::Tensor>& mask) const {
+  // layer: its residual stream and its MLP's output, not yet added; and the residual stream
+  // entering each layer of `taps` (increasing indices; an EAGLE-3 head's hidden states).
+  std::tuple<torch::Tensor, torch::Tensor, std::vector<torch::Tensor>> forward(
+      torch::Tensor x, const torch::Tensor& kv, int64_t past, const torch::Tensor& cos,
+      const torch::Tensor& sin, const c10::optional<torch::Tensor>& mask,
+      const std::vector<int64_t>& taps) const {
     TORCH_CHECK(kv.dim() == 5 && kv.size(0) == int64_t(layers_.size()),
                 "LeanLayers: kv [layers, 2, Hkv, capacity, d] expected");
     const auto add_norm = wide_ ? add_rms_norm_f32 : add_rms_norm;
     c10::optional<torch::Tensor> delta;  // the last block's output, added to x by the next norm
+    std::vector<torch::Tensor> tapped;
+    size_t next_tap = 0;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const LeanLayer& layer = layers_[i];
       const torch::Tensor cache = kv.select(0, int64_t(i));  // [2, Hkv, capacity, d]
       torch::Tensor h;
       std::tie(x, h) = add_norm(x, delta, layer.input_norm, layer.input_eps);
+      if (next_tap < taps.size() && taps[next_tap] == int64_t(i)) {
+        tapped.push_back(x);  // a fresh tensor: the next add writes a new one
+        ++next_tap;
+      }
       const auto qkv = apply_all({&layer.q, &layer.k, &layer.v}, h);
       const torch::Tensor out = rope_attention(qkv[0], qkv[1], qkv[2], cos, sin,
                                                cache.select(0, 0), cache.select(0, 1), past,
@@ -132,7 +138,7 @@ class LeanLayers {
       const auto gate_up = apply_all({&layer.gate, &layer.up}, h);
       delta = layer.down(silu_mul(gate_up[0], gate_up[1]));
     }
-    return {x, *delta};
+    return {x, *delta, tapped};
   }
 
   size_t size() const { return layers_.size(); }
@@ -165,7 +171,8 @@ void bind_lean_layers(pybind11::module& m) {
       .def(py::init<std::vector<LeanLayer>, double, bool>(), py::arg("layers"),
            py::arg("scale"), py::arg("wide"))
       .def("forward", &LeanLayers::forward, py::arg("x"), py::arg("kv"),
-           py::arg("past"), py::arg("cos"), py::arg("sin"), py::arg("mask"))
+           py::arg("past"), py::arg("cos"), py::arg("sin"), py::arg("mask"),
+           py::arg("taps") = std::vector<int64_t>{})
       .def("__len__", &LeanLayers::size);
   m.def(
       "linear_group",

@@ -454,10 +454,14 @@ class LeanCache(Cache):
         the residual stream after the last layer and that layer's MLP output, not yet added.
         `linears`: each layer's projections (`layer_projections`' order). The residual stream
         entering each tapped layer goes to `tapped` (cache.keep_features)."""
-        inner = [i for i in self._taps if i < len(self.layers)]  # the native loop has no taps
-        native = fused is not None and self._native is not None and NATIVE_LOOP and not inner
+        inner = sorted({i for i in self._taps if i < len(self.layers)})
+        native = fused is not None and self._native is not None and NATIVE_LOOP
         if native and len(caches) == 1:
-            return self._native.forward(x, self.kv, pasts[0], cos, sin, row_masks[0])
+            x, delta, states = self._native.forward(
+                x, self.kv, pasts[0], cos, sin, row_masks[0], inner
+            )
+            tapped.update(zip(inner, states, strict=True))
+            return x, delta
         attend = self._attend_fused if fused is not None else self._attend
         delta = None  # the last block's output, added to x by the next norm
         for index, layer in enumerate(self.layers):
