@@ -204,6 +204,7 @@ def test_the_run_config_checks_its_drafts_on_construction():
     # a tree or --confidence needs a model or early exit, never an n-gram draft
     RunConfig(draft="early-exit:2", tree="static:2,1")
     RunConfig(draft="m:int4", tree="static:2,1")
+    RunConfig(draft="eagle3:runs/e", tree="dynamic:8")  # a head grows trees too
     for draft in ("ngram", "ngram:2-3"):
         with pytest.raises(ValueError, match="tree needs a model draft"):
             RunConfig(draft=draft, tree="static:2,1")
@@ -215,6 +216,8 @@ def test_the_vllm_export_reads_the_spec():
     assert to_vllm_speculative_config(RunConfig(draft="ngram:2-2"))["prompt_lookup_max"] == 2
     with pytest.raises(ValueError, match="a distilled draft is an adapter merged at load time"):
         to_vllm_speculative_config(RunConfig(draft="distilled:runs/d"))
+    head = to_vllm_speculative_config(RunConfig(draft="eagle3:runs/e:int4", k=3))
+    assert head == {"method": "eagle3", "model": "runs/e", "num_speculative_tokens": 3}
 
 
 def test_bench_and_tune_refuse_a_bad_draft_before_loading():

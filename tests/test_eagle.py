@@ -22,7 +22,8 @@ from specdecode.core.sampling import SamplingParams
 from specdecode.data.suites import load_suite
 from specdecode.distill.eagle import new_head, training_layers
 from specdecode.drafters import resolve_draft
-from specdecode.drafters.eagle import EagleDrafter
+from specdecode.drafters.eagle import EagleDrafter, TreeEagleDrafter
+from specdecode.drafters.factory import make_drafter
 from specdecode.models.eagle_head import read_record, read_shape
 from specdecode.models.lean import LeanCache
 from specdecode.models.loading import wrap_model
@@ -94,6 +95,30 @@ def test_a_published_head_loads_and_drafts_losslessly(layout, tmp_path):
     steps.close()
 
 
+@pytest.mark.parametrize("tree", ["static:2,2,1", "dynamic:6,3,2"])
+def test_a_published_head_grows_trees_losslessly(tree, tmp_path):
+    target = wrap_model(tiny_llama(seed=5, layers=6))
+    folder = speculators_head(tmp_path / "head", target.model, draft_vocab=VOCAB // 2)
+    head = resolve_draft(f"eagle3:{folder}", target, dtype="float32")
+    drafter = make_drafter(head, target, tree=tree)
+    assert isinstance(drafter, TreeEagleDrafter) and drafter.name == f"eagle3:{folder} tree {tree}"
+    expected = _tokens(decode(target.model, PROMPT, 24))
+    for new_cache in (KVCache, LeanCache):
+        got = _tokens(decode(target.model, PROMPT, 24, drafter=drafter, new_cache=new_cache))
+        assert got == expected, new_cache.__name__
+    gen = torch.Generator().manual_seed(0)  # sampled: each node's q over the target's ids
+    steps = decode(target.model, PROMPT, 12, drafter=drafter, params=SamplingParams(0.8),
+                   generator=gen)  # fmt: skip
+    first = next(steps)  # the prefill's token: the target's cache covers the prompt
+    grown = drafter.propose_tree([*PROMPT, *first], 3)
+    steps.close()
+    assert grown.q_draft is not None and len(grown) >= 2
+    torch.testing.assert_close(grown.q_draft.sum(-1), torch.ones(len(grown)))
+    mapped = torch.zeros(VOCAB, dtype=torch.bool)
+    mapped[drafter.head.target_ids()] = True
+    assert all(mapped[t] for t in grown.tokens.tolist())
+
+
 def test_sampled_drafts_carry_their_distribution_over_the_target_ids(tmp_path):
     target = tiny_llama(seed=5, layers=6)
     folder = speculators_head(tmp_path / "head", target, draft_vocab=VOCAB // 2)
@@ -140,6 +165,11 @@ def test_a_head_for_another_target_is_refused_with_the_mismatch(tmp_path):
     (tmp_path / "not" / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ValueError, match="not an EAGLE-3 head's config"):
         resolve_draft(f"eagle3:{tmp_path / 'not'}", target, dtype="float32")
+    deeper = json.loads((folder / "config.json").read_text())
+    deeper["transformer_layer_config"]["num_hidden_layers"] = 2
+    (tmp_path / "not" / "config.json").write_text(json.dumps(deeper))
+    with pytest.raises(ValueError, match="a head of 2 decoder layers"):
+        resolve_draft(f"eagle3:{tmp_path / 'not'}", target, dtype="float32")
     (tmp_path / "not" / "config.json").write_text((folder / "config.json").read_text())
     with pytest.raises(ValueError, match=r"no model\.safetensors"):
         resolve_draft(f"eagle3:{tmp_path / 'not'}", target, dtype="float32")
@@ -152,11 +182,24 @@ def test_a_head_for_another_target_is_refused_with_the_mismatch(tmp_path):
         resolve_draft(f"eagle3:{tmp_path / 'not'}", target, dtype="float32")
 
 
-def test_eagle_specs_parse_print_back_and_refuse_trees():
+def test_the_command_line_says_what_the_head_is(pair, tmp_path, capsys):  # noqa: F811
+    target = load_model(pair / "target", dtype="float32")
+    folder = speculators_head(tmp_path / "head", target.model, draft_vocab=20)
+    argv = ["generate", "--target", str(pair / "target"), "--draft", f"eagle3:{folder}"]
+    assert main([*argv, "--dtype", "float32", "--prompt", "hello", "--max-new-tokens", "6"]) == 0
+    err = capsys.readouterr().err
+    assert (
+        f"draft eagle3:{folder}: an EAGLE-3 head over the target's hidden states [1, 1, 1], "
+        f"drafting 20 of its {target.model.config.vocab_size} tokens, made for "
+        "meta-llama/Llama-3.1-8B-Instruct" in err
+    )
+
+
+def test_eagle_specs_parse_print_back():
     spec = DraftSpec.parse("eagle3:runs/e:int4")
     assert spec.kind == "eagle" and spec.eagle_dir == "runs/e" and str(spec) == "eagle3:runs/e:int4"
     assert DraftSpec.parse("eagle:runs/e:int4") == spec  # the older prefix reads the same
-    assert not spec.is_model_draft  # trees and --confidence need a draft model, so far
+    assert spec.drafts_trees and not spec.is_model_draft  # a head has no --confidence yet
     for bad in ("eagle3", "eagle3:", "eagle:", "eagle3:runs/e:int3"):
         with pytest.raises(ValueError, match="bad draft"):
             DraftSpec.parse(bad)
@@ -195,9 +238,13 @@ def test_distill_writes_a_head_in_the_published_layout_that_learns(pair, head_di
     batch = SpeculativeDecoder(target, drafter, k=3, k_policy="fixed").generate_batch(
         prompts, max_new_tokens=20, chat=True
     )
-    assert [r.token_ids for r in batch] == [
-        ar.generate(text, max_new_tokens=20, chat=True).token_ids for text in prompts
-    ]
+    expected = [ar.generate(text, max_new_tokens=20, chat=True).token_ids for text in prompts]
+    assert [r.token_ids for r in batch] == expected
+    tree = SpeculativeDecoder(target, drafter, tree="dynamic:6,4,2")
+    assert isinstance(tree.drafter, TreeEagleDrafter)
+    outs = [tree.generate(text, max_new_tokens=20, chat=True) for text in prompts]
+    assert [o.token_ids for o in outs] == expected  # trees too, and they are accepted
+    assert sum(o.stats.accepted for o in outs) > 0
 
 
 def test_a_trained_head_folder_loads_only_whole(pair, head_dir, tmp_path):  # noqa: F811
@@ -215,9 +262,6 @@ def test_a_trained_head_folder_loads_only_whole(pair, head_dir, tmp_path):  # no
     (old / "eagle.json").write_text(json.dumps({"format": 1}))  # an EAGLE-1 head's record
     with pytest.raises(ValueError, match="older kind"):
         resolve_draft(f"eagle3:{old}", target, dtype="float32")
-    with pytest.raises(ValueError, match="needs a draft model"):
-        SpeculativeDecoder(target, resolve_draft(f"eagle3:{head_dir}", target, dtype="float32"),
-                           tree="static:2,1")  # fmt: skip
 
 
 @needs_kernel()

@@ -195,6 +195,7 @@ def engine_from_args(args: argparse.Namespace) -> SpeculativeDecoder:
     from specdecode import SpeculativeDecoder, load_model
     from specdecode.drafters import resolve_draft
     from specdecode.drafters.cross_tokenizer import CrossTokenizerDrafter
+    from specdecode.drafters.eagle import EagleDrafter
 
     run = run_config_from_args(args)
     draft = run.draft_spec
@@ -218,7 +219,7 @@ def engine_from_args(args: argparse.Namespace) -> SpeculativeDecoder:
         tree=tree,
         generation_config=getattr(args, "generation_config", "auto"),
     )
-    if isinstance(engine.drafter, CrossTokenizerDrafter):  # say which way it drafts
+    if isinstance(engine.drafter, (CrossTokenizerDrafter, EagleDrafter)):  # say how it drafts
         print(
             f"specdecode: draft {engine.drafter.name}: {engine.drafter.describe()}", file=sys.stderr
         )

@@ -142,7 +142,9 @@ def to_vllm_speculative_config(config: RunConfig) -> dict[str, Any]:
     A hybrid has no vLLM equivalent (one method per engine). vLLM drafts a fixed number of
     tokens, so an adaptive
     policy exports its k (the largest it would try) and `confidence` is not exported; a
-    `MODEL:int8` or `MODEL:int4` draft exports MODEL. A preset exports the folder it was
+    `MODEL:int8` or `MODEL:int4` draft exports MODEL; `eagle3:DIR` exports {"method":
+    "eagle3", "model": DIR, ...} (vLLM reads the layout `distill --kind eagle` writes). A preset
+    exports the folder it was
     converted to (fetch it first). ValueError for no draft, for early-exit drafts and for token
     trees, which vLLM's draft-model method has no equivalent of.
     """
@@ -185,6 +187,12 @@ def to_vllm_speculative_config(config: RunConfig) -> dict[str, Any]:
             "num_speculative_tokens": config.k,
             "prompt_lookup_min": low,
             "prompt_lookup_max": high,
+        }
+    if spec.kind == "eagle":  # the head's folder, in the speculators layout vLLM reads
+        return {
+            "method": "eagle3",
+            "model": spec.model.name,  # type: ignore[union-attr]
+            "num_speculative_tokens": config.k,
         }
     # a quantized draft exports its model: int8 / int4 are our CPU kernel's, vLLM picks its own
     return {
@@ -246,9 +254,9 @@ def _check_tree(draft: Any, tree: Any, confidence: Any, where: str = "") -> None
         parse_tree_spec(tree)
     except ValueError as err:
         raise ValueError(f"{where}{err}") from None
-    if draft is None or not DraftSpec.parse(draft).is_model_draft:
+    if draft is None or not DraftSpec.parse(draft).drafts_trees:
         raise ValueError(
-            f"{where}tree needs a model draft (a model or early-exit:N), not {draft!r}; "
+            f"{where}tree needs a model draft (a model, early-exit:N or eagle3:DIR), not {draft!r}; "
             "`--tree none` drafts a chain instead"
         )
     if confidence is not None:

@@ -91,8 +91,10 @@ class CompareConfig:
         spec = DraftSpec.parse(self.draft)
         for tree in self.trees:
             parse_tree_spec(tree)
-        if self.trees and not spec.is_model_draft:
-            raise ValueError(f"--tree needs a model draft or early-exit:N (got {self.draft})")
+        if self.trees and not spec.drafts_trees:
+            raise ValueError(
+                f"--tree needs a model draft, early-exit:N or eagle3:DIR (got {self.draft})"
+            )
         if not self.ks or any(k < 1 for k in self.ks):
             raise ValueError(f"--k takes look-aheads >= 1 (got {self.ks})")
         if self.sample_temperature < 0:

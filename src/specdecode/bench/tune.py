@@ -246,9 +246,9 @@ def run_tune(
         raise ValueError("tune needs at least one candidate --draft")
     if config.temperature:
         raise ValueError("tune calibrates greedy decoding: leave --temperature at 0")
-    if config.trees and not any(DraftSpec.parse(d).is_model_draft for d in config.drafts):
+    if config.trees and not any(DraftSpec.parse(d).drafts_trees for d in config.drafts):
         raise ValueError(
-            "--tree needs a model draft among the candidates (a model or early-exit:N)"
+            "--tree needs a model draft among the candidates (a model, early-exit:N or eagle3:DIR)"
         )
     calibration, validation = _tune_prompts(config, validate)
     # the tuner predicts decode speedups, which exclude the prefill: one target prefill per

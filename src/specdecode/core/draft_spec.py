@@ -237,10 +237,16 @@ class DraftSpec:
         return self.model.name if self.kind == "eagle" else None  # type: ignore[union-attr]
 
     @property
+    def drafts_trees(self) -> bool:
+        """A model, early exit or EAGLE-3 head: what can grow a token tree (n-gram and suffix
+        drafts grow their own; a hybrid sizes its own drafts)."""
+        return self.kind not in ("ngram", "suffix", "hybrid")
+
+    @property
     def is_model_draft(self) -> bool:
         """A model or early exit: drafts from a model's distribution, which trees and
         --confidence need (n-gram and suffix drafts propose tokens without probabilities; an
-        EAGLE head drafts chains only, so far; a hybrid sizes its own drafts)."""
+        EAGLE-3 head grows trees but has no --confidence yet; a hybrid sizes its own drafts)."""
         return self.kind not in ("ngram", "suffix", "hybrid", "eagle")
 
     def __str__(self) -> str:

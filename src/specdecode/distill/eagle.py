@@ -327,7 +327,8 @@ def distill_head(
     record.setdefault("time", {})["features_s"] = round(feature_s, 3)
     record["time"]["this_run_s"] = round(time.perf_counter() - run_started, 3)
     record.setdefault("peak_memory", {})["after_training"] = peak_memory(device)
-    write_head(out, head, record["target"], record)
+    weights = target.get_input_embeddings().weight.dtype  # the target's (a 4-bit one's: bf16)
+    write_head(out, head, record["target"], record, weights)
     return record
 
 

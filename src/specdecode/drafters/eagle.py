@@ -22,7 +22,10 @@ from specdecode.core.cache import Cache, keep_features
 from specdecode.core.policies import compute_params
 from specdecode.core.protocols import Drafter
 from specdecode.core.sampling import SamplingParams, greedy_tokens, logits_to_probs, sample
+from specdecode.core.tree import TreeDrafter
 from specdecode.core.types import Draft, ForwardMeter
+from specdecode.drafters.tree_model import TreeGrowth
+from specdecode.drafters.tree_shape import TreeShape
 from specdecode.models.eagle_head import Eagle3Head
 
 
@@ -48,6 +51,15 @@ class EagleDrafter(Drafter):
         # against the target's
         weights = sum(p.numel() for n, p in head.named_parameters() if "embed_tokens" not in n)
         self.cost_ratio = weights / compute_params(target)
+
+    def describe(self) -> str:
+        """What the head is, for the command line."""
+        shape = self.head.shape
+        made_for = f", made for {shape.verifier}" if shape.verifier else ""
+        return (
+            f"an EAGLE-3 head over the target's hidden states {list(self.head.aux_layers)}, "
+            f"drafting {shape.draft_vocab} of its {shape.target_vocab} tokens{made_for}"
+        )
 
     def follow(self, cache: Cache) -> None:
         """The target's cache of the sequence about to begin: the features come from it."""
@@ -131,12 +143,65 @@ class EagleDrafter(Drafter):
         logits = self.head.draft_logits(h)[0]  # [draft vocabulary]
         if self.params.greedy:
             return self.target_ids[greedy_tokens(logits)]
-        full = logits.new_full((self.vocab_size,), -torch.inf)
-        full[self.target_ids] = logits  # -inf where the head cannot draft
-        q = logits_to_probs(full, self.params)
+        q = logits_to_probs(self._target_logits(logits[None])[0], self.params)
         qs.append(q)
         return sample(q, self.generator)
+
+    def _target_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """[m, draft vocabulary] -> [m, V] over the target's ids, -inf where the head cannot
+        draft."""
+        full = logits.new_full((logits.shape[0], self.vocab_size), -torch.inf)
+        full[:, self.target_ids] = logits
+        return full
 
     def observe(self, n_accepted: int) -> None:
         """Nothing to do now: the next `propose` drops the drafted positions and feeds the
         accepted ones with the target's own features."""
+
+
+class TreeEagleDrafter(TreeGrowth, EagleDrafter, TreeDrafter):
+    """An EAGLE-3 head growing a token tree (drafters/tree_model.py's TreeGrowth), one head
+    forward per depth: a node is fed at the head position after its parent's, reading its
+    parent's output and its own token, and attends to the positions fed with the target's
+    features and to its ancestors (a tree mask over the head's cache). The next `propose_tree`
+    drops every node from the head's cache, as a chain's drafted positions are."""
+
+    def __init__(
+        self,
+        head: Eagle3Head,
+        target: Any,
+        shape: TreeShape,
+        vocab_size: int | None = None,
+        name: str = "eagle",
+    ) -> None:
+        EagleDrafter.__init__(self, head, target, vocab_size, name)
+        self._start_tree(shape, name)
+        self._out: dict[int, torch.Tensor] = {}  # pool id (-1: the root) -> its output [1, H]
+
+    def _root(self, context: list[int]) -> torch.Tensor:
+        """Feed what the target's cache gained; the logits at the root [1, V]."""
+        with self.meter.forward("draft", max(1, len(context) - 1 - self.fed)):
+            self._out = {-1: self._catch_up(context)}
+            return self._target_logits(self.head.draft_logits(self._out[-1]))
+
+    def _feed(self, nodes: list[int]) -> torch.Tensor:
+        """One head forward over `nodes` with a tree mask; their logits [m, V]."""
+        pool = self._pool
+        allowed, depth = self._node_mask(nodes, self.cache.get_seq_length(), self.fed)
+        tokens = torch.tensor([pool.tokens[n] for n in nodes], device=self.device)
+        with self.meter.forward("draft", len(nodes)):
+            h = self.head(
+                self.embed(tokens),
+                torch.cat([self._out[pool.parents[n]] for n in nodes]),  # [m, H]
+                self.fed - 1 + depth,  # a depth-1 node sits right after the fed positions
+                self.cache,
+                from_target=False,
+                allowed=allowed,
+            )
+            for r, node in enumerate(nodes):
+                self._out[node] = h[r : r + 1]
+            return self._target_logits(self.head.draft_logits(h))
+
+    def observe_path(self, path: list[int]) -> None:
+        """Nothing to do now: the next `propose_tree` drops the nodes and feeds the accepted
+        tokens with the target's own features."""

@@ -11,7 +11,7 @@ from specdecode.core.policies import prior_cost_ratio
 from specdecode.core.protocols import Drafter
 from specdecode.core.tree import TreeDrafter, check_tree_attention
 from specdecode.drafters.cross_tokenizer import CrossTokenizerDrafter
-from specdecode.drafters.eagle import EagleDrafter
+from specdecode.drafters.eagle import EagleDrafter, TreeEagleDrafter
 from specdecode.drafters.early_exit import EarlyExitDrafter
 from specdecode.drafters.hybrid import HybridDrafter
 from specdecode.drafters.model import ModelDrafter, check_confidence
@@ -46,10 +46,14 @@ def make_drafter(
         check_tree_attention(target.model, "target")
         if isinstance(draft, ModelDrafter):
             return TreeModelDrafter(draft.model, shape, draft.vocab_size, draft.name)
+        if isinstance(draft, EagleDrafter):
+            return TreeEagleDrafter(draft.head, target.model, shape, draft.vocab_size, draft.name)
         if isinstance(draft, (SuffixDrafter, HybridDrafter)):
             raise ValueError(f"tree={tree!r}: {draft.name} drafts trees of its own shape")
         if draft is None or isinstance(draft, (Drafter, TreeDrafter)):
-            raise ValueError(f"tree={tree!r} needs a draft model (a model or early-exit:N)")
+            raise ValueError(
+                f"tree={tree!r} needs a draft model (a model, early-exit:N or an EAGLE-3 head)"
+            )
         loaded = wrap_model(draft)
         _same_tokenizer(target, loaded, f"tree={tree!r}")
         return TreeModelDrafter(loaded.model, shape, common_vocab_size(target, loaded), loaded.name)

@@ -1,4 +1,5 @@
-"""A draft model growing a token tree, one batched draft forward per depth.
+"""A draft model growing a token tree, one batched draft forward per depth (`TreeGrowth`: the
+growing itself, which an EAGLE-3 head shares, drafters/eagle.py).
 
 Children of a node: greedy — the draft's top tokens (distinct); sampling — i.i.d. draws from the
 draft's q at that node (with replacement), where repeats of one token share one node and the draw
@@ -127,14 +128,19 @@ class _Pool:
         )
 
 
-class TreeModelDrafter(DraftModelState, TreeDrafter):
-    """Drafts a token tree with a small causal LM (see the module docstring)."""
+class TreeGrowth:
+    """How a tree grows, whatever drafts it: `_root(context)` gives the logits at the root
+    ([1, V], the committed tokens fed first) and `_feed(nodes)` the logits at pool nodes
+    ([m, V], one forward with a tree mask); a subclass sets `shape`, `params`, `generator`,
+    `device` and calls `_start_tree` from its constructor; it comes before the drafter it grows
+    trees for in the bases (its `begin` warns, then begins that drafter)."""
 
-    def __init__(
-        self, model: Any, shape: TreeShape, vocab_size: int | None = None, name: str = "draft"
-    ) -> None:
-        check_tree_attention(model, "draft")
-        super().__init__(model, vocab_size)
+    shape: TreeShape
+    params: SamplingParams
+    generator: torch.Generator | None
+    device: torch.device
+
+    def _start_tree(self, shape: TreeShape, name: str) -> None:
         self.shape = shape
         self.name = f"{name} tree {shape}"
         self._pool = _Pool()
@@ -154,19 +160,38 @@ class TreeModelDrafter(DraftModelState, TreeDrafter):
                 "every draw (lossless verification needs them)",
                 stacklevel=2,
             )
-        super().begin(prompt_ids, params, generator, meter)
+        super().begin(prompt_ids, params, generator, meter)  # type: ignore[misc]
+
+    def _node_mask(
+        self, nodes: list[int], past: int, prefix: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pool `nodes` placed at cache columns past.. (their slots set): which of the past + m
+        columns each sees ([m, past + m] bool: the first `prefix` and its ancestors) and each
+        node's depth [m]."""
+        pool = self._pool
+        for r, node in enumerate(nodes):
+            pool.slot[node] = past + r
+        parents = torch.tensor(pool.parents, device=self.device)  # [P]
+        rows = torch.tensor(nodes, device=self.device) + 1  # tree rows of the queries
+        slots = torch.tensor([-1, *pool.slot], device=self.device)  # root: inside the prefix
+        allowed = tree_mask(ancestor_matrix(parents)[rows], slots, prefix, past + len(nodes))
+        depth = torch.tensor([pool.depth[n] for n in nodes], device=self.device)
+        return allowed, depth
+
+    def _root(self, context: list[int]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _feed(self, nodes: list[int]) -> torch.Tensor:
+        raise NotImplementedError
 
     def _q(self, logits: torch.Tensor) -> torch.Tensor | None:
         return None if self.params.greedy else logits_to_probs(logits, self.params)
 
     @torch.inference_mode()
     def propose_tree(self, context: list[int], max_depth: int) -> TokenTree:
-        assert self.cache is not None, "begin() first"
         self._context_len = len(context)
         pool = self._pool = _Pool()
-        with self.meter.forward("draft", len(context) - len(self.cache)):
-            root = self.cache.forward(self._ids(context[len(self.cache) :]), last_only=True)
-        frontier, rows = [-1], root[:, : self.vocab_size]  # [1, V]: q at the root
+        frontier, rows = [-1], self._root(context)  # [1, V]: q at the root
         levels = min(self.shape.max_depth, max_depth)
         budget = self.shape.nodes  # dynamic sampling: nodes still allowed
         for level in range(1, levels + 1):
@@ -224,20 +249,31 @@ class TreeModelDrafter(DraftModelState, TreeDrafter):
         # a child scores at most its parent and loses ties to every older node
         return [node for node in frontier if pool.score[node] > cut]
 
+
+class TreeModelDrafter(TreeGrowth, DraftModelState, TreeDrafter):
+    """Drafts a token tree with a small causal LM (see the module docstring)."""
+
+    def __init__(
+        self, model: Any, shape: TreeShape, vocab_size: int | None = None, name: str = "draft"
+    ) -> None:
+        check_tree_attention(model, "draft")
+        super().__init__(model, vocab_size)
+        self._start_tree(shape, name)
+
+    def _root(self, context: list[int]) -> torch.Tensor:
+        """The committed tokens the draft has not seen, causal; the logits at the last [1, V]."""
+        assert self.cache is not None, "begin() first"
+        with self.meter.forward("draft", len(context) - len(self.cache)):
+            root = self.cache.forward(self._ids(context[len(self.cache) :]), last_only=True)
+        return root[:, : self.vocab_size]
+
     def _feed(self, nodes: list[int]) -> torch.Tensor:
         """One draft forward over `nodes` with a tree mask; returns their logits [m, V]."""
         assert self.cache is not None
-        pool, past, m = self._pool, len(self.cache), len(nodes)
-        for r, node in enumerate(nodes):
-            pool.slot[node] = past + r
-        parents = torch.tensor(pool.parents, device=self.device)  # [P]
-        rows = torch.tensor(nodes, device=self.device) + 1  # tree rows of the queries
-        slots = torch.tensor([-1, *pool.slot], device=self.device)  # root: inside the prefix
-        allowed = tree_mask(ancestor_matrix(parents)[rows], slots, self._context_len, past + m)
-        depth = torch.tensor([pool.depth[n] for n in nodes], device=self.device)
-        with self.meter.forward("draft", m):
+        allowed, depth = self._node_mask(nodes, len(self.cache), self._context_len)
+        with self.meter.forward("draft", len(nodes)):
             logits = self.cache.forward(
-                self._ids([pool.tokens[n] for n in nodes]),
+                self._ids([self._pool.tokens[n] for n in nodes]),
                 position_ids=self._context_len - 1 + depth,  # the root sits at L - 1
                 attention_mask=additive_mask(allowed, self.dtype),
             )

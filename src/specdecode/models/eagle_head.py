@@ -88,6 +88,11 @@ def read_shape(raw: dict[str, Any], where: str) -> HeadShape:
     ]
     if missing or "draft_vocab_size" not in raw:
         raise ValueError(f"{where}: an EAGLE-3 config without {missing or ['draft_vocab_size']}")
+    if int(layer.get("num_hidden_layers") or 1) != 1:
+        raise ValueError(
+            f"{where}: a head of {layer['num_hidden_layers']} decoder layers (EAGLE-3 heads of "
+            "one layer load here)"
+        )
     aux = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
         "eagle_aux_hidden_state_layer_ids"
     )
@@ -235,9 +240,10 @@ class Eagle3Head(torch.nn.Module):
         self,
         embeds: torch.Tensor,  # [n, H]: the embeddings of t_{j+1}
         hidden: torch.Tensor,  # [n, 3T] the target's features at j, or [n, H] the head's own
-        positions: torch.Tensor,  # [n] int64: j, consecutive after the cache's
+        positions: torch.Tensor,  # [n] int64: j (consecutive after the cache's, unless a tree)
         cache: Any,  # a transformers DynamicCache over the head's earlier positions
         from_target: bool,
+        allowed: torch.Tensor | None = None,  # [n, past + n] bool (a tree's); None: causal
     ) -> torch.Tensor:
         """h [n, H]: the layer's output (its final norm and lm_head give the next token)."""
         x, residual = self.step_in(embeds, hidden, from_target)
@@ -245,11 +251,12 @@ class Eagle3Head(torch.nn.Module):
         q, k, v = attn.project(x, *self.rope(positions))
         past = cache.get_seq_length()
         k, v = cache.update(k[None], v[None], 0)  # [1, Hkv, past + n, d]
-        n, length = x.shape[0], k.shape[2]
-        allowed = (
-            torch.arange(length, device=x.device)[None]
-            <= past + torch.arange(n, device=x.device)[:, None]
-        )  # [n, L]: causal
+        if allowed is None:
+            n, length = x.shape[0], k.shape[2]
+            allowed = (
+                torch.arange(length, device=x.device)[None]
+                <= past + torch.arange(n, device=x.device)[:, None]
+            )  # [n, L]: causal
         return self.step_out(residual, attn.attend(q, k[0], v[0], allowed))
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -396,15 +403,22 @@ def head_config(head: Eagle3Head, verifier: str) -> dict[str, Any]:
     }
 
 
-def write_head(out: Path, head: Eagle3Head, verifier: str, record: dict[str, Any]) -> None:
-    """config.json, model.safetensors (speculators' names, t2d included), then eagle.json
-    naming the weights' hash: only a whole folder loads as a head trained here."""
+def write_head(
+    out: Path,
+    head: Eagle3Head,
+    verifier: str,
+    record: dict[str, Any],
+    dtype: torch.dtype = torch.bfloat16,
+) -> None:
+    """config.json, model.safetensors (speculators' names, t2d included, the weights in
+    `dtype`: the target's, as published heads are), then eagle.json naming the weights' hash:
+    only a whole folder loads as a head trained here."""
     out.mkdir(parents=True, exist_ok=True)
     record_path = out / RECORD_FILE
     if record_path.exists():
         record_path.unlink()  # no head that loads until the last write
     state = {
-        name: t.detach().cpu().contiguous()
+        name: t.detach().cpu().to(dtype if t.is_floating_point() else t.dtype).contiguous()
         for name, t in head.state_dict().items()
         if not name.startswith(("embed_tokens.", "rotary."))
     }
