@@ -1,4 +1,8 @@
-"""Offline probe of an EAGLE-style head against the model draft, on a distillation's cached
+"""History: this probe measured the EAGLE-1-style head that `distill --kind eagle` trained until
+the EAGLE-3 head replaced it (lab/notes/2026-12-06-eagle3-heads.md); it runs at commit c1c08e7
+and earlier, not against today's models/eagle_head.py.
+
+Offline probe of an EAGLE-style head against the model draft, on a distillation's cached
 answers (`specdecode distill ... --out DIR`): trains a head for `--seconds` on the answers of
 most prompts and measures, on the answers of the others (held out by prompt), how many tokens
 each drafter's greedy chain of `--k` would have had accepted at every answer position (the
