@@ -1,4 +1,5 @@
-"""Drafting chains with an EAGLE-3 head (models/eagle_head.py) over the target's features.
+"""Drafting chains and trees with an EAGLE-3 head (models/eagle_head.py) over the target's
+features.
 
 The head keeps its own cache, one position per target position: head position j read the target's
 features at j (three of its hidden states, cache.FeatureTaps) and the token t_{j+1}. Between
@@ -40,7 +41,8 @@ class EagleDrafter(Drafter):
         keep_features(target, head.aux_layers)
         self.head = head
         self.name = name
-        self.embed = head.embed_tokens or target.get_input_embeddings()
+        own = head.embed_tokens
+        self.embed = own if own is not None else target.get_input_embeddings()
         # the target's logits' width: drafted tokens are target ids below it
         self.vocab_size = vocab_size or head.shape.target_vocab
         self.target_ids = head.target_ids()  # [draft vocabulary] int64
