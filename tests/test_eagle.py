@@ -106,6 +106,10 @@ def test_a_published_head_grows_trees_losslessly(tree, tmp_path):
     for new_cache in (KVCache, LeanCache):
         got = _tokens(decode(target.model, PROMPT, 24, drafter=drafter, new_cache=new_cache))
         assert got == expected, new_cache.__name__
+    from specdecode.bench.methods import plan_settings
+
+    planned = plan_settings(["spec"], {"head": head}, [2], ["fixed"], [tree])
+    assert [x.tree for x in planned] == [None, tree]  # the bench grows a head's trees too
     gen = torch.Generator().manual_seed(0)  # sampled: each node's q over the target's ids
     steps = decode(target.model, PROMPT, 12, drafter=drafter, params=SamplingParams(0.8),
                    generator=gen)  # fmt: skip

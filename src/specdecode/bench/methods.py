@@ -25,6 +25,7 @@ from specdecode.core.measure import clock_for
 from specdecode.core.request import GenerationRequest
 from specdecode.core.sampling import SamplingParams
 from specdecode.core.types import Stats
+from specdecode.drafters.eagle import EagleDrafter
 from specdecode.drafters.model import ModelDrafter
 from specdecode.drafters.suffix import SuffixDrafter, pool_of
 from specdecode.models.compat import tokenizer_difference
@@ -117,7 +118,8 @@ def plan_settings(
     """Every setting the requested methods imply; methods that do not apply are left out.
 
     `drafts` maps a draft label to what `resolve_draft` made of it: hf-assisted applies only to
-    draft models (a `LoadedModel`), token trees to those and early exit, hf-prompt-lookup needs
+    draft models (a `LoadedModel`), token trees to those, early exit and EAGLE-3 heads,
+    hf-prompt-lookup needs
     none. HF's constant-k
     settings use `hf_ks` (default: the same ks as ours).
     """
@@ -140,7 +142,8 @@ def plan_settings(
             settings += [
                 Setting("spec", label, 0, "fixed", tree)
                 for label, draft in drafts.items()
-                if isinstance(draft, (LoadedModel, ModelDrafter))  # a model or early exit
+                # a model, early exit or an EAGLE-3 head
+                if isinstance(draft, (LoadedModel, ModelDrafter, EagleDrafter))
                 for tree in trees
             ]
         elif method == "hf-assisted":
