@@ -261,6 +261,22 @@ def test_a_batch_answers_each_prompt_as_alone(tokenizers, temperature):
     assert sum(r.stats.drafted for r in batch) > 0
 
 
+def test_the_bench_plans_no_tree_for_a_draft_of_another_tokenizer(tokenizers, capsys):
+    from specdecode.bench.methods import plan_settings
+
+    t_tok, d_tok = tokenizers
+    target = wrap_model(tiny_llama(seed=0, vocab=len(t_tok)), t_tok)
+    drafts = {
+        "other": wrap_model(tiny_llama(seed=1, vocab=len(d_tok)), d_tok, name="other"),
+        "same": wrap_model(tiny_llama(seed=2, vocab=len(t_tok)), t_tok, name="same"),
+    }
+    planned = plan_settings(["spec"], drafts, [2], ["fixed"], ["static:2,1"], target=target)
+    assert [(s.draft, s.tree) for s in planned if s.tree] == [("same", "static:2,1")]
+    assert (
+        "no --tree for other: a draft of another tokenizer drafts chains" in capsys.readouterr().err
+    )
+
+
 def test_trees_and_hybrids_need_the_targets_tokenizer(tokenizers):
     from specdecode.drafters import hybrid_drafter
 

@@ -13,6 +13,7 @@ first generated tokens appear (our step loop, HF's streamer), so prefill is kept
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -114,14 +115,15 @@ def plan_settings(
     policies: list[str],
     trees: list[str] = (),  # type: ignore[assignment]
     hf_ks: list[int] | None = None,
+    target: LoadedModel | None = None,
 ) -> list[Setting]:
     """Every setting the requested methods imply; methods that do not apply are left out.
 
     `drafts` maps a draft label to what `resolve_draft` made of it: hf-assisted applies only to
     draft models (a `LoadedModel`), token trees to those, early exit and EAGLE-3 heads,
     hf-prompt-lookup needs
-    none. HF's constant-k
-    settings use `hf_ks` (default: the same ks as ours).
+    none; a draft model of another tokenizer than `target`'s drafts chains only, so it gets no
+    tree (said on stderr). HF's constant-k settings use `hf_ks` (default: the same ks as ours).
     """
     hf_ks = ks if hf_ks is None else hf_ks
     unknown = [m for m in methods if m not in ALL_METHODS]
@@ -139,12 +141,28 @@ def plan_settings(
                 for policy in policies
                 for k in (ks[:1] if isinstance(drafts[label], SuffixDrafter) else ks)
             ]
-            settings += [
-                Setting("spec", label, 0, "fixed", tree)
+            growing = [
+                label
                 for label, draft in drafts.items()
                 # a model, early exit or an EAGLE-3 head
                 if isinstance(draft, (LoadedModel, ModelDrafter, EagleDrafter))
-                for tree in trees
+            ]
+            if trees and target is not None:
+                other = [
+                    label
+                    for label in growing
+                    if isinstance(drafts[label], LoadedModel)
+                    and tokenizer_difference(target, drafts[label]) is not None
+                ]
+                if other:
+                    print(
+                        f"note: no --tree for {', '.join(other)}: a draft of another tokenizer "
+                        "drafts chains",
+                        file=sys.stderr,
+                    )
+                growing = [label for label in growing if label not in other]
+            settings += [
+                Setting("spec", label, 0, "fixed", tree) for label in growing for tree in trees
             ]
         elif method == "hf-assisted":
             for label, draft in drafts.items():

@@ -175,7 +175,7 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict[str, Any]:
     only_tuned = run is not None and not planned
     methods = config.methods or (["ar"] if only_tuned else default_methods(planned))
     settings = plan_settings(
-        methods, planned, config.ks, config.policies, config.trees, config.hf_ks
+        methods, planned, config.ks, config.policies, config.trees, config.hf_ks, target
     )
     _, summary = run_settings(config, target, drafts, settings + tuned, prompts, progress)
     return summary

@@ -309,7 +309,7 @@ def _calibrate(
     Returns the records, their summary and the candidates measured rather than extrapolated."""
     # fixed-k chains at k_max (extrapolated to every k), then the adaptive policies and trees
     policies = ["fixed", *(p for p in config.policies if p != "fixed")]
-    candidates = plan_settings(["spec"], drafts, [k_max], policies, config.trees)
+    candidates = plan_settings(["spec"], drafts, [k_max], policies, config.trees, target=target)
     direct = [
         s
         for s in candidates
