@@ -21,8 +21,8 @@ def add_calibrate_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
     )
     parser.add_argument("--target", required=True, help="target model (as for generate)")
     parser.add_argument(
-        "--draft", required=True, help="draft: a model (MODEL:int8 / MODEL:int4), early-exit:N "
-        "or ngram[:MIN-MAX]",
+        "--draft", required=True, help="draft: a model (MODEL:int8 / MODEL:int4), early-exit:N, "
+        "eagle3:DIR (chains only) or ngram[:MIN-MAX]",
     )  # fmt: skip
     parser.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float32, float16")
     parser.add_argument(
