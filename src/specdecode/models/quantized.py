@@ -72,6 +72,14 @@ def check_quantizable(
         raise _cannot_run(spec, role, *problem)
 
 
+def reads_file_codes(spec: ModelSpec, role: str) -> bool:
+    """Whether `spec` in `role` runs on a GGUF-made model's own codes (a target's `:int4`, so
+    that a preset's fetch keeps its GGUF). A draft's `:int4` is verified token by token: it
+    takes 4 bits everywhere (fewer bytes per draft forward), its output layer too where it is
+    tied to the embedding (a target's keeps int8), and reads no file."""
+    return spec.bits == 4 and role != "draft"
+
+
 def quantize_loaded(
     loaded: Any,
     spec: ModelSpec,
@@ -99,10 +107,7 @@ def quantize_loaded(
             f"int8 / 4-bit weights replace (transformers' Conv1D, e.g. GPT-2's, is not one): "
             f"drop the :{spec.quantization} suffix"
         )
-    # a target's :int4 is the file's own model where it was made from a GGUF; a draft's is
-    # verified token by token, so it takes 4 bits everywhere (fewer bytes per draft forward),
-    # its output layer too where it is tied to the embedding (a target's keeps int8)
-    file_grid = spec.bits == 4 and role != "draft"
+    file_grid = reads_file_codes(spec, role)
     tied_bits = 4 if role == "draft" else 8
     codes = _file_codes(loaded, spec) if file_grid else None
     if spec.bits == 4 and not file_grid:
