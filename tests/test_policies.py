@@ -10,6 +10,7 @@ import pytest
 from specdecode import SpeculativeDecoder
 from specdecode.core import metrics
 from specdecode.core.policies import (
+    STALE_STEPS,
     TRUSTED_SAMPLES,
     CostK,
     FixedK,
@@ -257,6 +258,25 @@ def test_one_slow_forward_does_not_keep_the_cost_policy_from_drafting():
     assert 1 in chosen[:6]  # one slow sample is not trusted to rule k = 1 out
     assert chosen[-10:].count(3) >= 5  # the median forgets the hiccup: back to drafting 3
     assert 0.200 in policy._target[2].samples and policy._target_time(2) < 0.011
+
+
+def test_costs_measured_slow_once_do_not_keep_the_cost_policy_at_k0_for_good():
+    # The draft's first forwards were slow (c = 1.5, TRUSTED_SAMPLES times: a warm-up), so
+    # k = 1 could not pay even fully accepted, k = 0 ran, and nothing measured the draft again:
+    # a bench run stayed at k = 0 for all its prompts while drafting 3 paid. Times STALE_STEPS
+    # steps old no longer rule a k out: it is tried, measured afresh, and drafting resumes.
+    policy = CostK(3, explore_every=8)
+    for _ in range(TRUSTED_SAMPLES):
+        policy.observe(0, 0, None, 0.010)
+        policy.observe(1, 1, 0.015, 0.0105)
+    chosen = []
+    for _ in range(STALE_STEPS + 100):
+        k = policy.next_k(100)
+        chosen.append(k)
+        policy.observe(k, k, 0.001 * k if k else None, 0.010 + 0.0005 * k)
+    assert set(chosen[: STALE_STEPS - 16]) == {0}  # the slow times stand while they are recent
+    assert chosen[-50:].count(3) >= 40  # measured again: c = 0.1, and every draft accepted
+    assert policy._draft[1].samples[0] == pytest.approx(0.001)  # the old times were dropped
 
 
 def test_the_cost_policy_judges_sizes_measured_before_and_after_the_machine_slowed_alike():

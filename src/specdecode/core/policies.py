@@ -29,6 +29,10 @@ K_POLICIES = ("fixed", "heuristic", "cost")
 # forward times a size needs before the cost policy trusts them to rule out exploring it: one
 # slow forward (a VM's hiccup, a first call's warm-up) must not keep a k from ever being tried
 TRUSTED_SAMPLES = 3
+# steps after which a size's forward times are old: they no longer rule a k out, and the next
+# time measured there replaces them. Costs measured once (a warm-up's slow draft forwards) must
+# not keep a policy at k = 0 for good: a k it never tries is never measured again
+STALE_STEPS = 256
 # recent forwards whose time against their size's own estimate gives the machine's speed: a
 # shared VM's speed drifts, and every size's time moves with it (`CostK`, speed)
 SPEED_WINDOW = 3
@@ -152,14 +156,23 @@ class _Median:
     def __init__(self, memory: int) -> None:
         self.samples: deque[float] = deque(maxlen=memory)
         self.value = 0.0  # the median, kept on `add`: every step reads it for every size seen
+        self.last = 0  # the step (`CostK`'s clock) of the newest sample
 
     @property
     def n(self) -> int:
         return len(self.samples)
 
-    def add(self, x: float) -> None:
+    def add(self, x: float, step: int = 0) -> None:
+        """`x` measured at `step`; samples older than `STALE_STEPS` steps go first."""
+        if step - self.last > STALE_STEPS:
+            self.samples.clear()
         self.samples.append(x)
         self.value = statistics.median(self.samples)
+        self.last = step
+
+    def fresh(self, step: int) -> bool:
+        """Whether its samples are trusted at `step`: enough of them, the newest not old."""
+        return self.n >= TRUSTED_SAMPLES and step - self.last <= STALE_STEPS
 
 
 class CostK(KPolicy):
@@ -198,7 +211,9 @@ class CostK(KPolicy):
     it explores k = 1, because a k = 0 step teaches nothing about acceptance. A neighbour whose
     costs at this batch size are measured (`TRUSTED_SAMPLES` forwards each, or interpolated
     between sizes that are) and which would not beat the best k even with every drafted token
-    accepted is not explored (its step could only lose time). 0 disables it. Once any drafted
+    accepted is not explored (its step could only lose time), until those costs are
+    `STALE_STEPS` steps old: then it is tried again and measured afresh, so that costs measured
+    while the machine or the draft was slow do not rule it out for good. 0 disables it. Once any drafted
     token has been judged (`knows_acceptance`), an exploration (`exploring`) drafts only on the
     rows whose drafts have begun (`begins_drafts`): a row's draft prefill, paid for one step
     that only refreshes an estimate, costs more than the step teaches.
@@ -232,6 +247,7 @@ class CostK(KPolicy):
         # times above are stored divided by the speed at the time: the machine's speed now
         self._speed_ratios: deque[float] = deque(maxlen=SPEED_WINDOW)
         self._speed = 1.0
+        self._clock = 0  # steps observed, over every sequence: the age of a time measured
         self.begin()
 
     def begin(self) -> None:
@@ -348,9 +364,9 @@ class CostK(KPolicy):
         explored: the step would only cost. (The one-row time T(1) that rates are measured in
         cancels out of the comparison: a batch that never runs one row must not wait for it.)"""
         compared = (rows * (k + 1), rows * (best + 1))
-        if not all(_trusted(self._target, n) for n in compared):
+        if not all(_trusted(self._target, n, self._clock) for n in compared):
             return True
-        if (k or best) and not _trusted(self._draft, rows):
+        if (k or best) and not _trusted(self._draft, rows, self._clock):
             return True
         c, v = self.costs(rows)
         return rows * (k + 1) / (k * c + v[k]) > best_rate
@@ -369,6 +385,7 @@ class CostK(KPolicy):
     ) -> None:
         """Learn one step of a batch: (drafted, accepted) per row, the seconds of its draft and
         target forwards, and the rows the target forward verified."""
+        self._clock += 1
         for drafted, accepted in rows:
             # positions 1..accepted were accepted; position accepted+1 (if drafted) was
             # rejected; later positions were never judged
@@ -380,28 +397,29 @@ class CostK(KPolicy):
             if seen is not None and seen.n >= TRUSTED_SAMPLES and seen.value > 0:
                 self._speed_ratios.append(target_s / seen.value)
                 self._speed = statistics.median(self._speed_ratios)
-            self._target.setdefault(verified, _Median(self.memory)).add(target_s / self._speed)
+            times = self._target.setdefault(verified, _Median(self.memory))
+            times.add(target_s / self._speed, self._clock)
         # per drafted depth: with confidence stops the one unused forward is charged to them
         # (a step with no draft forward, a suffix or n-gram draft's, says nothing of its cost)
         if draft_s and depth:
             per_depth = draft_s / depth / self._speed
             drafting = sum(1 for drafted, _ in rows if drafted)  # the draft forward's rows
-            self._draft.setdefault(drafting, _Median(self.memory)).add(per_depth)
+            self._draft.setdefault(drafting, _Median(self.memory)).add(per_depth, self._clock)
 
 
-def _trusted(seen: dict[int, _Median], n: int) -> bool:
-    """Whether the time `_estimate` gives at n rests on trusted measurements: n's own
-    (`TRUSTED_SAMPLES` of them), or, for an n never measured, both neighbours it is interpolated
+def _trusted(seen: dict[int, _Median], n: int, step: int) -> bool:
+    """Whether the time `_estimate` gives at n rests on trusted measurements at `step`: n's own
+    (`_Median.fresh`), or, for an n never measured, both neighbours it is interpolated
     between. (A batch's size moves as rows come and go: with a size's own samples required,
     every new size was explored before its neighbours could rule it out, each exploration
     paying the drafts' prefills and catch-up.)"""
     if n in seen:
-        return seen[n].n >= TRUSTED_SAMPLES
+        return seen[n].fresh(step)
     below = [i for i in seen if i < n]
     above = [i for i in seen if i > n]
     if not below or not above:  # extrapolated: one side only
         return False
-    return seen[max(below)].n >= TRUSTED_SAMPLES and seen[min(above)].n >= TRUSTED_SAMPLES
+    return seen[max(below)].fresh(step) and seen[min(above)].fresh(step)
 
 
 def _estimate(seen_times: dict[int, _Median], n: int, prior_slope: float) -> float | None:
