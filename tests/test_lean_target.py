@@ -171,6 +171,33 @@ def test_the_native_layer_loop_is_the_python_loop_bit_for_bit(arch, bits, monkey
     assert torch.equal(native_kv, python_kv)  # the keys and values written, too
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_long_prefill_attends_causally_at_once_and_in_parts(arch, monkeypatch):
+    # past VERIFY_TOKENS rows a prefill's attention is PyTorch's fused one: causal from the
+    # first position, and over a cached prefix (a prompt's later part, `PREFILL_CHUNK`) with
+    # the prefix visible to every new row; both equal Hugging Face's float32 forward
+    model = (tiny_llama(seed=3, layers=2, **WIDE) if arch == "llama" else tiny_qwen2(seed=3)).eval()
+    n = VERIFY_TOKENS + 40
+    ids = _ids(2 * n, 5)
+    pasts = []
+    attend = LeanCache._attend_prefill
+
+    def spy(self, q, kv, past):
+        pasts.append(past)
+        return attend(self, q, kv, past)
+
+    monkeypatch.setattr(LeanCache, "_attend_prefill", spy)
+    with torch.inference_mode():
+        want = model(input_ids=ids[None]).logits[0]  # [2n, V]
+        at_once = LeanCache(model).forward(ids)
+        parts = LeanCache(model)
+        first, second = parts.forward(ids[:n]), parts.forward(ids[n:])
+    assert at_once.dtype == torch.float32
+    torch.testing.assert_close(at_once, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.cat([first, second]), want, rtol=1e-4, atol=1e-4)
+    assert pasts == [0, 0, 0, 0, n, n]  # per layer: at once, then the two parts
+
+
 @pytest.mark.parametrize("bits", [None, 4])
 def test_a_long_prefill_may_take_pytorchs_product_and_the_output_stays_the_targets(
     bits, monkeypatch
