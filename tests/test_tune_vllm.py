@@ -1,7 +1,8 @@
 """`specdecode tune --engine vllm` against the stand-in for vLLM (tests/fake_vllm.py): every
-candidate started on a server of its own and stopped, measured through `bench --server`, the
-fastest recommended, its serving forms written; a candidate vLLM refuses is skipped with vLLM's
-own line; bad options are one line each.
+candidate started on a server of its own and stopped, measured through `bench --server` beside
+one `ar` server kept up for the run (each candidate's speedup paired with the `ar` requests of
+its own minutes), the fastest recommended, its serving forms written; a candidate vLLM refuses
+is skipped with vLLM's own line; bad options are one line each.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def test_tune_vllm_measures_every_candidate_and_recommends(
     monkeypatch.setattr("specdecode.bench.tune_vllm.PROPOSERS", "specdecode.Refused")
     out = tmp_path / "tune"
     argv = ["tune", "--engine", "vllm", "--vllm-python", sys.executable, "--target", str(root)]
-    argv += ["--draft", "ngram:1-2", "--draft", "suffix", "--vllm-k", "2"]
+    argv += ["--draft", "ngram:1-2", "--draft", "suffix", "--vllm-k", "2,3"]
     argv += ["--prompts", str(prompts_file), "--limit", "1", "--out", str(out)]
     assert main(argv) == 0
     result = json.loads((out / "tune-vllm.json").read_text())
@@ -71,13 +72,25 @@ def test_tune_vllm_measures_every_candidate_and_recommends(
         "ar",
         "vllm ngram:1-2 k=2",
         "ours ngram:1-2 k=2",
+        "vllm ngram:1-2 k=3",
+        "ours ngram:1-2 k=3",
         "ours suffix k=2",
+        "ours suffix k=3",
     ]
-    assert set(result["failed"]) == {"ours ngram:1-2 k=2", "ours suffix k=2"}
+    assert set(result["failed"]) == {
+        "ours ngram:1-2 k=2",
+        "ours ngram:1-2 k=3",
+        "ours suffix k=2",
+        "ours suffix k=3",
+    }
     assert "ValueError: this speculative config is refused" in result["failed"]["ours suffix k=2"]
     # the recommendation is a measured candidate (which one wins is the stand-in's timing:
     # `recommend` itself is tested on fixed numbers below); its config is the winner's
-    measured = {"ar": None, "vllm ngram:1-2 k=2": candidates(["ngram:1-2"], [2])[1]}
+    measured = {
+        "ar": None,
+        "vllm ngram:1-2 k=2": candidates(["ngram:1-2"], [2])[1],
+        "vllm ngram:1-2 k=3": candidates(["ngram:1-2"], [3])[1],
+    }
     for row in result["recommended"].values():
         assert row["setting"] in measured
     winner = measured[result["recommended"]["all"]["setting"]]
@@ -89,6 +102,8 @@ def test_tune_vllm_measures_every_candidate_and_recommends(
         if r["setting"] == "vllm ngram:1-2 k=2" and r["category"] == "all"
     )
     assert ngram["acceptance_rate"] == pytest.approx(3 / 4)  # 2 steps of k = 2, 3 accepted
+    ar_row = next(r for r in summary["rows"] if r["setting"] == "ar" and r["category"] == "all")
+    assert ar_row["prompts"] == 2 * len(PROMPTS[:2])  # measured beside each candidate
     forms = result["forms"]
     assert forms["vllm_serve"].startswith(f"vllm serve {root} --served-model-name target")
     assert forms["tensor_parallel"].endswith("--tensor-parallel-size 2")
@@ -98,14 +113,32 @@ def test_tune_vllm_measures_every_candidate_and_recommends(
     report = capsys.readouterr().out
     assert "| all | " in report and "Not measured: `ours suffix k=2`" in report
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert {r["setting"] for r in records} == {"ar", "vllm ngram:1-2 k=2", "ar again"}
-    # vLLM alone once more at the end: the drift is that run's decode speedup over the first
-    again = next(
-        r for r in summary["rows"] if r["setting"] == "ar again" and r["category"] == "all"
-    )
-    assert result["drift"] == again["speedup"]
-    assert "measured again after the last candidate" in report
+    assert {r["setting"] for r in records} == {"ar", "vllm ngram:1-2 k=2", "vllm ngram:1-2 k=3"}
+    # each candidate's records pair with the `ar` requests beside it: one repeat number each
+    repeats = {}
+    for r in records:
+        repeats.setdefault(r["setting"], set()).add(r["repeat"])
+    assert repeats == {"ar": {0, 1}, "vllm ngram:1-2 k=2": {0}, "vllm ngram:1-2 k=3": {1}}
+    # one `ar` server for the whole run, none of its own folder; the drift: `ar` beside the
+    # last candidate over beside the first
+    candidates_dir = out / "candidates"
+    assert (candidates_dir / "ar-vllm.log").is_file() and not (candidates_dir / "ar").exists()
+    rates = [
+        next(
+            r["decode_tokens_per_s"]
+            for r in json.loads((candidates_dir / name / "summary.json").read_text())["rows"]
+            if r["setting"] == "ar" and r["category"] == "all"
+        )
+        for name in ("vllm_ngram_1-2_k=2", "vllm_ngram_1-2_k=3")
+    ]
+    assert result["drift"] == pytest.approx(rates[1] / rates[0])
+    assert "beside the last candidate as beside the first" in report
     assert all(r["identical_to_ar"] for r in records if r["setting"] != "ar")
+    assert [s["label"] for s in json.loads((out / "run.json").read_text())["servers"]] == [
+        "ar",
+        "vllm ngram:1-2 k=2",
+        "vllm ngram:1-2 k=3",
+    ]
 
 
 def test_recommend_picks_the_fastest_or_the_target_alone():
@@ -118,7 +151,6 @@ def test_recommend_picks_the_fastest_or_the_target_alone():
         "categories": ["code", "chat"],
         "rows": [
             *(row("ar", c, 1.0) for c in ("all", "code", "chat")),
-            *(row("ar again", c, 2.0) for c in ("all", "code", "chat")),  # never a candidate
             row("a", "all", 1.4), row("a", "code", 1.9), row("a", "chat", 0.9),
             row("b", "all", 1.5), row("b", "code", 1.2), row("b", "chat", 0.8),
         ],

@@ -166,11 +166,21 @@ def run_server_bench(config: ServerBenchConfig, progress: bool = True) -> dict[s
     return summary
 
 
-def merge_runs(folders: list[Path], out: Path, **info: Any) -> dict[str, Any]:
+def merge_runs(
+    folders: list[Path], out: Path, own_baselines: bool = False, **info: Any
+) -> dict[str, Any]:
     """Runs of one server each (one after another) as one run in `out`: their records with
     identity against the `ar` server's texts, run.json (every server; `info` added), summary,
-    report and plots. Returns the summary."""
-    records = [r for folder in folders for r in load_results(folder)]
+    report and plots. Returns the summary. `own_baselines`: each folder measured its server
+    beside an `ar` of its own, and its records pair with those (their repeats numbered apart,
+    folder after folder); the `ar` rows then pool every folder's."""
+    records = []
+    for folder in folders:
+        loaded = load_results(folder)
+        if own_baselines and records:
+            offset = max(r.repeat for r in records) + 1
+            loaded = [replace(r, repeat=r.repeat + offset) for r in loaded]
+        records += loaded
     if not records:
         raise ValueError("no server run to put together")
     mark_text_identity(records)
@@ -179,7 +189,10 @@ def merge_runs(folders: list[Path], out: Path, **info: Any) -> dict[str, Any]:
         results.writelines(json.dumps(r.to_dict()) + "\n" for r in records)
     infos = [json.loads((folder / RUN).read_text()) for folder in folders]
     merged = dict(infos[0]) | info
-    merged["servers"] = [s for i in infos for s in i["servers"]]
+    servers: dict[str, Any] = {}  # a baseline measured beside every folder's: listed once
+    for server in (s for i in infos for s in i["servers"]):
+        servers.setdefault(server["label"], server)
+    merged["servers"] = list(servers.values())
     merged["settings"] = [s["label"] for s in merged["servers"]]
     (out / RUN).write_text(json.dumps(merged, indent=1))
     summary = summarize(records)

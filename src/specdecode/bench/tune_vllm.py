@@ -1,9 +1,14 @@
 """`specdecode tune --engine vllm`: measure vLLM's speculative settings, and ours inside vLLM.
 
-Every candidate is a vLLM server started from the user's vLLM environment (vllm_server.py) with
-one `speculative_config`, measured by `bench --server` on the user's prompts (one category at a
-time, acceptance from vLLM's counters) and stopped before the next starts, so each has the
-machine alone. The candidates, per `--draft` and per k of `ks`:
+vLLM without speculation (`ar`) runs on a server kept up for the whole run; every other
+candidate is a vLLM server started from the user's vLLM environment (vllm_server.py) with one
+`speculative_config`, measured by `bench --server` beside `ar` on the user's prompts (one category
+at a time, each prompt to both servers in turn, one request at a time, acceptance from vLLM's
+counters) and stopped before the next starts. So a candidate's speedup pairs its requests with
+`ar`'s of the same minutes, not with a server measured half an hour before: on a machine whose
+speed drifts (a shared VM), candidates started one after another were 1.5x apart for the same
+drafts (docs/results.md). An idle server takes next to no CPU, so each request still has the
+machine to itself. The candidates, per `--draft` and per k of `ks`:
 
 - `ar`: vLLM without speculation, the baseline of every speedup and identity check;
 - a model: vLLM's `draft_model` method; `ngram:MIN-MAX`: vLLM's `ngram` method and our
@@ -12,9 +17,9 @@ machine alone. The candidates, per `--draft` and per k of `ks`:
 - other drafts (early exit, distilled, hybrid, trees) have no vLLM form: refused, one line.
 
 The recommendation per category and overall is the candidate of the highest measured decode
-speedup over `ar` (paired per prompt), or `ar` itself where nothing beats it. vLLM alone runs once
-more after the last candidate (`ar again`): on a machine whose speed drifts, its ratio to the
-first says how far apart two candidates must be before the difference is theirs. The files: DIR/
+speedup over the `ar` requests beside it (paired per prompt), or `ar` itself where nothing beats
+it. `drift`: `ar`'s decode rate beside the last candidate over beside the first, how far the
+machine's speed moved during the run. The files: DIR/
 results.jsonl, summary.json, report.md and plots of every candidate together (bench's), and
 tune-vllm.json and tune-vllm.md: the per-category choice, the winner's `vllm serve` command line
 (also as `python -m vllm.entrypoints.openai.api_server`), its tensor-parallel form and its Ray
@@ -41,7 +46,6 @@ from specdecode.core.draft_spec import VLLM_DRAFT_ENV, DraftSpec
 
 PROPOSERS = "specdecode.integrations.vllm"
 SERVED_NAME = "target"
-AGAIN = "ar again"  # vLLM alone, measured last: the drift check
 DEFAULT_KS = (2, 4)
 
 
@@ -91,7 +95,6 @@ class VllmTuneConfig:
     chat: bool = True
     dtype: str = "bfloat16"
     vllm_args: list[str] = field(default_factory=list)  # more `vllm serve` arguments
-    drift_check: bool = True  # vLLM alone once more at the end
     command: str | None = None
 
     def validate(self) -> list[Candidate]:
@@ -119,13 +122,15 @@ class VllmTuneConfig:
 
 
 def run_tune_vllm(config: VllmTuneConfig, progress: bool = True) -> dict[str, Any]:
-    """Measure every candidate on its own server; recommend; write DIR/tune-vllm.{json,md}."""
+    """Measure every candidate on its own server beside `ar`'s; recommend; write
+    DIR/tune-vllm.{json,md}."""
     chosen = config.validate()
     out = Path(config.out)
-    # vLLM alone once more at the end: how far the machine's speed moved during the run
-    again = [Candidate(AGAIN, None)] if config.drift_check else []
-    folders, failed = measure(config, chosen + again, out / "candidates", progress)
-    summary = merge_runs(folders, out, command=config.command, failed=failed)
+    folders, failed = measure(config, chosen, out / "candidates", progress)
+    if not folders:
+        raise ValueError(f"vLLM refused every candidate: {'; '.join(failed.values())}")
+    # each candidate's records pair with the `ar` requests measured beside it
+    summary = merge_runs(folders, out, own_baselines=True, command=config.command, failed=failed)
     best = recommend(summary)
     winner = next(c for c in chosen if c.label == best[OVERALL]["setting"])
     result = {
@@ -137,7 +142,7 @@ def run_tune_vllm(config: VllmTuneConfig, progress: bool = True) -> dict[str, An
         "speculative_config": winner.speculative_config,
         "environment": winner.env,
         "forms": export_forms(config, winner),
-        "drift": drift(summary),
+        "drift": drift(folders),
     }
     try:
         result["forms_checked"] = check_forms(config.server(winner))
@@ -152,50 +157,67 @@ def run_tune_vllm(config: VllmTuneConfig, progress: bool = True) -> dict[str, An
 def measure(
     config: VllmTuneConfig, chosen: list[Candidate], root: Path, progress: bool = True
 ) -> tuple[list[Path], dict[str, str]]:
-    """Each candidate on a vLLM server of its own, one after another, through `bench --server`
+    """`ar` on a server kept up for the whole run; each other candidate on a server of its own,
+    one after another, measured through `bench --server` beside `ar` (the module docstring)
     into root/<label>: the folders measured and {label: why} for those vLLM refused. A folder
     already measured (its summary written) is kept, so an interrupted run goes on where it
-    stopped; without the `ar` baseline nothing compares, so its failure stops the run."""
-    folders, failed = [], {}
-    for number, candidate in enumerate(chosen, 1):
-        folder = root / re.sub(r"[^A-Za-z0-9.=-]+", "_", candidate.label).strip("_")
-        if (folder / "summary.json").exists():
-            folders.append(folder)
-            continue
-        server = config.server(candidate, folder / "vllm.log")
+    stopped; without `ar` nothing compares, so its failure to start stops the run."""
+    others = [c for c in chosen if c.label != BASELINE]
+    folders = {c.label: _folder(root, c) for c in others}
+    failed: dict[str, str] = {}
+    todo = [c for c in others if not (folders[c.label] / "summary.json").exists()]
+    if todo:
+        root.mkdir(parents=True, exist_ok=True)
         if progress:
-            print(f"[{number}/{len(chosen)}] {candidate.label}: starting vLLM", flush=True)
-        try:
-            with server.running() as url:
-                bench = ServerBenchConfig(
-                    servers=[f"{candidate.label}={url}"],
-                    out=str(folder),
-                    model=SERVED_NAME,
-                    prompts_file=config.prompts_file,
-                    categories=config.categories,
-                    limit=config.limit,
-                    chat=config.chat,
-                    max_new_tokens=config.max_new_tokens,
-                    command=server.serve_command(),
-                )
-                run_server_bench(bench, progress)
-            folders.append(folder)
-        except ValueError as err:
-            if candidate.label == BASELINE:
-                raise  # no baseline, no speedups: stop here
-            failed[candidate.label] = str(err)
-            if progress:
-                print(f"    skipped: {err}", flush=True)
-    return folders, failed
+            print(f"{BASELINE}: starting vLLM without speculation (kept up)", flush=True)
+        with config.server(Candidate(BASELINE, None), root / "ar-vllm.log").running() as ar:
+            for number, candidate in enumerate(todo, 1):
+                folder = folders[candidate.label]
+                server = config.server(candidate, folder / "vllm.log")
+                if progress:
+                    print(f"[{number}/{len(todo)}] {candidate.label}: starting vLLM", flush=True)
+                try:
+                    with server.running() as url:
+                        bench = ServerBenchConfig(
+                            servers=[f"{BASELINE}={ar}", f"{candidate.label}={url}"],
+                            out=str(folder),
+                            model=SERVED_NAME,
+                            prompts_file=config.prompts_file,
+                            categories=config.categories,
+                            limit=config.limit,
+                            chat=config.chat,
+                            max_new_tokens=config.max_new_tokens,
+                            command=server.serve_command(),
+                        )
+                        run_server_bench(bench, progress)
+                except ValueError as err:
+                    failed[candidate.label] = str(err)
+                    if progress:
+                        print(f"    skipped: {err}", flush=True)
+    done = [folders[c.label] for c in others if (folders[c.label] / "summary.json").exists()]
+    return done, failed
 
 
-def drift(summary: dict[str, Any]) -> float | None:
-    """vLLM alone at the end over vLLM alone at the start (decode tokens/s, all prompts): 1.0
-    on a machine whose speed held; None without the second run."""
-    rows = {r["setting"]: r for r in summary["rows"] if r["category"] == OVERALL}
-    if AGAIN not in rows:
+def _folder(root: Path, candidate: Candidate) -> Path:
+    return root / re.sub(r"[^A-Za-z0-9.=-]+", "_", candidate.label).strip("_")
+
+
+def drift(folders: list[Path]) -> float | None:
+    """`ar`'s decode tokens/s (all prompts) beside the last candidate over beside the first:
+    1.0 on a machine whose speed held; None with fewer than two candidates measured."""
+    if len(folders) < 2:
         return None
-    return rows[AGAIN]["speedup"]
+
+    def ar_rate(folder: Path) -> float | None:
+        summary = json.loads((folder / "summary.json").read_text())
+        return next(
+            r["decode_tokens_per_s"]
+            for r in summary["rows"]
+            if r["setting"] == BASELINE and r["category"] == OVERALL
+        )
+
+    first, last = ar_rate(folders[0]), ar_rate(folders[-1])
+    return last / first if first and last else None
 
 
 def recommend(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -203,7 +225,7 @@ def recommend(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     `ar`, with its acceptance and identity; `ar` where none is faster."""
     best: dict[str, dict[str, Any]] = {}
     for category in [OVERALL, *summary["categories"]]:
-        rows = [r for r in summary["rows"] if r["category"] == category and r["setting"] != AGAIN]
+        rows = [r for r in summary["rows"] if r["category"] == category]
         ar = next(r for r in rows if r["setting"] == BASELINE)
         row = max(rows, key=lambda r: r["speedup"] or 0.0)
         if (row["speedup"] or 0.0) <= 1.0:
@@ -294,9 +316,11 @@ def render_tune_vllm(result: dict[str, Any]) -> str:
         "",
         f"Command: `{result['command']}`",
         "",
-        "Measured decode speedup of each candidate over vLLM without speculation (`ar`), each "
-        "on its own server, one after another, on the same prompts; acceptance from vLLM's "
-        "counters; identity: greedy texts equal to `ar`'s. The full tables: report.md.",
+        "Measured decode speedup of each candidate over vLLM without speculation (`ar`): each "
+        "candidate on its own server, one after another, beside an `ar` server kept up, the "
+        "same prompts to both in turn, each candidate's requests paired with `ar`'s of the "
+        "same minutes; acceptance from vLLM's counters; identity: greedy texts equal to the "
+        "paired `ar`'s. The full tables: report.md.",
         "",
         "| category | recommended | decode speedup | α | tok/s (ar) | identical |",
         "|---|---|---|---|---|---|",
@@ -313,11 +337,9 @@ def render_tune_vllm(result: dict[str, Any]) -> str:
     if moved is not None:
         lines += [
             "",
-            f"vLLM alone, measured again after the last candidate, decoded {moved:.2f}x as fast "
-            "as at the start: each candidate ran minutes after the one before, so differences "
-            f"between candidates within {abs(moved - 1):.0%} or so are the machine's, not the "
-            "settings' (candidates that draft alike, such as vLLM's `ngram` and our "
-            "`NgramProposer`, show it too).",
+            f"`ar` decoded {moved:.2f}x as fast beside the last candidate as beside the first: "
+            "the machine's speed moved that much during the run, which the pairing keeps out "
+            "of each candidate's speedup.",
         ]
     forms = result["forms"]
     lines += [
