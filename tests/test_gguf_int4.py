@@ -244,6 +244,8 @@ def test_a_codes_file_keeps_what_int4_reads_and_computes_the_same(tmp_path):
     assert gguf_codes(model, dest)[1] == gguf_codes(model, path)[1]  # the same stderr line
     assert dest.stat().st_size < path.stat().st_size
     assert list((tmp_path / "codes").iterdir()) == [dest]  # written beside, renamed into place
+    again = write_codes(dest, tmp_path / "again.gguf")  # from a codes file: the same reading
+    assert gguf_codes(model, again)[1] == gguf_codes(model, path)[1]
 
     results = []
     for source in (path, dest):

@@ -12,6 +12,10 @@ of the llama architecture undone), checks the mapping against the loaded weights
 linears of other types. Q6_K ones (a Q4_K_M file's output layer, half its down and value
 projections) keep the file's 6-bit grid exactly (`decode_q6`, the kernel's 6-bit panels); the
 rest (Q5_0, Q8_0, ...) `:int4` keeps at int8 per row.
+
+A preset's cache keeps only what this reads (`write_codes`, `codes_file`): its 4-bit and 6-bit
+linears byte for byte and the names of the others, not the whole GGUF (its converted folder holds
+the rest); `preset_gguf` finds it, or makes it again.
 """
 
 from __future__ import annotations
@@ -380,7 +384,8 @@ def write_codes(gguf: Path, dest: Path) -> Path:
             kind = value.types[0]
             sub = value.types[-1] if kind == GGUFValueType.ARRAY else None
             writer.add_key_value(key, value.contents(), kind, sub)
-        left_out = []
+        earlier = reader.fields.get(LEFT_OUT)  # `gguf` a codes file itself: its list goes on
+        left_out = [str(e) for e in earlier.contents()] if earlier is not None else []
         for tensor in reader.tensors:
             if _module_name(tensor.name, "model.layers") is None:
                 continue  # not a linear (the embedding, norms, biases)
