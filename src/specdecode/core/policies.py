@@ -213,10 +213,10 @@ class CostK(KPolicy):
     between sizes that are) and which would not beat the best k even with every drafted token
     accepted is not explored (its step could only lose time), until those costs are
     `STALE_STEPS` steps old: then it is tried again and measured afresh, so that costs measured
-    while the machine or the draft was slow do not rule it out for good. 0 disables it. Once any drafted
-    token has been judged (`knows_acceptance`), an exploration (`exploring`) drafts only on the
-    rows whose drafts have begun (`begins_drafts`): a row's draft prefill, paid for one step
-    that only refreshes an estimate, costs more than the step teaches.
+    while the machine or the draft was slow do not rule it out for good. 0 disables it. Once
+    any drafted token has been judged (`knows_acceptance`), an exploration (`exploring`) drafts
+    only on the rows whose drafts have begun (`begins_drafts`): a row's draft prefill, paid for
+    one step that only refreshes an estimate, costs more than the step teaches.
     """
 
     name = "cost"

