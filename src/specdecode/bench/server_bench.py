@@ -166,21 +166,16 @@ def run_server_bench(config: ServerBenchConfig, progress: bool = True) -> dict[s
     return summary
 
 
-def merge_runs(
-    folders: list[Path], out: Path, own_baselines: bool = False, **info: Any
-) -> dict[str, Any]:
-    """Runs of one server each (one after another) as one run in `out`: their records with
-    identity against the `ar` server's texts, run.json (every server; `info` added), summary,
-    report and plots. Returns the summary. `own_baselines`: each folder measured its server
-    beside an `ar` of its own, and its records pair with those (their repeats numbered apart,
-    folder after folder); the `ar` rows then pool every folder's."""
-    records = []
+def merge_runs(folders: list[Path], out: Path, **info: Any) -> dict[str, Any]:
+    """Runs of one server each beside an `ar` server (one run after another) as one run in
+    `out`: each folder's records pair with its own `ar` records (their repeats numbered apart,
+    folder after folder), for the speedups and the identity of texts; the `ar` rows pool every
+    folder's. Writes run.json (every server once; `info` added), summary, report and plots.
+    Returns the summary."""
+    records: list[Record] = []
     for folder in folders:
-        loaded = load_results(folder)
-        if own_baselines and records:
-            offset = max(r.repeat for r in records) + 1
-            loaded = [replace(r, repeat=r.repeat + offset) for r in loaded]
-        records += loaded
+        offset = max((r.repeat for r in records), default=-1) + 1
+        records += [replace(r, repeat=r.repeat + offset) for r in load_results(folder)]
     if not records:
         raise ValueError("no server run to put together")
     mark_text_identity(records)

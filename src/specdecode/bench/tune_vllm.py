@@ -130,7 +130,7 @@ def run_tune_vllm(config: VllmTuneConfig, progress: bool = True) -> dict[str, An
     if not folders:
         raise ValueError(f"vLLM refused every candidate: {'; '.join(failed.values())}")
     # each candidate's records pair with the `ar` requests measured beside it
-    summary = merge_runs(folders, out, own_baselines=True, command=config.command, failed=failed)
+    summary = merge_runs(folders, out, command=config.command, failed=failed)
     best = recommend(summary)
     winner = next(c for c in chosen if c.label == best[OVERALL]["setting"])
     result = {
