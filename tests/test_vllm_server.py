@@ -100,3 +100,12 @@ def test_failures_are_one_line_each(stand_in, tmp_path):
     missing = VllmServer(str(tmp_path / "nowhere" / "python"), "m", port=free_port())
     with pytest.raises(ValueError, match="no such Python"):
         start(missing)
+
+
+def test_its_environment_takes_the_compile_cache_that_loads(stand_in, tmp_path, monkeypatch):
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    env = server(stand_in, tmp_path).environment()
+    assert env["VLLM_USE_AOT_COMPILE"] == "0" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")  # the caller's own choice stands
+    assert server(stand_in, tmp_path).environment()["VLLM_USE_AOT_COMPILE"] == "1"

@@ -12,6 +12,11 @@ On a CPU, vLLM runs faster with tcmalloc and Intel's OpenMP preloaded: where the
 holds `libiomp5.so` and the system `libtcmalloc_minimal.so.4`, both are put in `LD_PRELOAD`
 (unless the caller's environment sets it), and `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache)
 defaults to 2.
+
+`VLLM_USE_AOT_COMPILE` defaults to 0: vLLM's older compile cache, which the next start of the same
+model loads. Its newer AOT cache (the default with torch >= 2.10) fails to load on vLLM 0.32 with
+torch 2.13 ("'function' object has no attribute 'finalize_loading'"), so every start compiled
+the model again; a tuner starts one server per candidate.
 """
 
 from __future__ import annotations
@@ -98,6 +103,7 @@ class VllmServer:
         """The environment it runs in: ours, the CPU defaults (module docstring), `env`."""
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        env.setdefault("VLLM_USE_AOT_COMPILE", "0")  # a cache that loads (module docstring)
         if Path(self.model).is_dir():  # a local folder: nothing to ask the hub for
             env.setdefault("HF_HUB_OFFLINE", "1")
         if "LD_PRELOAD" not in env:
