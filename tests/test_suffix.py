@@ -121,6 +121,29 @@ def test_rho_learns_what_the_target_keeps_per_match_length():
     assert drafter.calibration.rho(after.length) > 0.9
 
 
+def test_each_row_learns_its_own_rho_from_the_shared_one():
+    import copy
+
+    shared = SuffixDrafter()
+    context = [1, 2, 3, 4, 5, 6, 7, 8] * 4 + [1, 2]
+    follows, breaks = copy.copy(shared), copy.copy(shared)  # two rows of one batch
+    for row in (follows, breaks):
+        row.begin(list(context), SamplingParams(), None, ForwardMeter())
+    proposal = follows.suggest(context, 4)
+    for _ in range(6):  # one row's target keeps whole chains, the other's none of them
+        follows.take(proposal, len(proposal.tokens))
+        follows.observe_path(list(range(len(proposal.tokens))))
+        breaks.take(proposal, len(proposal.tokens))
+        breaks.observe_path([])
+    length = proposal.length
+    assert breaks.rho(length) < shared.calibration.rho(length) < follows.rho(length)
+    assert breaks.suggest(context, 4).gains[0] < follows.suggest(context, 4).gains[0]
+    # a row begun afresh starts from what every row taught (its prior), not from either row's
+    fresh = copy.copy(shared)
+    fresh.begin(list(context), SamplingParams(), None, ForwardMeter())
+    assert fresh.rho(length) == shared.calibration.rho(length)
+
+
 def test_verify_cost_is_measured_where_the_policy_is_timed():
     policy = CostK(4)
     assert verify_cost(policy, 1) == 1.0

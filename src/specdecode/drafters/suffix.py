@@ -172,7 +172,9 @@ class _Calibration:
     back fully, learnt from the trees it verified (each accepted token a success; a walk that
     stopped where the tree went on, one failure). A node's estimated acceptance is its share of
     the votes x rho^depth: the votes of a short match, or of a text the output has left, promise
-    more than the target keeps, and the more so the deeper. Shared by every row of the drafter."""
+    more than the target keeps, and the more so the deeper. The drafter keeps one over every row
+    (shared by its forks) and one per row (its prompt's: code or arithmetic repeats short runs
+    that the target follows less often than a rewrite's), the first the second's prior."""
 
     def __init__(self, prior: float = 0.6, weight: float = 4.0, memory: float = 256.0) -> None:
         self.prior, self.weight, self.memory = prior, weight, memory
@@ -183,9 +185,11 @@ class _Calibration:
     def bucket(length: int) -> int:
         return max(i for i, low in enumerate(_BUCKETS) if length >= low)
 
-    def rho(self, length: int) -> float:
+    def rho(self, length: int, prior: float | None = None) -> float:
+        """rho for this match length; `prior`: what it shrinks towards (default `self.prior`)."""
         b = self.bucket(length)
-        return (self.kept[b] + self.weight * self.prior) / (self.judged[b] + self.weight)
+        prior = self.prior if prior is None else prior
+        return (self.kept[b] + self.weight * prior) / (self.judged[b] + self.weight)
 
     def add(self, length: int, kept: int, judged: int) -> None:
         b = self.bucket(length)
@@ -230,7 +234,8 @@ class SuffixDrafter(TreeDrafter):
         self.options = options or SuffixOptions()
         self.name = str(self.options)
         self.pool = SuffixPool(self.options.pool_tokens) if self.options.pool else None
-        self.calibration = _Calibration()
+        self.calibration = _Calibration()  # every row's (shared by the forks)
+        self.row_calibration = _Calibration()  # this row's (`begin` starts it anew)
         self.costs: object = None  # the batch's policy (`share_costs`); None: priors
         self._text = _Text()
         self._row: list[int] = []
@@ -250,6 +255,7 @@ class SuffixDrafter(TreeDrafter):
         self._row, self._prompt_len = prompt_ids, len(prompt_ids) - 1
         self._text = _Text(prompt_ids)
         self._last = None
+        self.row_calibration = _Calibration()
 
     def share_costs(self, policy: object) -> None:
         self.costs = policy
@@ -297,7 +303,7 @@ class SuffixDrafter(TreeDrafter):
         # first: every prefix of this order is a tree
         limit = min(opts.nodes, max(1, round(opts.factor * length)))
         floor = opts.min_prob * len(voters)
-        rho = self.calibration.rho(length)
+        rho = self.rho(length)
         gain = {
             i: votes[i] / len(voters) * rho ** depths[i]
             for i in range(len(tokens))
@@ -311,6 +317,11 @@ class SuffixDrafter(TreeDrafter):
             [gain[i] for i in order],
             length,
         )
+
+    def rho(self, length: int) -> float:
+        """This row's rho for a match length: its own evidence, the one over every row its
+        prior (`_Calibration`)."""
+        return self.row_calibration.rho(length, prior=self.calibration.rho(length))
 
     def propose_tree(self, context: list[int], max_depth: int) -> TokenTree:
         proposal = self.suggest(context, max_depth)
@@ -333,7 +344,8 @@ class SuffixDrafter(TreeDrafter):
             # the walk stopped below the last accepted node (or the root, -1): a failure
             # where that node had children, none of them the target's token
             stopped_early = (path[-1] if path else -1) in parents
-            self.calibration.add(length, len(path), len(path) + stopped_early)
+            for calibration in (self.calibration, self.row_calibration):
+                calibration.add(length, len(path), len(path) + stopped_early)
         self._last = None
 
     def end(self) -> None:
