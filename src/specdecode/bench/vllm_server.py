@@ -1,12 +1,13 @@
 """Start and stop a vLLM OpenAI-compatible server from its own Python, for the lab to measure.
 
 vLLM is a peer, never our dependency: it lives in a virtual environment of its own
-(docs/vllm.md says how to build one), named by that environment's `python`. `VllmServer` starts
-`python -m vllm.entrypoints.openai.api_server` (the same arguments as `vllm serve`) on loopback,
-in a process group of its own with its output in a log file, waits until `/health` answers, and
-on leaving stops the whole group (SIGTERM, then SIGKILL after `stop_timeout_s`): nothing is left
-running, whatever happened. Every failure is one line: the Python that is missing, the port in
-use, the server that exited or never became healthy (with vLLM's own last error line).
+(`benchmarks/install_vllm.sh` builds one; docs/usage.md, "Other engines"), named by that
+environment's `python`. `VllmServer` starts `python -m vllm.entrypoints.openai.api_server` (the
+same arguments as `vllm serve`) on loopback, in a process group of its own with its output in a
+log file, waits until `/health` answers, and on leaving stops the whole group (SIGTERM, then
+SIGKILL after `stop_timeout_s`): nothing is left running, whatever happened. Every failure is one
+line: the Python that is missing, the port in use, the server that exited or never became healthy
+(with vLLM's own last error line).
 
 On a CPU, vLLM runs faster with tcmalloc and Intel's OpenMP preloaded: where the environment
 holds `libiomp5.so` and the system `libtcmalloc_minimal.so.4`, both are put in `LD_PRELOAD`
