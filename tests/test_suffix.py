@@ -282,6 +282,32 @@ def test_the_hybrid_model_chain_sits_out_and_catches_up():
     assert first.parents.tolist() == [-1, 0]
 
 
+def test_the_hybrid_times_the_model_by_its_chains_not_by_one_forward_or_a_catch_up():
+    target = wrap_model(tiny_llama(seed=0, layers=4))
+    hybrid = _hybrid(target)
+    policy = CostK(4)
+    policy.observe_step([(0, 0)], None, 0.010, 1)  # the target's single-row forward
+    hybrid.share_costs(policy)
+    clock = iter(range(10**6))  # each reading one second after the one before
+    meter = ForwardMeter(clock=lambda: float(next(clock)))
+    hybrid.begin([1, 2, 3], SamplingParams(), None, meter)
+    context = [1, 2, 3]
+
+    def chain(committed: list[int]) -> None:  # a model step after `committed` joined the text
+        context.extend(committed)
+        hybrid._model_tree(context, 2)
+        hybrid.observe_path([])  # its first token rejected
+
+    chain([])  # one chain timed (very slow, 1 s a forward): not trusted alone
+    assert len(hybrid.draft_seconds) == 1 and hybrid._draft_cost() == hybrid.prior_cost
+    chain([4, 5, 6, 7])  # after the suffix's steps: its first forward catches up on them
+    assert len(hybrid.draft_seconds) == 1  # the catch-up is not a depth's time
+    chain([8])
+    chain([9])
+    assert list(hybrid.draft_seconds) == [1.0, 1.0, 1.0]
+    assert hybrid._draft_cost() == pytest.approx(100.0)  # 1 s against the target's 10 ms
+
+
 def _chain_drafter():
     """A fresh chain drafter over the draft model `_hybrid` builds."""
     from specdecode.drafters import ModelDrafter

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from specdecode.core.policies import CostK, verify_cost
+from specdecode.core.policies import TRUSTED_SAMPLES, CostK, verify_cost
 from specdecode.core.sampling import SamplingParams
 from specdecode.core.tree import TokenTree, TreeDrafter
 from specdecode.core.types import ForwardMeter
@@ -132,11 +132,14 @@ class HybridDrafter(TreeDrafter):
         self.drafter.end()
 
     def _draft_cost(self) -> float:
-        """c: the model's forward over the target's, measured where both are."""
+        """c: the model's forward over the target's, measured where both are, from the median of
+        at least `TRUSTED_SAMPLES` chains' times per depth (as the cost policy trusts its own):
+        one slow forward (a process's first pays one-time set-up) would otherwise price the
+        model out of every step after it, and the model, no longer chosen, never be timed
+        again. The prior until then."""
         recent = sorted(self.draft_seconds)
-        seconds = recent[len(recent) // 2] if recent else None
-        if isinstance(self.costs, CostK) and seconds is not None:
-            return self.costs.draft_cost(seconds)
+        if isinstance(self.costs, CostK) and len(recent) >= TRUSTED_SAMPLES:
+            return self.costs.draft_cost(recent[len(recent) // 2])
         return self.prior_cost
 
     def model_rate(self, limit: int) -> tuple[int, float]:
@@ -176,11 +179,18 @@ class HybridDrafter(TreeDrafter):
         self._used = (way, 0)
 
     def _model_tree(self, context: list[int], k: int) -> TokenTree:
-        before = self.meter.seconds.get("draft", 0.0)
+        meter = self.meter
+        before = [meter.seconds.get("draft", 0.0), meter.calls.get("draft", 0)]
+        before.append(meter.tokens.get("draft", 0))
         draft = self.drafter.propose(context, k)
-        if self.meter.clock is not None:  # untimed forwards: the prior cost stands
-            spent = self.meter.seconds.get("draft", 0.0) - before
-            self.draft_seconds.append(spent / max(1, int(draft.tokens.shape[0])))
+        calls = meter.calls.get("draft", 0) - before[1]
+        tokens = meter.tokens.get("draft", 0) - before[2]
+        # a chain's time per depth, where its first forward fed at most the two tokens of a
+        # step (the last one committed and the one before): after the suffix's steps that
+        # forward catches up on every token committed since, which is not a depth's cost.
+        # Untimed forwards: the prior stands.
+        if meter.clock is not None and calls and tokens <= calls + 1:
+            self.draft_seconds.append((meter.seconds.get("draft", 0.0) - before[0]) / calls)
         drafted = int(draft.tokens.shape[0])
         self._used = ("model", drafted)
         parents = torch.arange(-1, drafted - 1, dtype=torch.long)  # a chain: each below the last
