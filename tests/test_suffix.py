@@ -265,6 +265,20 @@ def test_the_hybrid_learns_each_rows_acceptance_from_the_pairs():
     assert fresh.model_rate(4)[1] < hybrid.model_rate(4)[1]
 
 
+def test_the_hybrid_tries_the_model_again_on_a_row_that_rejected_it():
+    target = wrap_model(tiny_llama(seed=0, layers=4))
+    hybrid = _hybrid(target)
+    hybrid.prior_cost = 0.9  # a model that barely pays: under a plain step at the prior's rate
+    context = list(range(40, 50))  # nothing repeats: no suffix tree
+    hybrid.begin(list(context), SamplingParams(), None, ForwardMeter())
+    for step in range(24):
+        hybrid.propose_tree(context, 4)
+        hybrid.observe_path([])  # every chain rejected at its first token
+        context.append(60 + step)
+    # unsure of the model on this row, it tries it every EXPLORE_UNSURE (8) steps, not 64
+    assert hybrid.chosen["model"] == 3 and hybrid.row_acceptance.n[0] == 3
+
+
 def test_the_hybrid_model_chain_sits_out_and_catches_up():
     target = wrap_model(tiny_llama(seed=0, layers=4))
     hybrid = _hybrid(target)

@@ -37,6 +37,9 @@ MEMORY = 32  # steps after which old acceptance fades
 # learnt low (a passage the model could not guess) is measured again; rare enough that a model
 # that never pays costs little (one draft forward and its catch-up per EXPLORE_EVERY steps)
 EXPLORE_EVERY = 64
+# ... and after this many while its acceptance on the row rests on fewer than TRUSTED_SAMPLES
+# chains: one rejected first chain must not rule the model out of a whole (short) answer
+EXPLORE_UNSURE = 8
 
 
 class _Acceptance:
@@ -93,6 +96,7 @@ class HybridDrafter(TreeDrafter):
         self.costs: Any = None
         self.acceptance = _Acceptance(k_max)  # every row's: the pair's, shared by the forks
         self.row_acceptance = _Acceptance(k_max)  # this row's (`begin` starts it anew)
+        self.row_prior: list[float] | None = None  # the pair's estimate as the row began
         # the model's seconds per drafted depth, recent ones (shared by the rows)
         self.draft_seconds: deque[float] = deque(maxlen=MEMORY)
         self.chosen = {"suffix": 0, "model": 0, "none": 0}  # steps each way, every row
@@ -126,6 +130,9 @@ class HybridDrafter(TreeDrafter):
         self._used = None
         self._since_model = 0
         self.row_acceptance = _Acceptance(self.k_max)
+        # the row's prior: the pair's estimate as the row begins (the pair's goes on learning
+        # from this row too, and a prior that holds the row's own evidence counts it twice)
+        self.row_prior = self.acceptance.estimate()
 
     def end(self) -> None:
         self.suffix.end()
@@ -148,7 +155,9 @@ class HybridDrafter(TreeDrafter):
         c = self._draft_cost()
         best, best_rate, emitted, reach = 0, 0.0, 1.0, 1.0
         # the row's own evidence first (acceptance depends on the prompt), the pair's before it
-        estimate = self.row_acceptance.estimate(self.acceptance.estimate())
+        pair = self.acceptance.estimate()
+        prior = self.row_prior or pair
+        estimate = self.row_acceptance.estimate(prior + pair[len(prior) :])
         for k, a in enumerate(estimate[:limit], start=1):
             reach *= a
             emitted += reach
@@ -163,7 +172,8 @@ class HybridDrafter(TreeDrafter):
         k, model_rate = self.model_rate(min(self.k_max, max_depth))
         plain = 1.0 / verify_cost(self.costs, 1)
         self._since_model += 1
-        if self._since_model >= EXPLORE_EVERY:  # measure the model's acceptance again
+        unsure = self.row_acceptance.n[0] < TRUSTED_SAMPLES
+        if self._since_model >= (EXPLORE_UNSURE if unsure else EXPLORE_EVERY):  # measure again
             k, model_rate = max(k, 1), float("inf")
         if n and suffix_rate >= model_rate and suffix_rate > plain:
             self._count("suffix")
