@@ -40,6 +40,7 @@ EXPLORE_EVERY = 64
 # ... and after this many while its acceptance on the row rests on fewer than TRUSTED_SAMPLES
 # chains: one rejected first chain must not rule the model out of a whole (short) answer
 EXPLORE_UNSURE = 8
+_METER_FIELDS = ("seconds", "calls", "tokens")  # what a chain's draft forwards add to the meter
 
 
 class _Acceptance:
@@ -190,17 +191,16 @@ class HybridDrafter(TreeDrafter):
 
     def _model_tree(self, context: list[int], k: int) -> TokenTree:
         meter = self.meter
-        before = [meter.seconds.get("draft", 0.0), meter.calls.get("draft", 0)]
-        before.append(meter.tokens.get("draft", 0))
+        seconds, calls, tokens = (getattr(meter, f).get("draft", 0) for f in _METER_FIELDS)
         draft = self.drafter.propose(context, k)
-        calls = meter.calls.get("draft", 0) - before[1]
-        tokens = meter.tokens.get("draft", 0) - before[2]
+        calls = meter.calls.get("draft", 0) - calls
+        tokens = meter.tokens.get("draft", 0) - tokens
         # a chain's time per depth, where its first forward fed at most the two tokens of a
         # step (the last one committed and the one before): after the suffix's steps that
         # forward catches up on every token committed since, which is not a depth's cost.
         # Untimed forwards: the prior stands.
         if meter.clock is not None and calls and tokens <= calls + 1:
-            self.draft_seconds.append((meter.seconds.get("draft", 0.0) - before[0]) / calls)
+            self.draft_seconds.append((meter.seconds.get("draft", 0) - seconds) / calls)
         drafted = int(draft.tokens.shape[0])
         self._used = ("model", drafted)
         parents = torch.arange(-1, drafted - 1, dtype=torch.long)  # a chain: each below the last
