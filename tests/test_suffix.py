@@ -256,13 +256,55 @@ def test_the_hybrid_learns_each_rows_acceptance_from_the_pairs():
         hybrid.observe_path([0, 1, 2, 3])
     fresh = copy.copy(hybrid)  # the next row starts from the pair's estimate
     fresh.begin([4, 5, 6], SamplingParams(), None, ForwardMeter())
-    assert fresh.row_acceptance.estimate(fresh.acceptance.estimate())[0] > 0.9
+    assert fresh.row_acceptance.estimate(fresh.row_prior)[0] > 0.9
     for _ in range(6):  # a prompt where the model's first token is always wrong
         fresh._used = ("model", 4)
         fresh.observe_path([])
-    assert fresh.row_acceptance.estimate(fresh.acceptance.estimate())[0] < 0.3
+    assert fresh.row_acceptance.estimate(fresh.row_prior)[0] < 0.3
     assert fresh.acceptance.estimate()[0] > 0.6  # the pair's moves slowly, over every row
     assert fresh.model_rate(4)[1] < hybrid.model_rate(4)[1]
+
+
+def test_a_row_that_keeps_every_chain_comes_to_draft_a_longer_one():
+    # the pair learnt (on an earlier row) that a 4th token is seldom kept; on this row every
+    # chain of 3 is kept: its 4th position inherits the 3rd's estimate, not the pair's, so the
+    # model's best chain grows to 4 (a position never drafted would otherwise never be measured)
+    target = wrap_model(tiny_llama(seed=0, layers=4))
+    hybrid = _hybrid(target)
+    hybrid.share_costs(CostK(4))
+    hybrid.begin([1, 2, 3], SamplingParams(), None, ForwardMeter())
+    for _ in range(20):
+        hybrid._used = ("model", 4)
+        hybrid.observe_path([0, 1, 2])  # the 4th rejected
+    row = copy.copy(hybrid)
+    row.begin([4, 5, 6], SamplingParams(), None, ForwardMeter())
+    assert row.acceptance.estimate()[3] < 0.2
+    for _ in range(6):
+        row._used = ("model", 3)
+        row.observe_path([0, 1, 2])
+    estimate = row.row_estimate()
+    assert estimate[2] > 0.9 and estimate[3] == pytest.approx(estimate[2])
+    assert row.model_rate(4)[0] == 4
+
+
+def test_every_eighth_model_chain_of_a_row_is_one_token_longer():
+    # a deeper position measured now and then (EXPLORE_DEEPER), as the cost policy explores a
+    # neighbouring k: a row held at a short chain by one early rejection can still grow out
+    target = wrap_model(tiny_llama(seed=0, layers=4))
+    hybrid = _hybrid(target)
+    hybrid.share_costs(CostK(4))
+    context = list(range(40, 50))  # nothing repeats: no suffix tree
+    hybrid.begin(list(context), SamplingParams(), None, ForwardMeter())
+    drafted = []
+    for step in range(16):
+        best = hybrid.model_rate(4)[0]
+        tree = hybrid.propose_tree(context, 4)
+        drafted.append((best, int(tree.tokens.shape[0])))
+        hybrid.observe_path([0])  # the first token kept, the second (where drafted) not
+        context += [60 + step, 61 + step]
+    assert hybrid.chosen["model"] == 16
+    for i, (best, n) in enumerate(drafted):
+        assert n == (min(best + 1, 4) if i in (7, 15) else best), drafted
 
 
 def test_the_hybrid_tries_the_model_again_on_a_row_that_rejected_it():

@@ -40,15 +40,21 @@ EXPLORE_EVERY = 64
 # ... and after this many while its acceptance on the row rests on fewer than TRUSTED_SAMPLES
 # chains: one rejected first chain must not rule the model out of a whole (short) answer
 EXPLORE_UNSURE = 8
+# every this many model chains of a row, one a token longer than the best k: a position seldom
+# drafted keeps the estimate of its few samples (one rejection can hold a row at k = 1), as the
+# cost policy explores a neighbouring k (`policies.CostK`)
+EXPLORE_DEEPER = 8
 _METER_FIELDS = ("seconds", "calls", "tokens")  # what a chain's draft forwards add to the meter
 
 
 class _Acceptance:
     """a_j per chain position (P(accepted | the ones before were)), a running mean that
-    fades after MEMORY samples, shrunk towards a prior: given priors per position, or else the
-    previous position's estimate (the first's: PRIOR_ACCEPTANCE). The drafter keeps one over
-    every row it drafted (the pair's) and one per row (the prompt's), the first the second's
-    prior."""
+    fades after MEMORY samples, shrunk towards a prior: the first position's is given (default
+    PRIOR_ACCEPTANCE), each deeper one's is the estimate of the position before, as the cost
+    policy's (`policies.CostK`): a position seldom drafted inherits the one above it instead of
+    a prior that, never tested, would keep it from being drafted (a row whose chains of 3 are
+    always kept must come to try a 4th). The drafter keeps one over every row it drafted (the
+    pair's) and one per row (the prompt's), whose first position's prior is the pair's."""
 
     def __init__(self, positions: int) -> None:
         self.n = [0] * positions
@@ -65,10 +71,9 @@ class _Acceptance:
             self.n[j] = min(self.n[j] + 1, MEMORY)
             self.mean[j] += ((1.0 if j < accepted else 0.0) - self.mean[j]) / self.n[j]
 
-    def estimate(self, priors: list[float] | None = None) -> list[float]:
-        out, prior = [], PRIOR_ACCEPTANCE
-        for j, (n, mean) in enumerate(zip(self.n, self.mean, strict=True)):
-            prior = priors[j] if priors is not None else prior
+    def estimate(self, first: float = PRIOR_ACCEPTANCE) -> list[float]:
+        out, prior = [], first
+        for n, mean in zip(self.n, self.mean, strict=True):
             prior = (n * mean + PRIOR_WEIGHT * prior) / (n + PRIOR_WEIGHT)
             out.append(prior)
         return out
@@ -97,7 +102,7 @@ class HybridDrafter(TreeDrafter):
         self.costs: Any = None
         self.acceptance = _Acceptance(k_max)  # every row's: the pair's, shared by the forks
         self.row_acceptance = _Acceptance(k_max)  # this row's (`begin` starts it anew)
-        self.row_prior: list[float] | None = None  # the pair's estimate as the row began
+        self.row_prior: float | None = None  # the pair's first-position estimate as the row began
         # the model's seconds per drafted depth, recent ones (shared by the rows)
         self.draft_seconds: deque[float] = deque(maxlen=MEMORY)
         self.chosen = {"suffix": 0, "model": 0, "none": 0}  # steps each way, every row
@@ -130,10 +135,11 @@ class HybridDrafter(TreeDrafter):
         self.drafter.begin(prompt_ids, params, generator, meter)  # type: ignore[arg-type]
         self._used = None
         self._since_model = 0
+        self._model_chains = 0  # this row's
         self.row_acceptance = _Acceptance(self.k_max)
         # the row's prior: the pair's estimate as the row begins (the pair's goes on learning
         # from this row too, and a prior that holds the row's own evidence counts it twice)
-        self.row_prior = self.acceptance.estimate()
+        self.row_prior = self.acceptance.estimate()[0]
 
     def end(self) -> None:
         self.suffix.end()
@@ -150,16 +156,18 @@ class HybridDrafter(TreeDrafter):
             return self.costs.draft_cost(recent[len(recent) // 2])
         return self.prior_cost
 
+    def row_estimate(self) -> list[float]:
+        """The model's acceptance per chain position on this row: the row's own evidence
+        (acceptance depends on the prompt), the pair's before it."""
+        first = self.acceptance.estimate()[0] if self.row_prior is None else self.row_prior
+        return self.row_acceptance.estimate(first)
+
     def model_rate(self, limit: int) -> tuple[int, float]:
         """(k, rate): the model chain's best length up to `limit` and its expected tokens per
         single-row target time."""
         c = self._draft_cost()
         best, best_rate, emitted, reach = 0, 0.0, 1.0, 1.0
-        # the row's own evidence first (acceptance depends on the prompt), the pair's before it
-        pair = self.acceptance.estimate()
-        prior = self.row_prior or pair
-        estimate = self.row_acceptance.estimate(prior + pair[len(prior) :])
-        for k, a in enumerate(estimate[:limit], start=1):
+        for k, a in enumerate(self.row_estimate()[:limit], start=1):
             reach *= a
             emitted += reach
             rate = emitted / (k * c + verify_cost(self.costs, k + 1))
@@ -181,6 +189,9 @@ class HybridDrafter(TreeDrafter):
             return self.suffix.take(proposal, n)
         if k and model_rate > plain:
             self._count("model")
+            self._model_chains += 1
+            if self._model_chains % EXPLORE_DEEPER == 0:
+                k = min(k + 1, self.k_max, max_depth)
             return self._model_tree(context, k)
         self._count("none")
         return self.suffix.take(proposal, 0)
