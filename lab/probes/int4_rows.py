@@ -60,8 +60,9 @@ def main() -> None:
     if "linear" not in skip:
         print("one linear (8 x [8960, 1536], 4-bit tiles):")
         linear_rates([int(m) for m in args.rows.split(",")])
-    target = load_model(args.model)
-    model = target.model
+    if {"v", "prefill"} <= skip:
+        return
+    model = load_model(args.model).model
     if "v" not in skip:
         sizes = [int(n) for n in args.tokens.split(",")]
         seconds = forward_seconds(model, sizes, 128, args.repeats, cache_type=target_cache)
