@@ -2,9 +2,9 @@
 
 Each request goes through the same application `specdecode serve` runs (`create_app`: its
 validation, continuous batching, answers and errors), called in process through httpx's ASGI
-transport: no socket, and every answer the one the server would give the same body. Up to twice
-`max_batch` requests are in flight (the batch's rows and as many waiting to join; the server's
-queue holds them all, so none is refused), taken in the input's order; the files are
+transport: no socket, and every answer the one the server would give the same body. `max_batch`
+requests are in flight, one per row of the batch, taken in batch_order.py's order (each row that
+ends is handed the waiting request that shares the longest prompt prefix with it); the files are
 batch_file.py's. An interruption (Ctrl-C, SIGTERM) stops the requests in flight, whose answers
 are not written, and leaves the output ready to go on.
 """
@@ -16,7 +16,6 @@ import contextlib
 import json
 import signal
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from specdecode.server.batch_file import (
     error_line,
     read_requests,
 )
+from specdecode.server.batch_order import Key, PrefixOrder, prompt_key
 from specdecode.server.limits import PREFILL_CHUNK
 
 # a 503 is the server stopping (our interruption): that request is answered by the next run
@@ -171,7 +171,7 @@ async def _answer(client: httpx.AsyncClient, request: BatchRequest) -> dict[str,
 
 async def _drive(
     app: Any,
-    pending: Iterator[BatchRequest],
+    pending: PrefixOrder,
     output: ResumableOutput,
     summary: BatchSummary,
     workers: int,
@@ -184,9 +184,11 @@ async def _drive(
         httpx.AsyncClient(transport=transport, base_url="http://run-batch", timeout=None) as client,
     ):
 
-        async def work() -> None:
-            for request in pending:  # shared: each worker takes the next request in order
+        async def work(taken: tuple[BatchRequest, Key] | None) -> None:
+            while taken is not None:  # the order is shared: each worker takes the next
+                request, key = taken
                 record = await _answer(client, request)
+                taken = pending.after(key)  # to the row this request leaves
                 if record is None:
                     continue
                 output.write(record)
@@ -200,9 +202,13 @@ async def _drive(
                     refresh=False,
                 )
 
-        tasks = [asyncio.ensure_future(work()) for _ in range(workers)]
+        tasks = [asyncio.ensure_future(work(first)) for first in pending.first(workers)]
         try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            done, _ = (
+                await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+                if tasks
+                else ((), ())
+            )
             for task in done:
                 task.result()  # the first failure (an output that cannot be written), if any
         finally:  # a failure or an interruption: the requests in flight stop unanswered
@@ -273,8 +279,10 @@ def run_batch(
         dynamic_ncols=True,
     )
     try:
-        pending = output.pending(requests)
-        summary.interrupted = asyncio.run(_main(app, pending, output, summary, 2 * max_batch, bar))
+        waiting = list(output.pending(requests))
+        keys = [prompt_key(engine.encode_prompt, request) for request in waiting]
+        pending = PrefixOrder(waiting, keys)
+        summary.interrupted = asyncio.run(_main(app, pending, output, summary, max_batch, bar))
     finally:
         bar.close()
         output.close()
