@@ -3,7 +3,9 @@ serve` at N concurrent clients: total tokens/s side by side, and every answer co
 
 `--requests` requests of mixed kinds, greedy: the built-in suite's prompts (every category) in
 turn as Batch API chat requests, Batch API completions and plain `messages` lines, with
-`max_tokens` cycling through 32, 48 and 64. Both run the same engine options (`--target`,
+`max_tokens` cycling through 32, 48 and 64 (past the suite's 72 prompts, requests repeat earlier
+ones; `--unique` opens each prompt with its own request number instead, so that no two share
+more than the chat template's head). Both run the same engine options (`--target`,
 `--draft`, `--max-batch`, the default measured policy) in a process of their own, one after the
 other, never together; `serve` is loaded and healthy before its clock starts, and `run-batch`'s
 time is its own summary's (the models' load excluded). An answer matches when its status, its
@@ -39,12 +41,14 @@ MAX_TOKENS = (32, 48, 64)
 SUMMARY = re.compile(r"this run: (\d+) requests in ([\d.]+) s, (\d+) tokens generated")
 
 
-def make_requests(n: int, model: str) -> list[dict[str, Any]]:
+def make_requests(n: int, model: str, unique: bool = False) -> list[dict[str, Any]]:
     prompts = load_suite()
     lines = []
     for i in range(n):
         prompt = prompts[i % len(prompts)]
         text, max_tokens = prompt.turns[0], MAX_TOKENS[i % len(MAX_TOKENS)]
+        if unique:
+            text = f"(request {i}) {text}"
         common = {"max_tokens": max_tokens, "temperature": 0}
         messages = [{"role": "user", "content": text}]
         custom_id = f"{i:03d}-{prompt.id}"
@@ -167,9 +171,16 @@ def same(a: tuple[int, Any], b: tuple[int, Any]) -> bool:
     return key(a[1]) == key(b[1])
 
 
-def tokens(answers: dict[str, tuple[int, Any]]) -> int:
+def tokens(answers: dict[str, tuple[int, Any]], field: str = "completion_tokens") -> int:
+    return sum(body["usage"][field] for status, body in answers.values() if status == 200)
+
+
+def kept(answers: dict[str, tuple[int, Any]]) -> int:
+    """Prompt tokens a joining row took over from a freed one (the kept prefix)."""
     return sum(
-        body["usage"]["completion_tokens"] for status, body in answers.values() if status == 200
+        (body["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        for status, body in answers.values()
+        if status == 200
     )
 
 
@@ -182,12 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=1, help="pairs of runs, order alternating")
     parser.add_argument("--model-name", default=None, help="default: the target spec's name")
+    parser.add_argument("--unique", action="store_true", help="no two prompts alike")
     parser.add_argument("--out", type=Path, default=Path("runs/run-batch"))
     args = parser.parse_args(argv)
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     model = args.model_name or args.target  # the served name: the target's spec, as loaded
-    lines = make_requests(args.requests, model)
+    lines = make_requests(args.requests, model, args.unique)
     (out / "requests.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     requests = [as_request(line, model) for line in lines]
 
@@ -234,6 +246,11 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_per_s_each": {"run-batch": batch_rates, label: serve_rates},
         "tokens": {"run-batch": tokens(batch["answers"]), "serve": tokens(served["answers"])},
         "tokens_per_s": rates,
+        "prompt_tokens": tokens(batch["answers"], "prompt_tokens"),
+        "kept_prompt_tokens": {
+            "run-batch": [kept(b["answers"]) for b in batches],
+            "serve": [kept(s["answers"]) for s in serves],
+        },
         "ratio": rates["run-batch"] / rates[label],
     }
     (out / "summary.json").write_text(json.dumps(record, indent=1))
@@ -258,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"run-batch / serve: **{record['ratio']:.2f}x**; answers identical to the server's: "
         f"{len(matched)}/{len(requests)} in every run ({ok} answered 200).",
+        "",
+        f"Prompt tokens kept from a freed row (of {record['prompt_tokens']}): run-batch "
+        f"{', '.join(map(str, record['kept_prompt_tokens']['run-batch']))}; serve "
+        f"{', '.join(map(str, record['kept_prompt_tokens']['serve']))}.",
         "",
         *batch["summary"],
     ]
