@@ -93,11 +93,19 @@ def alone(target, job: Job, drafter, k: int = 3, new_cache=KVCache) -> Outcome:
 
 
 def batched(
-    target, jobs: list[Job], drafter, *, policy=None, new_cache=KVCache, logits=None
+    target,
+    jobs: list[Job],
+    drafter,
+    *,
+    policy=None,
+    new_cache=KVCache,
+    logits=None,
+    begin_draft: bool = True,
 ) -> list[Outcome]:
     """Every job in one Batch (each row with its own fork of `drafter`), joining and leaving
     when its Job says; each row's committed tokens collected step by step (and, given
-    `logits`, a list per job, the target's logits its `on_logits` was handed)."""
+    `logits`, a list per job, the target's logits its `on_logits` was handed). `begin_draft`:
+    Batch.add's (False: a row's draft begins in its first drafting step, as the server's)."""
     batch = Batch(target, policy=policy or FixedK(3), new_cache=new_cache)
     outcomes: dict[int, Outcome] = {}
     index: dict[Row, int] = {}
@@ -115,6 +123,7 @@ def batched(
                     eos_token_ids=job.eos,
                     stats=stats,
                     on_logits=None if logits is None else logits[i].append,
+                    begin_draft=begin_draft,
                 )
                 # the prefill's first token is the row's first committed block
                 outcomes[i], index[row] = Outcome(list(row.committed), stats, row), i
@@ -526,3 +535,30 @@ def test_a_batch_with_costk_stays_exact_when_it_stops_drafting(llama):
     # it never ran next to fewer than 2 other rows (its 12 tokens: the prefill's, 11 steps)
     assert got[3].stats.k_hist == {0: 11}
     assert got[0].stats.k_hist[1] > 2  # it drafts again once it is alone
+
+
+class _AskedToBegin(FixedK):
+    """k = 2 every step; `pays_to_begin` answers `pays` and records what it was asked."""
+
+    def __init__(self, pays: bool) -> None:
+        super().__init__(2)
+        self.pays, self.asked = pays, []
+
+    def pays_to_begin(self, k, rows, remaining, prefill_s):
+        self.asked.append((k, rows, remaining, prefill_s))
+        return self.pays
+
+
+@pytest.mark.parametrize("pays", [True, False])
+def test_a_row_whose_draft_would_not_pay_decodes_without_it(llama, pays):
+    target, draft = llama
+    jobs = [Job([1, 2, 3, 4, 5], 12), Job([7, 8], 9)]
+    policy = _AskedToBegin(pays)
+    got = batched(target, jobs, ModelDrafter(draft), policy=policy, begin_draft=False)
+    for job, outcome in zip(jobs, got, strict=True):
+        assert outcome.tokens == alone(target, job, None).tokens  # greedy: the target's
+        assert outcome.row.drafting == pays and (outcome.stats.drafted > 0) == pays
+    # asked for each row in its first step (untimed: no prefill time known); once begun, a
+    # row is not asked again, and one not begun is asked again at each step
+    assert policy.asked[:2] == [(2, 2, 11, None), (2, 2, 8, None)]
+    assert len(policy.asked) == 2 if pays else len(policy.asked) > 2

@@ -407,3 +407,23 @@ def test_the_cost_policy_says_when_it_explores_and_whether_it_knows_acceptance()
     assert not policy.exploring and policy.begins_drafts()
     policy.begin()  # a new sequence: acceptance is the prompt's
     assert not policy.knows_acceptance
+
+
+def test_a_draft_is_begun_only_where_its_prefill_pays_for_itself():
+    policy = CostK(4, explore_every=0)
+    assert policy.pays_to_begin(2, 8, 10, 5.0)  # nothing measured: a first estimate is learnt
+    _timed(policy, alpha_pattern=lambda k: k, c=0.1, v=lambda k: 1 + 0.1 * k, t1=0.01)
+    rates = policy.rates(4)
+    per_token = 0.01 * (1 / rates[0] - 1 / rates[4])  # seconds drafting k = 4 saves a token
+    assert per_token > 0
+    assert policy.pays_to_begin(4, 1, 100, 0.9 * 100 * per_token)
+    assert not policy.pays_to_begin(4, 1, 100, 1.1 * 100 * per_token)
+    assert not policy.pays_to_begin(4, 1, 10, 0.9 * 100 * per_token)  # a short answer
+    assert policy.pays_to_begin(4, 1, 10, None)  # a prefill not timed yet
+    assert policy.pays_to_begin(0, 1, 10, 1.0)  # nothing to begin for
+    policy.begin()  # a new sequence: acceptance unknown again, so its draft may begin
+    assert policy.pays_to_begin(4, 1, 10, 1.0)
+    # a batch whose k barely beats 0 saves nothing worth a prefill
+    flat = CostK(2, explore_every=0)
+    _timed(flat, alpha_pattern=lambda k: 0, c=0.5, v=lambda k: 1 + 0.5 * k, t1=0.01)
+    assert not flat.pays_to_begin(1, 8, 1000, 0.001)

@@ -258,7 +258,7 @@ class Batch:
         going = []
         for row in rows:
             tree = isinstance(row.drafter, TreeDrafter)
-            drafts = tree or (k > 0 and begin)
+            drafts = tree or (k > 0 and begin and (row.drafting or self._pays(row, k, len(rows))))
             try:
                 if drafts and row.allowed > 0:
                     self.begin_draft(row)
@@ -268,6 +268,14 @@ class Batch:
                 continue
             going.append(row)
         return going
+
+    def _pays(self, row: Row, k: int, rows: int) -> bool:
+        """Whether `row`'s draft prefill pays for itself (`KPolicy.pays_to_begin`), its time
+        estimated from the prefills this batch timed, per token, over the row's tokens."""
+        tokens = self.meter.tokens.get("draft_prefill", 0)
+        seconds = self.meter.seconds.get("draft_prefill", 0.0)
+        prefill_s = seconds / tokens * len(row.state.tokens) if tokens and seconds else None
+        return self.policy.pays_to_begin(k, rows, row.allowed + 1, prefill_s)
 
     # -- one step, in parts -----------------------------------------------------------------
 

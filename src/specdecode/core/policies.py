@@ -69,6 +69,12 @@ class KPolicy(Protocol):
         prefill); False: only rows already drafting draft (`Batch.step`). Default: True."""
         return True
 
+    def pays_to_begin(self, k: int, rows: int, remaining: int, prefill_s: float | None) -> bool:
+        """Whether a row that may still emit `remaining` tokens should begin its draft (a
+        prefill of `prefill_s` seconds, None where not measured) to draft k in a batch of
+        `rows`. Default: True."""
+        return True
+
     def observe_step(
         self,
         steps: list[tuple[int, int]],
@@ -355,6 +361,22 @@ class CostK(KPolicy):
         """Not for an exploration once acceptance is known: the step only refreshes an
         estimate, which is not worth a draft's prefill."""
         return not (self.exploring and self.knows_acceptance)
+
+    def pays_to_begin(self, k: int, rows: int, remaining: int, prefill_s: float | None) -> bool:
+        """Whether the time drafting k saves over a row's `remaining` tokens at this batch
+        size covers its draft's prefill. Each token costs the row's share of a step, T(1) /
+        rate(k) (`rates`: a batch's tokens per T(1)), so drafting saves remaining x T(1) x
+        (1 / rate(0) - 1 / rate(k)). Short answers behind long prompts, and batches where k
+        barely beats 0, do not pay for it: those rows decode without drafting (a batch job of
+        short answers otherwise prefills drafts for a few k = 1 steps: docs/results.md, "Batch
+        jobs"). True until acceptance, T(1) and a prefill's time are measured: a first
+        estimate must be learnt somewhere."""
+        t1 = self._target_time(1)
+        if prefill_s is None or t1 is None or not self.knows_acceptance or k <= 0:
+            return True
+        rates = self.rates(k, rows)
+        saved = remaining * t1 * self._speed * (1 / rates[0] - 1 / rates[-1])
+        return saved > prefill_s
 
     def _worth_trying(self, k: int, rows: int, best: int, best_rate: float) -> bool:
         """Whether a step at k can teach something that changes a choice: the times that
