@@ -64,6 +64,34 @@ def test_a_prompt_prefilled_in_parts_answers_as_at_once(engines, temperature):
     assert session.free_rows == 2
 
 
+def test_a_draft_that_would_not_pay_is_not_prefilled_in_parts(engines, monkeypatch):
+    # the policy says no while the prompt goes in (a batch at k = 0, a short answer): the parts
+    # leave the draft alone; says yes later: the row's first drafting step prefills it whole
+    target, draft = engines
+    engine = SpeculativeDecoder(target, draft, k=3, k_policy="fixed")
+    alone = engine.generate(LONG, 16)
+    session = engine.batch_session(max_rows=2, max_len=512)
+    request = GenerationRequest(16, SamplingParams())
+    asked = []
+
+    def pays(k, rows, remaining, prefill_s):
+        asked.append((k, rows, remaining))
+        return len(asked) > 2
+
+    monkeypatch.setattr(session.batch.policy, "pays_to_begin", pays)
+    partial = session.open_prefill(LONG, request)
+    session.advance_prefill(partial, 100)
+    session.advance_prefill(partial, 100)
+    meter = session.batch.meter
+    assert "draft_prefill" not in meter.tokens and asked == [(None, 1, 16)] * 2
+    generation = session.add(LONG, request, prefilled=partial)
+    while session.generations:
+        session.step()
+    assert meter.tokens["draft_prefill"] == len(alone.prompt_ids)  # in one, at the first step
+    assert generation.token_ids == alone.token_ids
+    assert generation.stats.accepted == alone.stats.accepted
+
+
 def test_a_partial_prefill_keeps_a_prefix_and_gives_its_row_back(engines):
     target, draft = engines
     engine = SpeculativeDecoder(target, draft, k=3, k_policy="fixed")

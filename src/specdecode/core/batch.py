@@ -270,12 +270,21 @@ class Batch:
         return going
 
     def _pays(self, row: Row, k: int, rows: int) -> bool:
-        """Whether `row`'s draft prefill pays for itself (`KPolicy.pays_to_begin`), its time
-        estimated from the prefills this batch timed, per token, over the row's tokens."""
-        tokens = self.meter.tokens.get("draft_prefill", 0)
-        seconds = self.meter.seconds.get("draft_prefill", 0.0)
-        prefill_s = seconds / tokens * len(row.state.tokens) if tokens and seconds else None
+        """Whether `row`'s draft prefill pays for itself (`KPolicy.pays_to_begin`)."""
+        prefill_s = self._draft_prefill_seconds(len(row.state.tokens))
         return self.policy.pays_to_begin(k, rows, row.allowed + 1, prefill_s)
+
+    def draft_pays(self, prompt_tokens: int, new_tokens: int) -> bool:
+        """Whether a row about to join (a prompt of `prompt_tokens`, up to `new_tokens` to
+        generate) is worth its draft's prefill at the best k for the batch it joins."""
+        prefill_s = self._draft_prefill_seconds(prompt_tokens)
+        return self.policy.pays_to_begin(None, len(self.running()) + 1, new_tokens, prefill_s)
+
+    def _draft_prefill_seconds(self, tokens: int) -> float | None:
+        """A draft prefill over `tokens` tokens, at the rate of those this batch timed."""
+        done = self.meter.tokens.get("draft_prefill", 0)
+        seconds = self.meter.seconds.get("draft_prefill", 0.0)
+        return seconds / done * tokens if done and seconds else None
 
     # -- one step, in parts -----------------------------------------------------------------
 

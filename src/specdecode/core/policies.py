@@ -69,10 +69,12 @@ class KPolicy(Protocol):
         prefill); False: only rows already drafting draft (`Batch.step`). Default: True."""
         return True
 
-    def pays_to_begin(self, k: int, rows: int, remaining: int, prefill_s: float | None) -> bool:
+    def pays_to_begin(
+        self, k: int | None, rows: int, remaining: int, prefill_s: float | None
+    ) -> bool:
         """Whether a row that may still emit `remaining` tokens should begin its draft (a
-        prefill of `prefill_s` seconds, None where not measured) to draft k in a batch of
-        `rows`. Default: True."""
+        prefill of `prefill_s` seconds, None where not measured) to draft k (None: the best k
+        for) a batch of `rows`. Default: True."""
         return True
 
     def observe_step(
@@ -362,8 +364,11 @@ class CostK(KPolicy):
         estimate, which is not worth a draft's prefill."""
         return not (self.exploring and self.knows_acceptance)
 
-    def pays_to_begin(self, k: int, rows: int, remaining: int, prefill_s: float | None) -> bool:
-        """Whether the time drafting k saves over a row's `remaining` tokens at this batch
+    def pays_to_begin(
+        self, k: int | None, rows: int, remaining: int, prefill_s: float | None
+    ) -> bool:
+        """Whether the time drafting k (None: the best k at this batch size, as `next_batch_k`
+        would choose it, unexplored) saves over a row's `remaining` tokens at this batch
         size covers its draft's prefill. Each token costs the row's share of a step, T(1) /
         rate(k) (`rates`: a batch's tokens per T(1)), so drafting saves remaining x T(1) x
         (1 / rate(0) - 1 / rate(k)). Short answers behind long prompts, and batches where k
@@ -372,10 +377,11 @@ class CostK(KPolicy):
         jobs"). True until acceptance, T(1) and a prefill's time are measured: a first
         estimate must be learnt somewhere."""
         t1 = self._target_time(1)
-        if prefill_s is None or t1 is None or not self.knows_acceptance or k <= 0:
+        if prefill_s is None or t1 is None or not self.knows_acceptance or k == 0:
             return True
         rates = self.rates(k, rows)
-        saved = remaining * t1 * self._speed * (1 / rates[0] - 1 / rates[-1])
+        best = max(rates) if k is None else rates[-1]
+        saved = remaining * t1 * self._speed * (1 / rates[0] - 1 / best)
         return saved > prefill_s
 
     def _worth_trying(self, k: int, rows: int, best: int, best_rate: float) -> bool:

@@ -62,6 +62,7 @@ class PartialPrefill:
     parts: list[tuple[int, float]] = field(default_factory=list)  # each forward: tokens, seconds
     # a draft model's cache, filled with the same parts (its drafter's `begin` takes it), or None
     draft: Any = None
+    new_tokens: int = 0  # the most tokens the request may generate
 
     @property
     def remaining(self) -> int:
@@ -239,9 +240,10 @@ class BatchSession:
         `add(prompt, request, prefilled=...)` then finishes it. A prompt split into parts of at
         most VERIFY_TOKENS (lean.py) positions gets the keys and values of one whole prefill on
         the kernels' fused path, bit for bit (the fused path's rows do not depend on the split).
-        A draft model's cache is filled in the same parts (its drafter's `begin` then takes it):
-        the draft's prefill of a long prompt never stalls the running rows either, though a row
-        that never drafts has paid for it."""
+        A draft model's cache is filled in the same parts (its drafter's `begin` then takes it)
+        where the batch's policy says the row's drafting will pay for that prefill
+        (`Batch.draft_pays`): the draft's prefill of a long prompt never stalls the running
+        rows either."""
         prompt_ids = self.decoder.encode_prompt(prompt, chat=request.chat)
         self.decoder.resolve(prompt_ids, request, self.clock)  # validates the request
         self._check_room(prompt_ids, request)
@@ -251,7 +253,9 @@ class BatchSession:
         drafter = self.decoder.drafter
         if hasattr(drafter, "prefilled"):  # a draft model: its prefill goes in the same parts
             draft = self.draft_prefixes.take(prompt_ids[:-1]) or draft_cache(drafter.model)
-        return PartialPrefill(prompt_ids, cache, len(cache), started, draft=draft)
+        return PartialPrefill(
+            prompt_ids, cache, len(cache), started, draft=draft, new_tokens=request.max_new_tokens
+        )
 
     @torch.inference_mode()
     def advance_prefill(self, partial: PartialPrefill, tokens: int) -> None:
@@ -266,7 +270,11 @@ class BatchSession:
         partial.cache.forward(ids, last_only=True)
         partial.parts.append((end - begin, self.clock() - before))
         draft = partial.draft
-        if draft is not None and len(draft) < end:  # the draft's share: the same positions
+        # the draft's share, the same positions, where the row would begin drafting at all (a
+        # row that would not is spared its draft's prefill; should it draft later, `begin`
+        # prefills what its cache lacks)
+        pays = draft is not None and len(draft) < end
+        if pays and self.batch.draft_pays(len(partial.prompt_ids), partial.new_tokens):
             embed = self.decoder.drafter.embed_size  # ids it cannot embed go in as 0 (as begin)
             ids = torch.tensor(partial.prompt_ids[len(draft) : end], device=device)
             with self.batch.meter.forward("draft_prefill", int(ids.numel())):

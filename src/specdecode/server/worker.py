@@ -321,9 +321,10 @@ class GenerationWorker:
     def _join(self, job: Job, budget: int | None) -> tuple[bool, int | None]:
         """Validate `job`, prefill it into the batch and send its first token; a bad request
         ends here, alone. The draft's prefill waits for the row's first drafting step. A prompt
-        longer than `prefill_chunk` goes in parts (its draft's prefill too): as many as `budget`
-        allows (None: all), each taking one from it, the last one `add`'s. Returns whether the job is still prefilling, and what is left of
-        the budget."""
+        longer than `prefill_chunk` goes in parts (its draft's prefill too, where drafting
+        would pay for it: `Batch.draft_pays`): as many as `budget` allows (None: all), each
+        taking one from it, the last one `add`'s. Returns whether the job is still
+        prefilling, and what is left of the budget."""
         if job.cancelled.is_set() or job.expired():
             cancelled = job.cancelled.is_set()
             if job.partial is not None:
