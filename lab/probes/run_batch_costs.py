@@ -32,8 +32,10 @@ def report(app, tokens):  # run_batch's estimated_speedup, and what it reads
     meter = app.state.server.worker.session.batch.meter
     print("forwards: kind, calls, tokens, seconds")
     for kind in sorted(meter.calls):
-        print(f"  {kind:14s} {meter.calls[kind]:6d} {meter.tokens.get(kind, 0):8d} "
-              f"{meter.seconds.get(kind, 0.0):8.1f}")
+        print(
+            f"  {kind:14s} {meter.calls[kind]:6d} {meter.tokens.get(kind, 0):8d} "
+            f"{meter.seconds.get(kind, 0.0):8.1f}"
+        )
     print("steps by k:", dict(sorted(ks.items())))
     return estimate(app, tokens)
 
