@@ -19,18 +19,28 @@ from specdecode import SpeculativeDecoder
 from specdecode.models.loading import wrap_model
 from specdecode.server.app import create_app
 from specdecode.server.batch_file import BatchRequest, parse_line, read_requests
-from specdecode.server.batch_order import PrefixOrder, prompt_key, shared
+from specdecode.server.batch_order import PrefixOrder, key_of, prompt_key, shared
 from specdecode.server.run_batch import run_batch
 from test_run_batch import MODEL, TEMPLATE, read_jsonl, stable, write_jsonl
 
 from conftest import WIDE, char_tokenizer, needs_kernel, on_kernel, tiny_llama
 
-keys = st.lists(st.lists(st.integers(0, 3), max_size=6).map(tuple), min_size=1, max_size=30)
+# few distinct ids, so that prompts share prefixes; ids apart in one byte or in several
+ids = st.lists(st.sampled_from([0, 1, 255, 256, 65_537, 151_935]), max_size=6)
+keys = st.lists(ids.map(key_of), min_size=1, max_size=30)
 
 
-def order_of(prompts: list[tuple[int, ...]]) -> PrefixOrder:
+def order_of(prompts: list[bytes]) -> PrefixOrder:
     requests = [BatchRequest(i + 1, f"r{i}") for i in range(len(prompts))]
     return PrefixOrder(requests, list(prompts))
+
+
+@given(ids, ids)
+def test_keys_order_and_share_as_the_ids_do(a, b):
+    assert (key_of(a) < key_of(b)) == (a < b)
+    pairs = enumerate(zip(a, b, strict=False))
+    same = next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
+    assert shared(key_of(a), key_of(b)) == same
 
 
 @settings(max_examples=200, deadline=None)
@@ -62,9 +72,9 @@ def test_each_end_is_followed_by_the_longest_shared_prompt(prompts, workers, dat
 
 
 def test_the_first_rows_are_spread_over_the_prompts():
-    prompts = [(1, 1)] * 4 + [(2, 2)] * 4 + [(3, 3)] * 4
+    prompts = [key_of([1, 1])] * 4 + [key_of([2, 2])] * 4 + [key_of([3, 3])] * 4
     firsts = [key for _, key in order_of(prompts).first(3)]
-    assert firsts == [(1, 1), (2, 2), (3, 3)]
+    assert firsts == [key_of([1, 1]), key_of([2, 2]), key_of([3, 3])]
 
 
 def test_a_prompt_is_keyed_by_the_ids_the_server_prefills():
@@ -75,17 +85,17 @@ def test_a_prompt_is_keyed_by_the_ids_the_server_prefills():
     typed = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
     as_parts = parse_line(2, json.dumps(typed), MODEL)
     text = parse_line(3, json.dumps({"prompt": "hi"}), MODEL)
-    assert prompt_key(engine.encode_prompt, chat) == tuple(
+    assert prompt_key(engine.encode_prompt, chat) == key_of(
         engine.encode_prompt([{"role": "user", "content": "hi"}], True)
     )
     assert prompt_key(engine.encode_prompt, as_parts) == prompt_key(engine.encode_prompt, chat)
-    assert prompt_key(engine.encode_prompt, text) == tuple(engine.encode_prompt("hi"))
+    assert prompt_key(engine.encode_prompt, text) == key_of(engine.encode_prompt("hi"))
     refused = [
         parse_line(4, "{not json", MODEL),
         parse_line(5, json.dumps({"messages": []}), MODEL),
         parse_line(6, json.dumps({"prompt": ""}), MODEL),
     ]
-    assert [prompt_key(engine.encode_prompt, r) for r in refused] == [(), (), ()]
+    assert [prompt_key(engine.encode_prompt, r) for r in refused] == [b"", b"", b""]
 
 
 @needs_kernel()

@@ -16,7 +16,8 @@ are bit for bit what a fresh prefill computes), and the output is rewritten in t
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+import struct
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pydantic import ValidationError
@@ -24,22 +25,29 @@ from pydantic import ValidationError
 from specdecode.server.batch_file import CHAT, BatchRequest
 from specdecode.server.schemas import ChatCompletionBody, CompletionBody
 
-Key = tuple[int, ...]
+# a prompt's token ids, 4 bytes each, big-endian: bytes order as the ids' tuples do, in a
+# fraction of the memory (a batch file's prompts are all held at once)
+Key = bytes
+ID_BYTES = 4
+
+
+def key_of(ids: Sequence[int]) -> Key:
+    return struct.pack(f">{len(ids)}I", *ids)
 
 
 def prompt_key(encode: Callable[[Any, bool], list[int]], request: BatchRequest) -> Key:
     """The token ids the server will prefill for `request` (`encode`: the engine's
-    `encode_prompt`); () for a line whose body the server will refuse (it ends at once)."""
+    `encode_prompt`); empty for a line whose body the server will refuse (it ends at once)."""
     if request.error is not None or request.body is None:
-        return ()
+        return b""
     try:
         if request.url == CHAT:
             chat = ChatCompletionBody.model_validate(request.body)
-            return tuple(encode(chat.template_messages(), True))
+            return key_of(encode(chat.template_messages(), True))
         completion = CompletionBody.model_validate(request.body)
-        return tuple(encode(completion.prompt, False))
-    except (ValidationError, ValueError, TypeError):
-        return ()
+        return key_of(encode(completion.prompt, False))
+    except (ValidationError, ValueError, TypeError, struct.error):
+        return b""
 
 
 def shared(a: Key, b: Key) -> int:
@@ -48,7 +56,7 @@ def shared(a: Key, b: Key) -> int:
     i = 0
     while i < n and a[i] == b[i]:
         i += 1
-    return i
+    return i // ID_BYTES
 
 
 class PrefixOrder:

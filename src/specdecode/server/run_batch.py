@@ -270,6 +270,10 @@ def run_batch(
         max_prompt_tokens=max_prompt_tokens,
         max_prompt_chars=max_prompt_chars,
     )
+    waiting = list(output.pending(requests))
+    # the order needs every prompt's ids first: a large file takes a while to tokenize
+    reading = tqdm(waiting, desc="reading prompts", unit="req", disable=not progress, leave=False)
+    pending = PrefixOrder(waiting, [prompt_key(engine.encode_prompt, r) for r in reading])
     bar = tqdm(
         total=len(requests),
         initial=len(output.done),
@@ -279,9 +283,6 @@ def run_batch(
         dynamic_ncols=True,
     )
     try:
-        waiting = list(output.pending(requests))
-        keys = [prompt_key(engine.encode_prompt, request) for request in waiting]
-        pending = PrefixOrder(waiting, keys)
         summary.interrupted = asyncio.run(_main(app, pending, output, summary, max_batch, bar))
     finally:
         bar.close()
