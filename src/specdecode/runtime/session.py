@@ -273,8 +273,8 @@ class BatchSession:
         # the draft's share, the same positions, where the row would begin drafting at all (a
         # row that would not is spared its draft's prefill; should it draft later, `begin`
         # prefills what its cache lacks)
-        pays = draft is not None and len(draft) < end
-        if pays and self.batch.draft_pays(len(partial.prompt_ids), partial.new_tokens):
+        behind = draft is not None and len(draft) < end
+        if behind and self.batch.draft_pays(len(partial.prompt_ids), partial.new_tokens):
             embed = self.decoder.drafter.embed_size  # ids it cannot embed go in as 0 (as begin)
             ids = torch.tensor(partial.prompt_ids[len(draft) : end], device=device)
             with self.batch.meter.forward("draft_prefill", int(ids.numel())):
