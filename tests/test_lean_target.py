@@ -172,6 +172,40 @@ def test_the_native_layer_loop_is_the_python_loop_bit_for_bit(arch, bits, monkey
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("bits", [None, 4])
+def test_the_native_loop_over_many_sequences_is_the_python_loop_bit_for_bit(
+    arch, bits, monkeypatch
+):
+    import specdecode.models.lean as lean
+
+    model = _target(arch, bits, seed=5)
+    # three sequences of different pasts: one new token, a chain of 5, a tree of 4 (masked keys
+    # and position ids of its own), as a batch's step runs them in one forward
+    allowed = torch.ones(4, 9 + 4, dtype=torch.bool)
+    allowed[:, 9:] = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]) > 0
+    tree_mask = additive_mask(allowed, torch.float32)[None, None]
+    runs = []
+    for native in (True, False):
+        monkeypatch.setattr(lean, "NATIVE_LOOP", native)
+        with torch.inference_mode():
+            caches = [target_cache(model) for _ in range(3)]
+            assert caches[0]._native is not None
+            for i, (cache, n) in enumerate(zip(caches, [14, 3, 9], strict=True)):
+                cache.forward(_ids(n, 20 + i))
+            out = LeanCache.forward_many(
+                caches,
+                [_ids(1, 30), _ids(5, 31), _ids(4, 32)],
+                positions=[None, None, torch.tensor([0, 1, 1, 2]) + 9],
+                masks=[None, None, tree_mask],
+            )
+        runs.append((out, [c.kv[:, :, :, : len(c)].clone() for c in caches]))
+    (native_out, native_kv), (python_out, python_kv) = runs
+    assert [o.shape[0] for o in native_out] == [1, 5, 4]
+    assert all(torch.equal(a, b) for a, b in zip(native_out, python_out, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(native_kv, python_kv, strict=True))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_long_prefill_attends_causally_at_once_and_in_parts(arch, monkeypatch):
     # past VERIFY_TOKENS rows a prefill's attention is PyTorch's fused one: causal from the
     # first position, and over a cached prefix (a prompt's later part, `PREFILL_CHUNK`) with

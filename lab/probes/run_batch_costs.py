@@ -10,15 +10,32 @@ from __future__ import annotations
 
 import sys
 import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 
 from specdecode.cli import main as cli
 from specdecode.core.batch import Batch
+from specdecode.runtime.session import BatchSession
 from specdecode.server import run_batch as rb
 
 ks: Counter[int] = Counter()
 step = Batch.step
+# wall seconds and calls of the session's prefill entry points (a prompt at once, in parts)
+walls: Counter[str] = Counter()
+calls: Counter[str] = Counter()
+
+
+def timed(name: str, method):
+    def wrapper(*args, **kwargs):
+        before = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            walls[name] += time.perf_counter() - before
+            calls[name] += 1
+
+    return wrapper
 
 
 def counted(self: Batch) -> list:
@@ -37,6 +54,9 @@ def report(app, tokens):  # run_batch's estimated_speedup, and what it reads
             f"{meter.seconds.get(kind, 0.0):8.1f}"
         )
     print("steps by k:", dict(sorted(ks.items())))
+    print("session wall: name, calls, seconds (add: a prompt's prefill and its first token)")
+    for name in sorted(walls):
+        print(f"  {name:14s} {calls[name]:6d} {walls[name]:8.1f}")
     return estimate(app, tokens)
 
 
@@ -46,6 +66,8 @@ if __name__ == "__main__":
         limit, rest = int(rest[1]), rest[2:]
     lines = source.read_text().splitlines()[:limit]
     Batch.step = counted
+    for name in ("add", "advance_prefill", "step"):
+        setattr(BatchSession, name, timed(name, getattr(BatchSession, name)))
     estimate, rb.estimated_speedup = rb.estimated_speedup, report
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "in.jsonl").write_text("\n".join(lines) + "\n")

@@ -306,69 +306,103 @@ void attend_chunk(const float* queries, int64_t count, const int64_t* visible,
 torch::Tensor rope_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos,
                              torch::Tensor sin, torch::Tensor keys, torch::Tensor values,
                              int64_t past, c10::optional<torch::Tensor> mask, double scale) {
-  check_bf16(q, "rope_attention q");
-  check_bf16(k, "rope_attention k");
-  check_bf16(v, "rope_attention v");
-  check_f32(cos, "rope_attention cos");
-  check_f32(sin, "rope_attention sin");
   check_f32(keys, "rope_attention keys");
   check_f32(values, "rope_attention values");
-  TORCH_CHECK(keys.dim() == 3 && values.sizes() == keys.sizes(), "keys, values [Hkv, cap, d]");
-  const int64_t n = q.size(0), kv_heads = keys.size(0), capacity = keys.size(1), d = keys.size(2);
-  const int64_t L = past + n;
-  TORCH_CHECK(d % 2 == 0 && q.size(1) % (kv_heads * d) == 0 && k.size(0) == n &&
-                  k.size(1) == kv_heads * d && v.sizes() == k.sizes(),
-              "rope_attention: q [n, H * d], k, v [n, Hkv * d] with H a multiple of Hkv");
-  TORCH_CHECK(cos.size(0) == n && cos.size(1) == d && sin.sizes() == cos.sizes(),
-              "rope_attention: cos, sin [n, d]");
-  TORCH_CHECK(past >= 0 && L <= capacity, "rope_attention: the cache has no room for n tokens");
+  TORCH_CHECK(keys.dim() == 3 && values.sizes() == keys.sizes() && keys.is_contiguous() &&
+                  values.is_contiguous() && keys.size(2) == cos.size(-1),
+              "keys, values [Hkv, cap, d]");
+  const int64_t n = q.size(0), L = past + n;
+  TORCH_CHECK(past >= 0 && L <= keys.size(1), "rope_attention: the cache has no room for n tokens");
   const float* m = nullptr;
   if (mask.has_value()) {
     check_f32(*mask, "rope_attention mask");
     TORCH_CHECK(mask->size(0) == n && mask->size(1) == L, "rope_attention: mask [n, past + n]");
     m = mask->data_ptr<float>();
   }
+  const SequenceCache cache{keys.data_ptr<float>(), values.data_ptr<float>(), keys.size(1), past,
+                            m};
+  return rope_attention_rows(q, k, v, cos, sin, {cache}, {0, n}, keys.size(0), scale);
+}
+
+torch::Tensor rope_attention_rows(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                  torch::Tensor cos, torch::Tensor sin,
+                                  const std::vector<SequenceCache>& caches,
+                                  const std::vector<int64_t>& bounds, int64_t kv_heads,
+                                  double scale) {
+  check_bf16(q, "rope_attention q");
+  check_bf16(k, "rope_attention k");
+  check_bf16(v, "rope_attention v");
+  check_f32(cos, "rope_attention cos");
+  check_f32(sin, "rope_attention sin");
+  const size_t B = caches.size();
+  TORCH_CHECK(B > 0 && bounds.size() == B + 1 && bounds[0] == 0 && bounds[B] == q.size(0),
+              "rope_attention: bounds [0, ..., rows], one cache per sequence");
+  const int64_t rows = q.size(0), d = cos.size(1);
+  TORCH_CHECK(d % 2 == 0 && q.size(1) % (kv_heads * d) == 0 && k.size(0) == rows &&
+                  k.size(1) == kv_heads * d && v.sizes() == k.sizes(),
+              "rope_attention: q [n, H * d], k, v [n, Hkv * d] with H a multiple of Hkv");
+  TORCH_CHECK(cos.size(0) == rows && sin.sizes() == cos.sizes(), "rope_attention: cos, sin [n, d]");
   const int64_t heads = q.size(1) / d, group = heads / kv_heads;
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
   const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  float* K = keys.data_ptr<float>();
-  float* V = values.data_ptr<float>();
-  for (int64_t t = 0; t < n; ++t) {
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      float* key = K + (h * capacity + past + t) * d;
-      float* value = V + (h * capacity + past + t) * d;
-      rope(kp + (t * kv_heads + h) * d, cp + t * d, sp + t * d, 1.0f, d, key);
-      for (int64_t i = 0; i < d; ++i) value[i] = bf16_to_float(vp[(t * kv_heads + h) * d + i]);
+  torch::Tensor out = torch::empty({rows, heads * d}, q.options());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  // each sequence's n x group queries of a key/value head (token-major) in near-equal chunks of
+  // at most 8, one work item each (a chunk reads each key once for all its queries): the same
+  // chunks as in a call of its own. Items [first_item[b], first_item[b + 1]) are sequence b's
+  std::vector<int64_t> first_item(B + 1, 0), chunks(B);
+  int64_t work = 0, longest = 0;
+  for (size_t b = 0; b < B; ++b) {
+    const int64_t n = bounds[b + 1] - bounds[b], L = caches[b].past + n;
+    TORCH_CHECK(n >= 0, "rope_attention: bounds must not decrease");
+    chunks[b] = (n * group + 7) / 8;
+    first_item[b + 1] = first_item[b] + kv_heads * chunks[b];
+    work += n * L * d * group;
+    longest = std::max(longest, L);
+  }
+  // the new keys (rotated) and values into each cache
+  for (size_t b = 0; b < B; ++b) {
+    const SequenceCache& s = caches[b];
+    for (int64_t row = bounds[b]; row < bounds[b + 1]; ++row) {
+      const int64_t at = s.past + row - bounds[b];
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        float* key = s.keys + (h * s.capacity + at) * d;
+        float* value = s.values + (h * s.capacity + at) * d;
+        rope(kp + (row * kv_heads + h) * d, cp + row * d, sp + row * d, 1.0f, d, key);
+        for (int64_t i = 0; i < d; ++i) value[i] = bf16_to_float(vp[(row * kv_heads + h) * d + i]);
+      }
     }
   }
-  torch::Tensor out = torch::empty({n, heads * d}, q.options());
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  // the n x group queries of a key/value head (token-major) in near-equal chunks of at most 8,
-  // one work item each: a chunk reads each key once for all its queries
-  const int64_t queries_per_head = n * group, chunks = (queries_per_head + 7) / 8;
-  const int64_t grain = n * L * d * group < 65536 ? kv_heads * chunks : 1;
-  at::parallel_for(0, kv_heads * chunks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> queries(8 * d), scores(8 * L);
+  const int64_t items = first_item[B];
+  const int64_t grain = work < 65536 ? std::max<int64_t>(items, 1) : 1;
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> queries(8 * d), scores(8 * longest);
     int64_t visible[8];
     const float* masks[8];
     uint16_t* outs[8];
+    size_t b = 0;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t kvh = item / chunks, chunk = item % chunks;
-      const int64_t first = chunk * queries_per_head / chunks;
-      const int64_t count = (chunk + 1) * queries_per_head / chunks - first;
+      while (item >= first_item[b + 1]) ++b;
+      const SequenceCache& s = caches[b];
+      const int64_t n = bounds[b + 1] - bounds[b], L = s.past + n, per_head = n * group;
+      const int64_t kvh = (item - first_item[b]) / chunks[b];
+      const int64_t chunk = (item - first_item[b]) % chunks[b];
+      const int64_t first = chunk * per_head / chunks[b];
+      const int64_t count = (chunk + 1) * per_head / chunks[b] - first;
       for (int64_t c = 0; c < count; ++c) {
         const int64_t t = (first + c) / group, h = kvh * group + (first + c) % group;
-        rope(qp + (t * heads + h) * d, cp + t * d, sp + t * d, float(scale), d,
+        const int64_t row = bounds[b] + t;
+        rope(qp + (row * heads + h) * d, cp + row * d, sp + row * d, float(scale), d,
              queries.data() + c * d);
-        visible[c] = m ? L : past + t + 1;  // causal without a mask
-        masks[c] = m ? m + t * L : nullptr;
-        outs[c] = op + (t * heads + h) * d;
+        visible[c] = s.mask ? L : s.past + t + 1;  // causal without a mask
+        masks[c] = s.mask ? s.mask + t * L : nullptr;
+        outs[c] = op + (row * heads + h) * d;
       }
-      attend_chunk(queries.data(), count, visible, masks, K + kvh * capacity * d,
-                   V + kvh * capacity * d, d, scores.data(), L, outs);
+      attend_chunk(queries.data(), count, visible, masks, s.keys + kvh * s.capacity * d,
+                   s.values + kvh * s.capacity * d, d, scores.data(), L, outs);
     }
   });
   return out;

@@ -44,5 +44,22 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm_f32(torch::Tensor x,
 torch::Tensor rope_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos,
                              torch::Tensor sin, torch::Tensor keys, torch::Tensor values,
                              int64_t past, c10::optional<torch::Tensor> mask, double scale);
+// One sequence's cache of one layer, as rope_attention_rows takes it: keys and values
+// [Hkv, capacity, d] float32 (contiguous), the first `past` positions valid; `mask` its rows'
+// additive float32 mask [n, past + n] or nullptr (causal).
+struct SequenceCache {
+  float* keys;
+  float* values;
+  int64_t capacity, past;
+  const float* mask;
+};
+// rope_attention over several sequences' rows in one call (q, k, v, cos, sin: every sequence's
+// rows one after the other, sequence b's bounds[b]:bounds[b + 1]); each sequence's output the
+// same bits as its own call. The caches are the caller's to check.
+torch::Tensor rope_attention_rows(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                  torch::Tensor cos, torch::Tensor sin,
+                                  const std::vector<SequenceCache>& caches,
+                                  const std::vector<int64_t>& bounds, int64_t kv_heads,
+                                  double scale);
 torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up);
 torch::Tensor argmax_rows(torch::Tensor x);

@@ -106,24 +106,61 @@ class LeanLayers {
     TORCH_CHECK(!layers_.empty(), "LeanLayers: no layers");
   }
 
-  // x [n, D] the embedded rows, the residual stream (float32 when `wide`, else bfloat16); kv [layers, 2, Hkv, capacity, d] float32, its first `past`
-  // positions valid; cos, sin [n, d] float32; mask [n, past + n] additive float32 or none
-  // (causal). Writes the n new keys and values at past.. and returns (x, delta) after the last
-  // layer: its residual stream and its MLP's output, not yet added; and the residual stream
-  // entering each layer of `taps` (increasing indices; an EAGLE-3 head's hidden states).
+  // x [N, D] the embedded rows of every sequence, one after the other (sequence b's rows
+  // bounds[b]:bounds[b + 1]), the residual stream (float32 when `wide`, else bfloat16); kvs[b]
+  // sequence b's cache [layers, 2, Hkv, capacity, d] float32, its first pasts[b] positions
+  // valid; cos, sin [N, d] float32; masks[b] [n_b, past_b + n_b] additive float32 or none
+  // (causal). Writes each sequence's new keys and values after its past and returns (x, delta)
+  // after the last layer: its residual stream and its MLP's output, not yet added; and the
+  // residual stream entering each layer of `taps` (increasing indices; an EAGLE-3 head's hidden
+  // states). The projections run over all N rows at once; each sequence attends over its own
+  // cache (one parallel region for all of them), row for row the bits of its own forward.
   std::tuple<torch::Tensor, torch::Tensor, std::vector<torch::Tensor>> forward(
-      torch::Tensor x, const torch::Tensor& kv, int64_t past, const torch::Tensor& cos,
-      const torch::Tensor& sin, const c10::optional<torch::Tensor>& mask,
+      torch::Tensor x, const std::vector<torch::Tensor>& kvs, const std::vector<int64_t>& pasts,
+      const torch::Tensor& cos, const torch::Tensor& sin,
+      const std::vector<c10::optional<torch::Tensor>>& masks, const std::vector<int64_t>& bounds,
       const std::vector<int64_t>& taps) const {
-    TORCH_CHECK(kv.dim() == 5 && kv.size(0) == int64_t(layers_.size()),
+    const size_t B = kvs.size();
+    TORCH_CHECK(B > 0 && pasts.size() == B && masks.size() == B && bounds.size() == B + 1 &&
+                    bounds[0] == 0 && bounds[B] == x.size(0),
+                "LeanLayers: one cache, past and mask per sequence, bounds [0, ..., rows]");
+    std::vector<SequenceCache> caches(B);
+    const torch::Tensor& first = kvs[0];
+    TORCH_CHECK(first.dim() == 5 && first.size(0) == int64_t(layers_.size()) &&
+                    first.size(1) == 2 && first.size(4) == cos.size(-1),
                 "LeanLayers: kv [layers, 2, Hkv, capacity, d] expected");
+    const int64_t kv_heads = first.size(2), d = first.size(4);
+    for (size_t b = 0; b < B; ++b) {
+      const torch::Tensor& kv = kvs[b];
+      TORCH_CHECK(kv.dim() == 5 && kv.size(0) == first.size(0) && kv.size(1) == 2 &&
+                      kv.size(2) == kv_heads && kv.size(4) == d && kv.is_contiguous() &&
+                      kv.scalar_type() == torch::kFloat32,
+                  "LeanLayers: each kv [layers, 2, Hkv, capacity, d] float32, contiguous");
+      const int64_t n = bounds[b + 1] - bounds[b];
+      TORCH_CHECK(n >= 0 && pasts[b] >= 0 && pasts[b] + n <= kv.size(3),
+                  "LeanLayers: a cache has no room for its new rows");
+      const float* m = nullptr;
+      if (masks[b].has_value()) {
+        const torch::Tensor& mask = *masks[b];
+        TORCH_CHECK(mask.scalar_type() == torch::kFloat32 && mask.is_contiguous() &&
+                        mask.dim() == 2 && mask.size(0) == n && mask.size(1) == pasts[b] + n,
+                    "LeanLayers: a mask [n, past + n] float32");
+        m = mask.data_ptr<float>();
+      }
+      caches[b] = {kv.data_ptr<float>(), nullptr, kv.size(3), pasts[b], m};
+    }
     const auto add_norm = wide_ ? add_rms_norm_f32 : add_rms_norm;
     c10::optional<torch::Tensor> delta;  // the last block's output, added to x by the next norm
     std::vector<torch::Tensor> tapped;
     size_t next_tap = 0;
+    std::vector<SequenceCache> layer_caches(caches);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const LeanLayer& layer = layers_[i];
-      const torch::Tensor cache = kv.select(0, int64_t(i));  // [2, Hkv, capacity, d]
+      for (size_t b = 0; b < B; ++b) {  // this layer's keys, then values: [Hkv, capacity, d]
+        const int64_t plane = kv_heads * caches[b].capacity * d;
+        layer_caches[b].keys = caches[b].keys + int64_t(i) * 2 * plane;
+        layer_caches[b].values = layer_caches[b].keys + plane;
+      }
       torch::Tensor h;
       std::tie(x, h) = add_norm(x, delta, layer.input_norm, layer.input_eps);
       if (next_tap < taps.size() && taps[next_tap] == int64_t(i)) {
@@ -131,9 +168,8 @@ class LeanLayers {
         ++next_tap;
       }
       const auto qkv = apply_all({&layer.q, &layer.k, &layer.v}, h);
-      const torch::Tensor out = rope_attention(qkv[0], qkv[1], qkv[2], cos, sin,
-                                               cache.select(0, 0), cache.select(0, 1), past,
-                                               mask, scale_);
+      const torch::Tensor out = rope_attention_rows(qkv[0], qkv[1], qkv[2], cos, sin,
+                                                    layer_caches, bounds, kv_heads, scale_);
       std::tie(x, h) = add_norm(x, layer.o(out), layer.post_norm, layer.post_eps);
       const auto gate_up = apply_all({&layer.gate, &layer.up}, h);
       delta = layer.down(silu_mul(gate_up[0], gate_up[1]));
@@ -170,8 +206,8 @@ void bind_lean_layers(pybind11::module& m) {
   py::class_<LeanLayers>(m, "LeanLayers", "a model's decoder layers, run in one call")
       .def(py::init<std::vector<LeanLayer>, double, bool>(), py::arg("layers"),
            py::arg("scale"), py::arg("wide"))
-      .def("forward", &LeanLayers::forward, py::arg("x"), py::arg("kv"),
-           py::arg("past"), py::arg("cos"), py::arg("sin"), py::arg("mask"),
+      .def("forward", &LeanLayers::forward, py::arg("x"), py::arg("kvs"), py::arg("pasts"),
+           py::arg("cos"), py::arg("sin"), py::arg("masks"), py::arg("bounds"),
            py::arg("taps") = std::vector<int64_t>{})
       .def("__len__", &LeanLayers::size);
   m.def(

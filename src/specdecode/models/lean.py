@@ -458,9 +458,9 @@ class LeanCache(Cache):
         entering each tapped layer goes to `tapped` (cache.keep_features)."""
         inner = sorted({i for i in self._taps if i < len(self.layers)})
         native = fused is not None and self._native is not None and NATIVE_LOOP
-        if native and len(caches) == 1:
+        if native:  # every sequence's rows in one call, each attending over its own cache
             x, delta, states = self._native.forward(
-                x, self.kv, pasts[0], cos, sin, row_masks[0], inner
+                x, [c.kv for c in caches], pasts, cos, sin, row_masks, bounds, inner
             )
             tapped.update(zip(inner, states, strict=True))
             return x, delta
