@@ -124,7 +124,10 @@ class LeanLayers {
     TORCH_CHECK(B > 0 && pasts.size() == B && masks.size() == B && bounds.size() == B + 1 &&
                     bounds[0] == 0 && bounds[B] == x.size(0),
                 "LeanLayers: one cache, past and mask per sequence, bounds [0, ..., rows]");
+    // each sequence's cache as rope_attention_rows takes it, its keys and values pointed at
+    // layer i's in the loop (kv holds layer after layer, each keys then values)
     std::vector<SequenceCache> caches(B);
+    std::vector<float*> bases(B);
     const torch::Tensor& first = kvs[0];
     TORCH_CHECK(first.dim() == 5 && first.size(0) == int64_t(layers_.size()) &&
                     first.size(1) == 2 && first.size(4) == cos.size(-1),
@@ -147,19 +150,19 @@ class LeanLayers {
                     "LeanLayers: a mask [n, past + n] float32");
         m = mask.data_ptr<float>();
       }
-      caches[b] = {kv.data_ptr<float>(), nullptr, kv.size(3), pasts[b], m};
+      bases[b] = kv.data_ptr<float>();
+      caches[b] = {nullptr, nullptr, kv.size(3), pasts[b], m};
     }
     const auto add_norm = wide_ ? add_rms_norm_f32 : add_rms_norm;
     c10::optional<torch::Tensor> delta;  // the last block's output, added to x by the next norm
     std::vector<torch::Tensor> tapped;
     size_t next_tap = 0;
-    std::vector<SequenceCache> layer_caches(caches);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const LeanLayer& layer = layers_[i];
       for (size_t b = 0; b < B; ++b) {  // this layer's keys, then values: [Hkv, capacity, d]
         const int64_t plane = kv_heads * caches[b].capacity * d;
-        layer_caches[b].keys = caches[b].keys + int64_t(i) * 2 * plane;
-        layer_caches[b].values = layer_caches[b].keys + plane;
+        caches[b].keys = bases[b] + int64_t(i) * 2 * plane;
+        caches[b].values = caches[b].keys + plane;
       }
       torch::Tensor h;
       std::tie(x, h) = add_norm(x, delta, layer.input_norm, layer.input_eps);
@@ -168,8 +171,8 @@ class LeanLayers {
         ++next_tap;
       }
       const auto qkv = apply_all({&layer.q, &layer.k, &layer.v}, h);
-      const torch::Tensor out = rope_attention_rows(qkv[0], qkv[1], qkv[2], cos, sin,
-                                                    layer_caches, bounds, kv_heads, scale_);
+      const torch::Tensor out = rope_attention_rows(qkv[0], qkv[1], qkv[2], cos, sin, caches,
+                                                    bounds, kv_heads, scale_);
       std::tie(x, h) = add_norm(x, layer.o(out), layer.post_norm, layer.post_eps);
       const auto gate_up = apply_all({&layer.gate, &layer.up}, h);
       delta = layer.down(silu_mul(gate_up[0], gate_up[1]));
