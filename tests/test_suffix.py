@@ -364,103 +364,6 @@ def test_the_hybrid_times_the_model_by_its_chains_not_by_one_forward_or_a_catch_
     assert hybrid._draft_cost() == pytest.approx(100.0)  # 1 s against the target's 10 ms
 
 
-def _always_joined(hybrid):
-    """The hybrid with every step that drafts the model joined to the suffix's tree (where it
-    proposes any): what the cost estimate chooses where v is flat, forced on tiny models."""
-    hybrid.joined_rate = lambda proposal, k: (len(proposal.gains), float("inf"), 1.0)
-    return hybrid
-
-
-def test_joined_trees_are_lossless_greedy_alone_and_in_a_batch():
-    target = wrap_model(tiny_llama(seed=0, layers=4))
-    ar = SpeculativeDecoder(target)
-    hybrid = _always_joined(_hybrid(target, min_prob=0.0))
-    hybrid.prior_cost = 0.01
-    engine = SpeculativeDecoder(target, hybrid, k=3, k_policy="cost")
-    prompts = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], list(range(40, 60)) * 2, [5, 6, 5, 6, 5]]
-    for prompt in prompts:
-        assert (
-            engine.generate(prompt, max_new_tokens=40).token_ids
-            == ar.generate(prompt, max_new_tokens=40).token_ids
-        )
-    assert hybrid.chosen["joined"] > 10, hybrid.chosen
-    batch = engine.generate_batch(prompts, max_new_tokens=30)
-    assert [r.token_ids for r in batch] == [
-        ar.generate(p, max_new_tokens=30).token_ids for p in prompts
-    ]
-
-
-def _proposal(tokens, parents, gains):
-    from specdecode.drafters.suffix import SuffixProposal
-
-    return SuffixProposal(tokens, parents, gains, length=3)
-
-
-def test_a_joined_tree_holds_a_token_the_chain_drafted_once_and_credits_each_part():
-    target = wrap_model(tiny_llama(seed=0, layers=4))
-    hybrid = _hybrid(target)
-    hybrid.begin([1, 2, 3], SamplingParams(), None, ForwardMeter())
-    chain = hybrid._model_tree([1, 2, 3], 3)
-    a, b, c = chain.tokens.tolist()
-    other = (a + 1) % 50
-    # the suffix proposes a -> b (the chain's first two tokens) -> 7, and `other` at the root
-    proposal = _proposal([a, other, b, 7], [-1, -1, 0, 2], [0.9, 0.5, 0.8, 0.6])
-    tree = hybrid._joined_tree(chain, proposal, 4, extra=1.0)
-    assert tree.tokens.tolist() == [a, b, c, other, 7]
-    assert tree.parents.tolist() == [-1, 0, 1, -1, 1]
-    # the target keeps a, b, then 7 (the suffix's): the chain kept 2, the suffix added one
-    hybrid.observe_path([0, 1, 4])
-    assert hybrid.row_acceptance.n[:3] == [1, 1, 1] and hybrid.row_acceptance.mean[2] == 0.0
-    assert len(hybrid.drafter.cache) == 3 + 2  # the context and the chain's two kept tokens
-    assert hybrid.join.added == 1 and hybrid.join.estimated == 1.0
-    assert hybrid.suffix.calibration.kept[1] == 3  # the suffix's tree walked a, b, 7
-
-
-def test_a_sampled_joined_tree_keeps_the_chains_draws_and_adds_fixed_candidates():
-    target = wrap_model(tiny_llama(seed=0, layers=4))
-    hybrid = _hybrid(target)
-    params = SamplingParams(temperature=1.0)
-    hybrid.begin([1, 2, 3], params, torch.Generator().manual_seed(0), ForwardMeter())
-    chain = hybrid._model_tree([1, 2, 3], 2)
-    a = chain.tokens.tolist()[0]
-    tree = hybrid._joined_tree(chain, _proposal([a, 9], [-1, 0], [0.9, 0.5]), 2, extra=0.5)
-    assert tree.tokens.tolist()[2:] == [a, 9] and tree.parents.tolist() == [-1, 0, -1, 2]
-    q = tree.q_draft
-    assert q.shape[0] == 4 and torch.equal(q[:2, : chain.q_draft.shape[-1]], chain.q_draft)
-    assert q[2, a] == 1 and q[3, 9] == 1 and q[2:].sum() == 2
-
-
-def test_joining_pays_where_verification_is_flat_and_not_where_it_is_steep():
-    target = wrap_model(tiny_llama(seed=0, layers=4))
-    proposal = _proposal([5, 6, 7, 8], [-1, 0, 1, -1], [0.6, 0.5, 0.4, 0.2])
-    rates = {}
-    for name, slope in (("flat", 0.002), ("steep", 0.5)):
-        policy = CostK(4)
-        for rows in (1, 5, 9):  # T(rows) = 10 ms (1 + slope (rows - 1))
-            policy.observe_step([(0, 0)], None, 0.010 * (1 + slope * (rows - 1)), rows)
-        hybrid = _hybrid(target)
-        hybrid.share_costs(policy)
-        hybrid.begin([1, 2, 3], SamplingParams(), None, ForwardMeter())
-        k, model_rate = hybrid.model_rate(4)
-        n, rate, extra = hybrid.joined_rate(proposal, k)
-        rates[name] = (n, rate / model_rate, extra)
-    assert rates["flat"][0] == 4 and rates["flat"][1] > 1.05
-    assert rates["steep"][1] < 1.0  # joined, every node costs more than it adds
-    # the join factor learnt from joined steps scales what the nodes are expected to add
-    hybrid.join.add(0, 40.0)
-    assert hybrid.joined_rate(proposal, k)[1] < rate
-
-
-def test_join_off_never_joins():
-    target = wrap_model(tiny_llama(seed=0, layers=4))
-    hybrid = _hybrid(target, join=False)
-    hybrid.prior_cost = 0.01
-    hybrid.joined_rate = lambda proposal, k: pytest.fail("join=off must not price a joined tree")
-    engine = SpeculativeDecoder(target, hybrid, k=3, k_policy="cost")
-    engine.generate([1, 2, 3, 4, 1, 2, 3, 4, 1, 2], max_new_tokens=30)
-    assert hybrid.chosen["joined"] == 0 and hybrid.chosen["model"] > 0
-
-
 def _chain_drafter():
     """A fresh chain drafter over the draft model `_hybrid` builds."""
     from specdecode.drafters import ModelDrafter
@@ -488,10 +391,7 @@ def test_suffix_and_hybrid_sampling_keep_the_target_distribution():
     hybrid = hybrid_drafter(tiny_llama(seed=4, vocab=vocab, layers=1), target)
     hybrid.suffix.pool = None
     hybrid.prior_cost = 0.01  # the model's chain pays: both parts draft
-    joined = _always_joined(hybrid_drafter(tiny_llama(seed=4, vocab=vocab, layers=1), target))
-    joined.suffix.pool = None
-    joined.prior_cost = 0.01
-    for drafter in (suffix, hybrid, joined):
+    for drafter in (suffix, hybrid):
         engine = SpeculativeDecoder(target, drafter, k=3, k_policy="fixed")
         counts = torch.zeros(vocab * vocab)
         drafted = 0
@@ -501,7 +401,7 @@ def test_suffix_and_hybrid_sampling_keep_the_target_distribution():
             drafted += result.stats.drafted > 0
         assert drafted > 2500  # the first step drafted, nearly always
         assert chi_square(counts, exact) < chi_square_limit(vocab * vocab)
-    assert hybrid.chosen["model"] > 0 and joined.chosen["joined"] > 2500
+    assert hybrid.chosen["model"] > 0
 
 
 def test_spec_strings_and_refusals():
@@ -512,16 +412,12 @@ def test_spec_strings_and_refusals():
     hybrid = DraftSpec.parse("some/model:int4+suffix:nodes=8")
     assert hybrid.kind == "hybrid" and str(hybrid.model) == "some/model:int4"
     assert hybrid.suffix.nodes == 8 and DraftSpec.parse(str(hybrid)) == hybrid
-    apart = DraftSpec.parse("some/model+suffix:join=off")
-    assert apart.suffix.join is False and str(apart) == "some/model+suffix:join=off"
     assert resolve_draft("suffix:pool=off", None).pool is None
     for bad, why in [
         ("suffix:", "suffix or suffix:KEY=VALUE"),
         ("suffix:depth=0", "depth and nodes need >= 1"),
         ("suffix:deep=3", "bad suffix option 'deep=3'"),
         ("suffix:pool=maybe", "pool"),
-        ("suffix:join=off", "MODEL\\+suffix only"),
-        ("m+suffix:join=yes", "join"),
         ("suffix:factor=nan", "factor"),
         ("ngram+suffix", "a hybrid drafts with a model"),
         ("+suffix", "MODEL\\+suffix"),

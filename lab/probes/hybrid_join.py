@@ -3,7 +3,7 @@
     python lab/probes/hybrid_join.py --categories summarization,code_editing,extraction_rag \
         --per-category 2 --prior-join 1.0
 
-Needs the code of the joined-tree commit (c4ff521; reverted after measuring). One engine with
+Needs the code of the joined-tree commit (2f72e2d; reverted after measuring). One engine with
 `MODEL+suffix` and one with `MODEL+suffix:join=off` over the bfloat16 target, greedy chat
 prompts in turn, the suffix pool emptied before each generation (as `bench` does). Prints each
 prompt's decode rate and steps per way for both, every joined step's estimates (n, rates, the

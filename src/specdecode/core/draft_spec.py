@@ -115,9 +115,7 @@ class SuffixOptions:
     `depth` (deepest tree level), `nodes` (most nodes per tree), `factor` (nodes per matched
     token: a short match drafts a small tree), `min-prob` (the least share of the votes a node
     needs), `pool` (`on`: earlier outputs are drafted from too; `off`: this request only) and
-    `pool-tokens` (the pool's size; the oldest outputs are evicted first); in a hybrid
-    (`MODEL+suffix`), `join` (`on`: a step may verify the model's chain and the suffix tree as
-    one tree, where the measured costs say that pays; `off`: one or the other)."""
+    `pool-tokens` (the pool's size; the oldest outputs are evicted first)."""
 
     depth: int = 16
     nodes: int = 32
@@ -125,7 +123,6 @@ class SuffixOptions:
     min_prob: float = 0.1
     pool: bool = True
     pool_tokens: int = 65536
-    join: bool = True
 
     def __post_init__(self) -> None:
         problem = _suffix_problem(self)
@@ -158,17 +155,17 @@ class SuffixOptions:
         return cls(**values)  # type: ignore[arg-type]
 
 
-_SUFFIX_KEYS = ("depth", "nodes", "factor", "min-prob", "pool", "pool-tokens", "join")
+_SUFFIX_KEYS = ("depth", "nodes", "factor", "min-prob", "pool", "pool-tokens")
 SUFFIX_FORMS = (
     "suffix or suffix:KEY=VALUE,... with keys depth, nodes, pool-tokens (integers >= 1; "
-    "pool-tokens >= 0), factor (> 0), min-prob (0 to 1), pool (on or off) and, in "
-    "MODEL+suffix only, join (on or off), e.g. suffix:depth=8,pool=off"
+    "pool-tokens >= 0), factor (> 0), min-prob (0 to 1), pool (on or off), e.g. "
+    "suffix:depth=8,pool=off"
 )
 
 
 def _suffix_value(key: str, value: str, text: str) -> int | float | bool:
     try:
-        if key in ("pool", "join"):
+        if key == "pool":
             if value not in ("on", "off"):
                 raise ValueError(value)
             return value == "on"
@@ -228,10 +225,6 @@ class DraftSpec:
         problem = _number_problem(self.ngram, self.depth)
         if problem:
             raise _bad_draft(str(self), problem)
-        if self.kind == "suffix" and not self.suffix.join:  # type: ignore[union-attr]
-            raise _bad_draft(
-                str(self), "join= joins a model's chain to the tree: MODEL+suffix only"
-            )
 
     @property
     def distilled_dir(self) -> str | None:

@@ -1,5 +1,5 @@
-"""Hybrid drafting (`MODEL+suffix`): each step, for each row, the suffix tree, the model's
-chain, the two joined in one tree, or neither: whichever promises more tokens per unit of time.
+"""Hybrid drafting (`MODEL+suffix`): each step, for each row, the suffix tree or the model's
+chain, whichever promises more tokens per unit of time, or neither.
 
 The choice is measured, not guessed: the suffix tree's promise is its nodes' calibrated
 acceptance (drafters/suffix.py) over the verification cost v(n) of its nodes; the model's is the
@@ -7,14 +7,6 @@ expected accepted tokens of a chain of k (its acceptance per position, learnt fr
 drafted) over k·c + v(k + 1), with c the model's own forward time (timed here) over the target's
 single-row forward and v measured by the batch's cost policy (`policies.verify_cost`; priors
 until measured). A step where neither beats one plain target forward drafts nothing.
-
-Joined (`join=on`, the default): the model's chain and the suffix proposal's likeliest nodes in
-one tree, where the target's forward over more rows costs little more than over the chain's
-(a bfloat16 target's v stays near 1 for a dozen rows): the step keeps the longer of the two
-paths. A suffix node adds its gain where the chain misses at its depth, gain x (1 - the chain's
-reach there), times a factor learnt from the joined steps verified (the tokens the suffix's
-nodes added against those estimated: the two parts often agree, and the tree then holds the
-same token twice in the estimate and once in the tree).
 
 The model's draft cache sits still while the suffix drafts: its next chain first feeds the tokens
 committed since, in one forward (`ModelDrafter.propose`'s catch-up), so sitting out costs
@@ -30,14 +22,13 @@ from collections import deque
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from specdecode.core.policies import TRUSTED_SAMPLES, CostK, verify_cost
 from specdecode.core.sampling import SamplingParams
 from specdecode.core.tree import TokenTree, TreeDrafter
 from specdecode.core.types import ForwardMeter
 from specdecode.drafters.model import ModelDrafter
-from specdecode.drafters.suffix import SuffixDrafter, SuffixProposal
+from specdecode.drafters.suffix import SuffixDrafter
 
 PRIOR_ACCEPTANCE = 0.6  # a model chain's acceptance per position before any is measured
 PRIOR_WEIGHT = 2.0  # in steps: how soon measured acceptance outweighs the prior
@@ -53,12 +44,6 @@ EXPLORE_UNSURE = 8
 # drafted keeps the estimate of its few samples (one rejection can hold a row at k = 1), as the
 # cost policy explores a neighbouring k (`policies.CostK`)
 EXPLORE_DEEPER = 8
-# a joined tree's suffix nodes: the share of their estimated extra tokens the target keeps,
-# before any joined step is verified (below 1: where the chain and the suffix agree, a token is
-# counted in both parts' estimates), and how many estimated tokens outweigh that prior
-PRIOR_JOIN = 0.75
-JOIN_WEIGHT = 4.0
-JOIN_MEMORY = 256.0  # estimated tokens after which old evidence fades
 _METER_FIELDS = ("seconds", "calls", "tokens")  # what a chain's draft forwards add to the meter
 
 
@@ -94,24 +79,6 @@ class _Acceptance:
         return out
 
 
-class _JoinFactor:
-    """What a joined tree's suffix nodes added (tokens past the model chain's kept ones) over
-    what they were estimated to add, every row's, old evidence fading, shrunk towards
-    PRIOR_JOIN."""
-
-    def __init__(self) -> None:
-        self.added = 0.0
-        self.estimated = 0.0
-
-    def add(self, added: int, estimated: float) -> None:
-        fade = max(0.0, 1.0 - estimated / JOIN_MEMORY)
-        self.added = self.added * fade + added
-        self.estimated = self.estimated * fade + estimated
-
-    def value(self) -> float:
-        return (self.added + JOIN_WEIGHT * PRIOR_JOIN) / (self.estimated + JOIN_WEIGHT)
-
-
 class HybridDrafter(TreeDrafter):
     """`model` (a chain drafter) and `suffix` drafting in turns, chosen per step and row (the
     module docstring). `k_max`: the longest chain the model drafts (the batch's policy's
@@ -138,13 +105,8 @@ class HybridDrafter(TreeDrafter):
         self.row_prior: float | None = None  # the pair's first-position estimate as the row began
         # the model's seconds per drafted depth, recent ones (shared by the rows)
         self.draft_seconds: deque[float] = deque(maxlen=MEMORY)
-        self.join = _JoinFactor()  # every row's (shared by the forks)
-        # steps each way, every row ("joined": the model's chain and suffix nodes in one tree)
-        self.chosen = {"suffix": 0, "model": 0, "joined": 0, "none": 0}
+        self.chosen = {"suffix": 0, "model": 0, "none": 0}  # steps each way, every row
         self._used: tuple[str, int] | None = None
-        # a joined step's: the tree's tokens, the suffix nodes' children per suffix node
-        # (-1: the root) and their estimated extra tokens (before the join factor)
-        self._joined: tuple[list[int], dict[int, dict[int, int]], float] | None = None
 
     def __copy__(self) -> HybridDrafter:
         # a row's own model cache and suffix index; the learnt estimates stay shared
@@ -200,46 +162,18 @@ class HybridDrafter(TreeDrafter):
         first = self.acceptance.estimate()[0] if self.row_prior is None else self.row_prior
         return self.row_acceptance.estimate(first)
 
-    def reach(self, limit: int) -> list[float]:
-        """P(the model chain's first d tokens are all kept), d = 1..limit, on this row."""
-        out, reach = [], 1.0
-        for a in self.row_estimate()[:limit]:
-            reach *= a
-            out.append(reach)
-        return out
-
     def model_rate(self, limit: int) -> tuple[int, float]:
         """(k, rate): the model chain's best length up to `limit` and its expected tokens per
         single-row target time."""
         c = self._draft_cost()
-        best, best_rate, emitted = 0, 0.0, 1.0
-        for k, reach in enumerate(self.reach(limit), start=1):
+        best, best_rate, emitted, reach = 0, 0.0, 1.0, 1.0
+        for k, a in enumerate(self.row_estimate()[:limit], start=1):
+            reach *= a
             emitted += reach
             rate = emitted / (k * c + verify_cost(self.costs, k + 1))
             if rate > best_rate:
                 best, best_rate = k, rate
         return best, best_rate
-
-    def joined_rate(self, proposal: SuffixProposal, k: int) -> tuple[int, float, float]:
-        """(n, rate, extra): how many of the proposal's nodes to join to the model's chain of
-        k, the joined tree's expected tokens per single-row target time, and the tokens those
-        nodes are estimated to add (before the join factor); n = 0 where none adds any. A node
-        adds its gain where the chain misses at its depth (the gains at one depth capped at
-        1); the tree is priced at every node apart (a node the chain drafted too is one)."""
-        reach = self.reach(k)
-        emitted, spent = 1.0 + sum(reach), k * self._draft_cost()
-        factor = self.join.value()
-        best, best_rate, best_extra = 0, 0.0, 0.0
-        held = [0.0] * (len(proposal.gains) + 1)  # the gains counted at each depth
-        extra = 0.0
-        for n, (gain, depth) in enumerate(zip(proposal.gains, proposal.depths(), strict=True), 1):
-            gain = min(gain, 1.0 - held[depth])
-            held[depth] += gain
-            extra += gain * (1.0 - (reach[depth - 1] if depth <= len(reach) else 0.0))
-            rate = (emitted + factor * extra) / (spent + verify_cost(self.costs, k + n + 1))
-            if rate > best_rate:
-                best, best_rate, best_extra = n, rate, extra
-        return best, best_rate, best_extra
 
     def propose_tree(self, context: list[int], max_depth: int) -> TokenTree:
         proposal = self.suffix.suggest(context, max_depth)
@@ -248,23 +182,17 @@ class HybridDrafter(TreeDrafter):
         plain = 1.0 / verify_cost(self.costs, 1)
         self._since_model += 1
         unsure = self.row_acceptance.n[0] < TRUSTED_SAMPLES
-        joined, joined_rate, extra = 0, 0.0, 0.0
         if self._since_model >= (EXPLORE_UNSURE if unsure else EXPLORE_EVERY):  # measure again
             k, model_rate = max(k, 1), float("inf")
-        elif k and proposal.gains and self.suffix.options.join:
-            joined, joined_rate, extra = self.joined_rate(proposal, k)
-        if n and suffix_rate >= max(model_rate, joined_rate) and suffix_rate > plain:
+        if n and suffix_rate >= model_rate and suffix_rate > plain:
             self._count("suffix")
             return self.suffix.take(proposal, n)
-        if k and max(model_rate, joined_rate) > plain:
+        if k and model_rate > plain:
+            self._count("model")
             self._model_chains += 1
             if self._model_chains % EXPLORE_DEEPER == 0:
                 k = min(k + 1, self.k_max, max_depth)
-            chain = self._model_tree(context, k)
-            if joined and joined_rate > model_rate:
-                return self._joined_tree(chain, proposal, joined, extra)
-            self.chosen["model"] += 1
-            return chain
+            return self._model_tree(context, k)
         self._count("none")
         return self.suffix.take(proposal, 0)
 
@@ -289,77 +217,13 @@ class HybridDrafter(TreeDrafter):
         parents = torch.arange(-1, drafted - 1, dtype=torch.long)  # a chain: each below the last
         return TokenTree(draft.tokens, parents, q_draft=draft.q_draft)
 
-    def _joined_tree(
-        self, chain: TokenTree, proposal: SuffixProposal, n: int, extra: float
-    ) -> TokenTree:
-        """The model's chain (nodes 0..m-1) and the proposal's first n nodes in one tree.
-        Greedy, a suffix node whose token the chain drafted at the same place is that node;
-        sampled, every suffix node is a node of its own after the chain's (one-hot q): the
-        chain's token, drawn from the model's q, must be tried as drawn, and a suffix node, a
-        fixed token, is a further candidate (verify_tree.multi_candidate_step), so the tree
-        never merges two draws."""
-        self.chosen["joined"] += 1
-        self._used = ("joined", len(chain))
-        tokens, parents = chain.tokens.tolist(), chain.parents.tolist()
-        m, merge = len(tokens), chain.q_draft is None
-        node_of: dict[int, int] = {}  # suffix node -> its node in the tree
-        children: dict[int, dict[int, int]] = {}  # suffix node (-1: root) -> token -> child
-        for i, (token, parent) in enumerate(
-            zip(proposal.tokens[:n], proposal.parents[:n], strict=True)
-        ):
-            children.setdefault(parent, {})[token] = i
-            up = node_of[parent] if parent >= 0 else -1
-            if merge and up < m - 1 and tokens[up + 1] == token:  # the chain's next node
-                node_of[i] = up + 1
-            else:
-                node_of[i] = len(tokens)
-                tokens.append(token)
-                parents.append(up)
-        self.suffix.take(proposal, n)  # what the suffix's observe_path reads
-        self._joined = (tokens, children, extra)
-        device = chain.tokens.device
-        q = chain.q_draft
-        if q is not None and len(tokens) > m:
-            fixed = torch.tensor(tokens[m:], dtype=torch.long, device=q.device)
-            width = max(q.shape[-1], int(fixed.max()) + 1)  # [.., V]: a token past the draft's
-            q = torch.cat([F.pad(q, (0, width - q.shape[-1])), F.one_hot(fixed, width).to(q)])
-        return TokenTree(
-            torch.tensor(tokens, dtype=torch.long, device=device),
-            torch.tensor(parents, dtype=torch.long, device=device),
-            q_draft=q,
-        )
-
     def observe_path(self, path: list[int]) -> None:
         way, drafted = self._used or ("none", 0)
-        if way in ("model", "joined"):
-            kept = len(path)  # a chain's: its nodes are 0..drafted-1
-            if way == "joined":
-                kept = self._observe_joined(path, drafted)
+        if way == "model":
             self._since_model = 0
-            self.acceptance.add(drafted, kept)
-            self.row_acceptance.add(drafted, kept)
-            self.drafter.observe(kept)
+            self.acceptance.add(drafted, len(path))
+            self.row_acceptance.add(drafted, len(path))
+            self.drafter.observe(len(path))
         else:
             self.suffix.observe_path(path)
         self._used = None
-
-    def _observe_joined(self, path: list[int], drafted: int) -> int:
-        """A joined step's verdict for each part: how far the committed tokens follow the
-        chain (returned: its kept tokens) and the suffix's tree (its calibration), and what
-        the suffix's nodes added past the chain (the join factor)."""
-        assert self._joined is not None
-        tokens, children, extra = self._joined
-        committed = [tokens[node] for node in path]
-        kept = 0  # the chain is nodes 0..drafted-1, one below the other
-        while kept < min(len(committed), drafted) and tokens[kept] == committed[kept]:
-            kept += 1
-        walk, node = [], -1  # the same tokens down the suffix's tree
-        for token in committed:
-            node = children.get(node, {}).get(token, -1)
-            if node < 0:
-                break
-            walk.append(node)
-        self.suffix.observe_path(walk)
-        self.join.add(len(path) - kept, extra)
-        self._joined = None
-        return kept

@@ -210,13 +210,6 @@ class SuffixProposal:
     gains: list[float]  # each node's estimated acceptance, non-increasing
     length: int
 
-    def depths(self) -> list[int]:
-        """Each node's depth below the root (1 for the root's children)."""
-        out: list[int] = []
-        for parent in self.parents:
-            out.append(1 if parent < 0 else out[parent] + 1)
-        return out
-
     def best_size(self, costs: object) -> tuple[int, float]:
         """(n, rate): how many nodes to keep for the most expected tokens per verification
         time, (1 + sum of the first n gains) / v(n + 1 rows); n = 0 when no tree pays."""
