@@ -17,6 +17,8 @@ from specdecode.cli import main
 from specdecode.core import metrics
 from specdecode.models.loading import LoadedModel
 
+from conftest import load_benchmark
+
 RECORD_FIELDS = {
     "prompt_id",
     "category",
@@ -472,3 +474,20 @@ def test_identity_is_not_judged_between_different_conversations():
     assert done[same].first_divergence["position"] == 1
     assert done[same].first_divergence["top2_margin"] >= 0
     assert done[other].identical_to_ar is None and done[other].first_divergence is None
+
+
+@pytest.mark.parametrize("batch", [0, 3])
+def test_the_suffix_pool_benchmark_runs_one_by_one_and_batched(tiny_folders, tmp_path, batch):
+    pool_bench = load_benchmark("suffix_pool")
+    target = tmp_path / "target"  # the task's records are about 300 characters: a longer context
+    shutil.copytree(tiny_folders / "target", target)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+    args = ["--target", str(target), "--requests", "6", "--batch", str(batch)]
+    assert pool_bench.main([*args, "--max-new-tokens", "12", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "pool.json").read_text())
+    assert [row["request"] for row in record["rows"]] == list(range(6))
+    for row in record["rows"]:  # every output the target's own, with the pool or without
+        assert row["pool"]["identical"] and row["alone"]["identical"]
+    assert record["pool"]["outputs"] == 6 and bool(record["jobs"]) == bool(batch)
+    assert "(last)" in (tmp_path / "pool.md").read_text()
