@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from specdecode import SpeculativeDecoder
+from specdecode.core import batch as batch_module
 from specdecode.core.draft_spec import DraftSpec, SuffixOptions
-from specdecode.core.policies import CostK, FixedK, verify_cost
+from specdecode.core.policies import CostK, FixedK, size_trees, verify_cost
 from specdecode.core.sampling import SamplingParams
 from specdecode.core.types import ForwardMeter
 from specdecode.drafters import (
@@ -101,6 +102,51 @@ def test_the_tree_is_sized_by_its_verification_cost():
     steep, rate = proposal.best_size(CostK(4, verify_slope=0.85))
     assert steep == 4 and rate == pytest.approx((1 + 4 * 0.9) / (1 + 4 * 0.85))
     assert proposal.best_size(CostK(4, verify_slope=1.5))[0] == 0  # no tree pays
+
+
+def test_a_batch_sizes_its_trees_together_against_its_whole_forward():
+    # T(rows): 10 ms for 1, 11 for 2, 20 for 8, 30 for 9: a row's second verified token is
+    # cheap alone, a ninth row in a batch of 8 is dear
+    policy = CostK(4)
+    for rows, seconds in ((1, 0.010), (2, 0.011), (8, 0.020), (9, 0.030)):
+        policy.observe_step([(0, 0)], None, seconds, rows)
+    assert size_trees([[0.6]], 1, 1.0, policy)[0] == [1]  # alone: 1.6 / 1.1 > 1 / 1
+    assert size_trees([[0.6]] + [[]] * 7, 8, 8.0, policy)[0] == [0] * 8  # 8.6 / 3 < 8 / 2
+    # the likeliest nodes of any tree first, each tree keeping a prefix of its order
+    counts, rate = size_trees([[0.9, 0.2], [0.7, 0.6]], 2, 2.0, None)  # v: 5% a row
+    assert counts == [2, 2] and rate == pytest.approx(4.4 / 1.25)
+    steep = CostK(4, verify_slope=0.25)  # 4.2 tokens / v(5) = 2.1, then 4.4 / v(6) = 1.96
+    assert size_trees([[0.9, 0.2], [0.7, 0.6]], 2, 2.0, steep)[0] == [1, 2]
+    # one tree alone on one row: the suffix drafter's own sizing
+    proposal = _suggest([1, 2, 3, 0] * 10 + [1, 2, 4, 0] + [1, 2], rho=1.0)
+    for costs in (None, CostK(4, verify_slope=0.85)):
+        n, rate = proposal.best_size(costs)
+        assert size_trees([proposal.gains], 1, 1.0, costs) == ([n], rate)
+
+
+def test_in_a_batch_suffix_rows_draft_only_what_pays_beside_the_other_rows():
+    target = wrap_model(tiny_llama(seed=0, layers=4))
+    ar = SpeculativeDecoder(target)
+    engine = SpeculativeDecoder(target, SuffixDrafter(SuffixOptions(pool=False)))
+    sized = []
+    size = batch_module.size_trees
+
+    def spy(gains, rows, tokens, policy):  # what each step's sizing saw and chose
+        counts, rate = size(gains, rows, tokens, policy)
+        sized.append((len(gains), rows, counts))
+        return counts, rate
+
+    prompts = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [7, 8, 9] * 5, list(range(40, 60)) * 2]
+    batch_module.size_trees = spy
+    try:
+        batch = engine.generate_batch(prompts, max_new_tokens=30)
+    finally:
+        batch_module.size_trees = size
+    assert [r.token_ids for r in batch] == [
+        ar.generate(p, max_new_tokens=30).token_ids for p in prompts
+    ]
+    assert any(trees == 3 and rows == 3 for trees, rows, _ in sized)  # all rows sized at once
+    assert any(sum(counts) > 0 for _, _, counts in sized)
 
 
 def test_rho_learns_what_the_target_keeps_per_match_length():

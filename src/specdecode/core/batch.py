@@ -25,7 +25,13 @@ from typing import Any
 import torch
 
 from specdecode.core.cache import Cache, KVCache, NewCache
-from specdecode.core.policies import FixedK, KPolicy, forward_seconds, seconds_since
+from specdecode.core.policies import (
+    FixedK,
+    KPolicy,
+    forward_seconds,
+    seconds_since,
+    size_trees,
+)
 from specdecode.core.protocols import Drafter
 from specdecode.core.sampling import SamplingParams
 from specdecode.core.step import (
@@ -35,7 +41,7 @@ from specdecode.core.step import (
     prefill,
     verify_rows,
 )
-from specdecode.core.tree import TokenTree, TreeDrafter
+from specdecode.core.tree import SizedTreeDrafter, TokenTree, TreeDrafter
 from specdecode.core.tree_decode import tree_verification
 from specdecode.core.types import Draft, ForwardMeter, Stats, StepResult
 
@@ -313,11 +319,11 @@ class Batch:
                 [rows[i].drafter for i in group], [rows[i].state.tokens for i in group], depth
             )
             drafts.update(zip(group, proposed, strict=True))
+        trees = self._trees(rows, drafts)
         out = []
         for i, r in enumerate(rows):
-            tree = None
-            if isinstance(r.drafter, TreeDrafter) and r.allowed > 0:
-                tree = r.drafter.propose_tree(r.state.tokens, r.allowed)
+            tree = trees.get(i)
+            if tree is not None:
                 if not len(tree):  # nothing worth drafting: a plain step, without a tree mask
                     r.drafter.observe_path([])
                     tree = None
@@ -339,6 +345,27 @@ class Batch:
                     chain_verification(r.state, drafter, drafts.get(i), r.params, r.generator)
                 )
         return out
+
+    def _trees(self, rows: list[Row], drafts: dict[int, Any]) -> dict[int, TokenTree]:
+        """Each tree row's tree for this step. Trees whose nodes come with their expected
+        acceptance (`SizedTreeDrafter`: suffix trees) are sized together, against what the
+        whole forward costs with every other row and chain in it (`policies.size_trees`):
+        in a batch, a node pays only where it adds more than its share of the larger forward."""
+        trees: dict[int, TokenTree] = {}
+        sized: dict[int, list[float]] = {}
+        for i, r in enumerate(rows):
+            if not isinstance(r.drafter, TreeDrafter) or r.allowed <= 0:
+                continue
+            if isinstance(r.drafter, SizedTreeDrafter):
+                sized[i] = r.drafter.candidates(r.state.tokens, r.allowed)
+            else:
+                trees[i] = r.drafter.propose_tree(r.state.tokens, r.allowed)
+        if sized:
+            others = sum(len(d.tokens) for d in drafts.values()) + sum(map(len, trees.values()))
+            counts, _ = size_trees(list(sized.values()), len(rows) + others, len(rows), self.policy)
+            for i, n in zip(sized, counts, strict=True):
+                trees[i] = rows[i].drafter.take_candidates(n)  # type: ignore[union-attr]
+        return trees
 
     def _observe(self, rows: list[Row], results: list[StepResult], spent: Any) -> None:
         """The policy learns the step: each row's acceptance, the batch's forward times."""

@@ -18,8 +18,10 @@ With i.i.d. acceptance α this is `metrics.ideal_speedup(α, k, c, v(k))`.
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections import deque
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -256,6 +258,10 @@ class CostK(KPolicy):
         self._speed_ratios: deque[float] = deque(maxlen=SPEED_WINDOW)
         self._speed = 1.0
         self._clock = 0  # steps observed, over every sequence: the age of a time measured
+        # the target's times as of the last step observed (a batch sizing its trees reads
+        # T(rows) dozens of times a step)
+        self._curve = _Curve({}, verify_slope)
+        self._curve_at = -1
         self.begin()
 
     def begin(self) -> None:
@@ -277,7 +283,10 @@ class CostK(KPolicy):
     def _target_time(self, rows: int) -> float | None:
         """T(rows): seconds of a target forward over that many rows (None before any timed
         step)."""
-        return _estimate(self._target, rows, self.verify_slope)
+        if self._curve_at != self._clock:  # a step observed since: the times moved
+            self._curve = _Curve(self._target, self.verify_slope)
+            self._curve_at = self._clock
+        return self._curve.at(rows)
 
     def verify_cost(self, rows: int) -> float:
         """T(rows) / T(1): a target forward over `rows` rows (a token tree's nodes + 1) next to
@@ -451,27 +460,45 @@ def _trusted(seen: dict[int, _Median], n: int, step: int) -> bool:
 
 
 def _estimate(seen_times: dict[int, _Median], n: int, prior_slope: float) -> float | None:
-    """A time at n from the times measured at other n: linear between the nearest seen n on
-    either side, else extrapolated from the nearest with the least-squares slope of all seen
-    (one point: the prior's relative slope), never sloping down and never below a tenth of the
-    cheapest seen. None when nothing was measured."""
-    seen = sorted((i, m.value) for i, m in seen_times.items() if m.n)
-    if not seen:
-        return None
-    below = [(i, t) for i, t in seen if i <= n]
-    above = [(i, t) for i, t in seen if i >= n]
-    if below and above:
-        (i0, t0), (i1, t1) = below[-1], above[0]
-        return t0 if i0 == i1 else t0 + (t1 - t0) * (n - i0) / (i1 - i0)
-    i0, t0 = below[-1] if below else above[0]
-    if len(seen) >= 2:
-        xm = sum(i for i, _ in seen) / len(seen)
-        ym = sum(t for _, t in seen) / len(seen)
-        var = sum((i - xm) ** 2 for i, _ in seen)
-        slope = max(0.0, sum((i - xm) * (t - ym) for i, t in seen) / var)
-    else:
-        slope = t0 * prior_slope / (1 + prior_slope * (i0 - 1))
-    return max(t0 + slope * (n - i0), 0.1 * min(t for _, t in seen))
+    """A time at n from the times measured at other n (`_Curve`). None when nothing was
+    measured."""
+    return _Curve(seen_times, prior_slope).at(n)
+
+
+class _Curve:
+    """Times measured at some n, read at any n: linear between the nearest seen n on either
+    side, else extrapolated from the nearest with the least-squares slope of all seen (one
+    point: the prior's relative slope), never sloping down and never below a tenth of the
+    cheapest seen. Built once for many readings (a batch sizing its trees reads dozens)."""
+
+    def __init__(self, seen_times: dict[int, _Median], prior_slope: float) -> None:
+        seen = sorted((i, m.value) for i, m in seen_times.items() if m.n)
+        self.n = [i for i, _ in seen]
+        self.t = [t for _, t in seen]
+        self.floor = 0.1 * min(self.t) if seen else 0.0
+        if len(seen) >= 2:
+            xm = sum(self.n) / len(seen)
+            ym = sum(self.t) / len(seen)
+            var = sum((i - xm) ** 2 for i in self.n)
+            self.slope: float | None = max(0.0, sum((i - xm) * (t - ym) for i, t in seen) / var)
+        else:
+            self.slope = None  # from the prior, relative to the one point
+        self.prior_slope = prior_slope
+
+    def at(self, n: int) -> float | None:
+        if not self.n:
+            return None
+        j = bisect.bisect_left(self.n, n)  # self.n[j - 1] < n <= self.n[j]
+        if j < len(self.n) and self.n[j] == n:
+            return self.t[j]
+        if 0 < j < len(self.n):
+            i0, t0, i1, t1 = self.n[j - 1], self.t[j - 1], self.n[j], self.t[j]
+            return t0 + (t1 - t0) * (n - i0) / (i1 - i0)
+        i0, t0 = (self.n[-1], self.t[-1]) if j else (self.n[0], self.t[0])
+        slope = self.slope
+        if slope is None:
+            slope = t0 * self.prior_slope / (1 + self.prior_slope * (i0 - 1))
+        return max(t0 + slope * (n - i0), self.floor)
 
 
 def verify_cost(policy: object, rows: int) -> float:
@@ -481,6 +508,33 @@ def verify_cost(policy: object, rows: int) -> float:
     if isinstance(policy, CostK):
         return policy.verify_cost(rows)
     return 1 + PRIOR_VERIFY_SLOPE * (rows - 1)
+
+
+def size_trees(
+    gains: Sequence[Sequence[float]], rows: int, tokens: float, policy: object
+) -> tuple[list[int], float]:
+    """(counts, rate): how many candidate nodes of each tree to verify in one forward, and the
+    expected tokens per verification time that gives. The likeliest nodes of any tree come
+    first (each tree's gains are non-increasing, so each keeps a prefix: a tree), as many as
+    make tokens / v(rows + nodes) the highest (v: the policy's measured costs, `verify_cost`);
+    `rows` and `tokens`: what the forward verifies and emits without them (a batch's rows, one
+    token each, and their chains). One tree alone on one row (rows = tokens = 1) is sized as
+    a sequence alone is; in a batch a node pays only where it adds more than its share of the
+    larger forward."""
+    order = sorted(
+        ((gain, tree) for tree, row in enumerate(gains) for gain in row),
+        key=lambda item: -item[0],  # stable: a tree's equal gains keep their order
+    )
+    best, best_rate, total = 0, tokens / verify_cost(policy, rows), tokens
+    for n, (gain, _) in enumerate(order, start=1):
+        total += gain
+        rate = total / verify_cost(policy, rows + n)
+        if rate > best_rate:
+            best, best_rate = n, rate
+    counts = [0] * len(gains)
+    for _, tree in order[:best]:
+        counts[tree] += 1
+    return counts, best_rate
 
 
 def make_k_policy(name: str, k: int, *, cost_ratio: float | None = None) -> KPolicy:

@@ -159,3 +159,17 @@ class TreeDrafter(BaseDrafter, Protocol):
 
     def observe_path(self, path: list[int]) -> None:
         """Learn the accepted root-to-node path (node indices) and drop every other node."""
+
+
+@runtime_checkable
+class SizedTreeDrafter(TreeDrafter, Protocol):
+    """A tree drafter whose candidate nodes come with their estimated acceptance, so that a
+    batch sizes every row's tree together against what its one forward costs
+    (`policies.size_trees`) instead of each row pricing its nodes as if it ran alone."""
+
+    def candidates(self, context: list[int], max_depth: int) -> list[float]:
+        """The next tree's candidate nodes' gains (expected acceptance) in the order to keep
+        them: non-increasing, and every prefix of the order is a tree."""
+
+    def take_candidates(self, n: int) -> TokenTree:
+        """The tree of the first n candidates of the last `candidates` call."""

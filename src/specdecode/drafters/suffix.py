@@ -31,9 +31,9 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.core.draft_spec import SuffixOptions
-from specdecode.core.policies import verify_cost
+from specdecode.core.policies import size_trees
 from specdecode.core.sampling import SamplingParams
-from specdecode.core.tree import TokenTree, TreeDrafter
+from specdecode.core.tree import SizedTreeDrafter, TokenTree
 from specdecode.core.types import ForwardMeter
 
 # the longest suffix a match is extended to: longer matches say no more about what follows
@@ -212,19 +212,16 @@ class SuffixProposal:
 
     def best_size(self, costs: object) -> tuple[int, float]:
         """(n, rate): how many nodes to keep for the most expected tokens per verification
-        time, (1 + sum of the first n gains) / v(n + 1 rows); n = 0 when no tree pays."""
-        best, best_rate, total = 0, 1.0 / verify_cost(costs, 1), 0.0
-        for n, gain in enumerate(self.gains, start=1):
-            total += gain
-            rate = (1.0 + total) / verify_cost(costs, n + 1)
-            if rate > best_rate:
-                best, best_rate = n, rate
-        return best, best_rate
+        time, (1 + sum of the first n gains) / v(n + 1 rows), on a row alone; n = 0 when no
+        tree pays."""
+        counts, rate = size_trees([self.gains], 1, 1.0, costs)
+        return counts[0], rate
 
 
-class SuffixDrafter(TreeDrafter):
+class SuffixDrafter(SizedTreeDrafter):
     """Drafts a token tree from the suffix index of the request and the shared pool (module
-    docstring). `options`: depth, node and match-size limits, the pool (drafters/suffix.py;
+    docstring). In a batch, `candidates` and `take_candidates` let the batch size every row's
+    tree together (`policies.size_trees`). `options`: depth, node and match-size limits, the pool (drafters/suffix.py;
     draft_spec.SuffixOptions). Forks (`batch.fork_drafter`) share the pool and the calibration;
     each row indexes its own request."""
 
@@ -242,6 +239,7 @@ class SuffixDrafter(TreeDrafter):
         self._prompt_len = 0
         # the last tree's match length and the nodes with children (-1: the root)
         self._last: tuple[int, set[int]] | None = None
+        self._proposal = SuffixProposal([], [], [], 0)  # the last `candidates`
 
     def begin(
         self,
@@ -327,6 +325,13 @@ class SuffixDrafter(TreeDrafter):
         proposal = self.suggest(context, max_depth)
         n, _ = proposal.best_size(self.costs)
         return self.take(proposal, n)
+
+    def candidates(self, context: list[int], max_depth: int) -> list[float]:
+        self._proposal = self.suggest(context, max_depth)
+        return self._proposal.gains
+
+    def take_candidates(self, n: int) -> TokenTree:
+        return self.take(self._proposal, n)
 
     def take(self, proposal: SuffixProposal, n: int) -> TokenTree:
         """The proposal's first n nodes as the step's tree, remembered for `observe_path`."""
