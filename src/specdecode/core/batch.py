@@ -361,6 +361,8 @@ class Batch:
             else:
                 trees[i] = r.drafter.propose_tree(r.state.tokens, r.allowed)
         if sized:
+            # the other rows' chains and trees count as rows verified; what they emit, as one
+            # token a row (their accepted drafts unknown yet)
             others = sum(len(d.tokens) for d in drafts.values()) + sum(map(len, trees.values()))
             counts, _ = size_trees(list(sized.values()), len(rows) + others, len(rows), self.policy)
             for i, n in zip(sized, counts, strict=True):

@@ -517,10 +517,10 @@ def size_trees(
     expected tokens per verification time that gives. The likeliest nodes of any tree come
     first (each tree's gains are non-increasing, so each keeps a prefix: a tree), as many as
     make tokens / v(rows + nodes) the highest (v: the policy's measured costs, `verify_cost`);
-    `rows` and `tokens`: what the forward verifies and emits without them (a batch's rows, one
-    token each, and their chains). One tree alone on one row (rows = tokens = 1) is sized as
-    a sequence alone is; in a batch a node pays only where it adds more than its share of the
-    larger forward."""
+    `rows` and `tokens`: what the forward verifies and emits without them (a batch's rows and
+    their chains' tokens; one token a row). One tree alone on one row (rows = tokens = 1) is
+    sized as a sequence alone is; in a batch a node pays only where it adds more than its share
+    of the larger forward."""
     order = sorted(
         ((gain, tree) for tree, row in enumerate(gains) for gain in row),
         key=lambda item: -item[0],  # stable: a tree's equal gains keep their order
