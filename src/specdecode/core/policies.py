@@ -317,7 +317,7 @@ class CostK(KPolicy):
         # clamp: noise must not make more rows cheaper than the step's own k = 0
         v = [max(t, times[0]) / t1 for t in times]
         v = [max(1.0, x) for x in v] if rows == 1 else v
-        draft = _estimate(self._draft, rows, self.verify_slope)
+        draft = _Curve(self._draft, self.verify_slope).at(rows)
         c = draft / t1 if draft is not None else self.cost_ratio * growth
         return c, v
 
@@ -445,7 +445,7 @@ class CostK(KPolicy):
 
 
 def _trusted(seen: dict[int, _Median], n: int, step: int) -> bool:
-    """Whether the time `_estimate` gives at n rests on trusted measurements at `step`: n's own
+    """Whether the time `_Curve.at` gives at n rests on trusted measurements at `step`: n's own
     (`_Median.fresh`), or, for an n never measured, both neighbours it is interpolated
     between. (A batch's size moves as rows come and go: with a size's own samples required,
     every new size was explored before its neighbours could rule it out, each exploration
@@ -457,12 +457,6 @@ def _trusted(seen: dict[int, _Median], n: int, step: int) -> bool:
     if not below or not above:  # extrapolated: one side only
         return False
     return seen[max(below)].fresh(step) and seen[min(above)].fresh(step)
-
-
-def _estimate(seen_times: dict[int, _Median], n: int, prior_slope: float) -> float | None:
-    """A time at n from the times measured at other n (`_Curve`). None when nothing was
-    measured."""
-    return _Curve(seen_times, prior_slope).at(n)
 
 
 class _Curve:
@@ -486,6 +480,7 @@ class _Curve:
         self.prior_slope = prior_slope
 
     def at(self, n: int) -> float | None:
+        """The time at n; None when nothing was measured."""
         if not self.n:
             return None
         j = bisect.bisect_left(self.n, n)  # self.n[j - 1] < n <= self.n[j]
