@@ -189,3 +189,85 @@ def test_the_server_reports_the_kept_prefix_in_usage_and_metrics(engines):
         line for line in metrics.splitlines() if line.startswith("vllm:prefix_cache_hits_total")
     )
     assert float(hits.split()[-1]) == sum(cached)
+
+
+@needs_kernel()
+@pytest.mark.parametrize("kept_bytes", [0, 2**24])
+def test_a_prefix_a_row_gave_up_comes_back_from_the_prefix_cache(target, kept_bytes):
+    store = LeanStore(target, rows=1, max_len=96, kept_bytes=kept_bytes)
+    first = _ids(40, 12)
+    other = [(first[0] + 1) % 90, *_ids(29, 13)]
+    for tokens in (first, other):  # the one row: `other` takes it over, sharing nothing
+        row = store.open_row(tokens)
+        _prefill(row, tokens)
+        row.close()
+    prompt = [*first[:33], (first[33] + 1) % 90, *_ids(8, 14)]
+    row = store.open_row(prompt)
+    assert len(row) == (33 if kept_bytes else 0)
+    assert len(store.kept) == (2 if kept_bytes else 0)  # each was kept when the row went on
+    logits = _prefill(row, prompt)
+    fresh = LeanCache(target, VERIFY_TOKENS, residual=store.residual)
+    assert torch.equal(logits, _prefill(fresh, prompt))
+    n = len(prompt)
+    assert torch.equal(row.kv[:, :, :, :n], fresh.kv[:, :, :, :n])
+    assert row.ids[:n].tolist() == prompt
+
+
+def test_a_prefix_cache_keeps_the_longest_within_its_budget():
+    from specdecode.models.prefix_cache import PrefixCache, common_prefix
+
+    def kv(n: int, value: float) -> torch.Tensor:  # [layers, 2, Hkv, max_len, d]
+        return torch.full((2, 2, 1, 64, 4), float(value))[:, :, :, :n]
+
+    a, b = torch.arange(20), torch.arange(100, 120)
+    one = kv(20, 0).numel() * 4 + 20 * 8  # bytes of a 20-position prefix
+    cache = PrefixCache(int(2.5 * one))
+    cache.keep(a[:10], kv(64, 1), None)
+    cache.keep(a, kv(64, 2), None)  # covers the first: it goes
+    cache.keep(a[:15], kv(64, 3), None)  # covered by `a`: nothing new
+    assert len(cache) == 1 and cache.nbytes == one
+    cache.keep(b, kv(64, 4), None)
+    entry, n = cache.match([*range(12), 7])
+    assert n == 12 and torch.equal(entry.kv, kv(20, 2))
+    row_kv, row_ids = torch.zeros(2, 2, 1, 64, 4), torch.zeros(64, dtype=torch.long)
+    cache.restore(entry, 12, row_kv, row_ids, None)  # `a` is now the most recently used
+    assert torch.equal(row_kv[:, :, :, :12], kv(12, 2)) and row_kv[:, :, :, 12:].eq(0).all()
+    assert row_ids[:12].tolist() == list(range(12))
+    cache.keep(a + 200, kv(64, 5), None)  # over budget: the least recently used (b) goes
+    assert len(cache) == 2 and cache.dropped == 1 and cache.nbytes <= cache.budget
+    assert cache.match(b.tolist()) == (None, 0)
+    assert common_prefix(a, [0, 1, 9]) == 2 and common_prefix(a, []) == 0
+    assert cache.report() == {"prefixes": 2, "bytes": 2 * one, "budget": cache.budget, "dropped": 1}
+    with pytest.raises(ValueError, match="budget"):
+        PrefixCache(-1)
+
+
+@needs_kernel()
+@pytest.mark.parametrize("prefix_cache_mb", [0, 64])
+def test_the_server_keeps_prefixes_beyond_its_rows(engines, prefix_cache_mb):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from specdecode.server.app import create_app
+    from specdecode.server.background import serve_in_thread
+
+    target, draft = engines
+    engine = SpeculativeDecoder(target, draft, k=3, k_policy="fixed")
+    reference = SpeculativeDecoder(target, draft, k=3, k_policy="fixed")
+    # one row: the second prompt (sharing nothing) takes over what the first left
+    prompts = [SYSTEM + "the cat sat", "once upon a time", SYSTEM + "the cat sat"]
+    app = create_app(engine, "tiny", max_batch=1, prefix_cache_mb=prefix_cache_mb)
+    cached = []
+    with serve_in_thread(app) as base:
+        for prompt in prompts:
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0}
+            out = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()
+            assert out["choices"][0]["text"] == reference.generate(prompt, 12).text
+            cached.append(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+        metrics = httpx.get(f"{base}/metrics").text
+    whole = len(engine.encode_prompt(prompts[0])) - 1  # the last prompt token is always run
+    assert cached == [0, 0, whole if prefix_cache_mb else 0]
+    held = next(
+        line for line in metrics.splitlines() if line.startswith("specdecode_prefix_cache_b")
+    )
+    assert (float(held.split()[-1]) > 0) == bool(prefix_cache_mb)

@@ -59,6 +59,7 @@ from specdecode.kernels.cpu_linear import direct_linear, prefill_linear
 from specdecode.kernels.panels import on_kernel
 from specdecode.kernels.quantize import is_quantized
 from specdecode.models.draft_vocab import DraftVocabHead
+from specdecode.models.prefix_cache import PrefixCache, common_prefix
 
 FAMILIES = ("llama", "qwen2", "mistral")
 OUTPUT_LAYERS = (torch.nn.Linear, DraftVocabHead)  # a draft's may keep part of the vocabulary
@@ -266,12 +267,15 @@ class LeanCache(Cache):
         and the cached ids, within the positions computed on the fused path, and only where
         the prefill of `tokens` would take that path too (at most PREFILL_CHUNK of them, and
         at most VERIFY_TOKENS where a longer prefill takes PyTorch's product: `_prefill`)."""
-        if self._fused is None or len(tokens) > PREFILL_CHUNK or self._on_torch(len(tokens)):
+        if not self.keeps_prefix(len(tokens)):
             return 0
-        cached = self.ids[: min(self.fused_len, len(tokens))].tolist()
-        return next(
-            (i for i, (a, b) in enumerate(zip(cached, tokens, strict=False)) if a != b),
-            len(cached),
+        return common_prefix(self.ids[: self.fused_len], tokens)
+
+    def keeps_prefix(self, n_tokens: int) -> bool:
+        """Whether a prefill of `n_tokens` takes the fused path for every position, so that a
+        prefix computed there is the bits it would compute (`reusable_prefix`)."""
+        return (
+            self._fused is not None and n_tokens <= PREFILL_CHUNK and not self._on_torch(n_tokens)
         )
 
     def rollback(self, length: int) -> None:
@@ -606,10 +610,19 @@ class LeanStore(RowPool):
     prompt again) and keeps those positions, so the prefill computes only the rest. A prefix
     is kept only where it is bit for bit what the prefill would compute
     (`LeanCache.reusable_prefix`): the answer is the same as from a fresh row. Among rows
-    sharing nothing it takes the one freed longest ago, so recent prefixes live longest.
+    sharing nothing it takes the one freed longest ago, so recent prefixes live longest. What a
+    row held before it is handed out again goes to `kept` (`PrefixCache`, at most `kept_bytes`;
+    0 keeps nothing), and a prompt whose longest match is there gets it copied into its row.
     """
 
-    def __init__(self, model: Any, rows: int, max_len: int, fused_tokens: int = VERIFY_TOKENS):
+    def __init__(
+        self,
+        model: Any,
+        rows: int,
+        max_len: int,
+        fused_tokens: int = VERIFY_TOKENS,
+        kept_bytes: int = 0,
+    ):
         super().__init__(rows, max_len)
         reason = unsupported_reason(model)
         if reason is not None:
@@ -627,6 +640,7 @@ class LeanStore(RowPool):
             torch.empty(rows, max_len, width, dtype=dtype, device=device) if width else None
         )
         self._left: list[LeanCache | None] = [None] * rows  # a freed row's last cache
+        self.kept = PrefixCache(kept_bytes)
 
     @property
     def nbytes(self) -> int:
@@ -644,8 +658,9 @@ class LeanStore(RowPool):
         kept = {row: self._kept(row, tokens) for row in self.free_order()}
         row = max(kept, key=kept.get)  # the first of the longest: freed longest ago on ties
         self.take(row)
-        self._left[row] = None
-        return LeanCache(
+        self._keep_left(row, kept[row])
+        features = self.features[row] if self.features is not None else None
+        cache = LeanCache(
             self.model,
             self.fused_tokens,
             kv=self.kv[row],
@@ -653,8 +668,23 @@ class LeanStore(RowPool):
             reused=kept[row],
             release=lambda cache: self._free_row(row, cache),
             residual=self.residual,
-            features=self.features[row] if self.features is not None else None,
+            features=features,
         )
+        entry, length = self.kept.match(tokens) if len(self.kept) else (None, 0)
+        if entry is not None and length > kept[row] and cache.keeps_prefix(len(tokens)):
+            self.kept.restore(entry, length, self.kv[row], self.ids[row], features)
+            cache.length = cache.fused_len = length
+        return cache
+
+    def _keep_left(self, row: int, staying: int) -> None:
+        """Before `row` is handed out keeping `staying` positions: what else it held goes to
+        `kept` (its positions computed on the fused path, the ones a prompt may keep)."""
+        left, self._left[row] = self._left[row], None
+        if left is None or left.fused_len <= staying or not self.kept.budget:
+            return
+        n = left.fused_len
+        features = self.features[row, :n] if self.features is not None else None
+        self.kept.keep(self.ids[row, :n], self.kv[row], features)
 
     def _kept(self, row: int, tokens: Sequence[int]) -> int:
         left = self._left[row]

@@ -30,7 +30,7 @@ from specdecode.models.compat import (
 )
 from specdecode.models.lean import target_cache
 from specdecode.models.loading import LoadedModel, wrap_model
-from specdecode.runtime.session import BatchSession, feed_text
+from specdecode.runtime.session import DEFAULT_PREFIX_CACHE_MB, BatchSession, feed_text
 from specdecode.runtime.textstream import TextStream
 
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]
@@ -362,10 +362,16 @@ class SpeculativeDecoder:
 
     # -- many at once --------------------------------------------------------------------------
 
-    def batch_session(self, max_rows: int = 8, max_len: int | None = None) -> BatchSession:
+    def batch_session(
+        self,
+        max_rows: int = 8,
+        max_len: int | None = None,
+        prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
+    ) -> BatchSession:
         """A `BatchSession` over this decoder: up to `max_rows` generations decoding together,
-        each of up to `max_len` positions (prompt + new tokens); what a server drives."""
-        return BatchSession(self, max_rows, max_len)
+        each of up to `max_len` positions (prompt + new tokens), keeping what freed rows held
+        in up to `prefix_cache_mb` of host memory; what a server drives."""
+        return BatchSession(self, max_rows, max_len, prefix_cache_mb)
 
     def generate_batch(
         self,

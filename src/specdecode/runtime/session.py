@@ -32,17 +32,23 @@ from specdecode.core.request import GenerationRequest
 from specdecode.core.store import StaticStore, StoreFull
 from specdecode.core.types import ForwardMeter, GenerationResult, Stats
 from specdecode.models.lean import LeanCache, LeanStore, PrefixPool, draft_cache, target_cache
+from specdecode.models.prefix_cache import PrefixCache
 from specdecode.runtime.textstream import TextStream
 
 DEFAULT_MAX_LEN = 4096  # positions per row when the model's context is longer or unknown
+# host memory for the prefixes freed rows held (LeanStore.kept): in a float32 cache a
+# 1.5B Qwen2.5's position takes 56 KiB, so this keeps about 18,000 positions of it
+DEFAULT_PREFIX_CACHE_MB = 1024
 
 
-def make_store(target: Any, rows: int, max_len: int) -> LeanStore | StaticStore:
+def make_store(
+    target: Any, rows: int, max_len: int, kept_bytes: int = 0
+) -> LeanStore | StaticStore:
     """The target's static key/value store: the lean forward's where the target runs on it
-    (`lean.target_cache`), else one over the model's own forward (ValueError for attention it
-    cannot feed a 4D mask)."""
+    (`lean.target_cache`; what freed rows held kept in up to `kept_bytes` more), else one over
+    the model's own forward (ValueError for attention it cannot feed a 4D mask)."""
     if isinstance(target_cache(target), LeanCache):
-        return LeanStore(target, rows, max_len)
+        return LeanStore(target, rows, max_len, kept_bytes=kept_bytes)
     return StaticStore(target, rows, max_len)
 
 
@@ -131,10 +137,17 @@ class BatchSession:
 
     `max_len`: positions per row (prompt + new tokens); default the model's context, at most
     DEFAULT_MAX_LEN. The decoder's k policy is the batch's: with `k_policy="cost"` it chooses
-    each step's k for the batch size it runs at, 0 included.
+    each step's k for the batch size it runs at, 0 included. `prefix_cache_mb`: host memory for
+    the prefixes freed rows held beyond the store's rows (`LeanStore.kept`; 0: only the rows').
     """
 
-    def __init__(self, decoder: Any, max_rows: int = 8, max_len: int | None = None) -> None:
+    def __init__(
+        self,
+        decoder: Any,
+        max_rows: int = 8,
+        max_len: int | None = None,
+        prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
+    ) -> None:
         self.decoder = decoder
         target = decoder.target.model
         if max_len is None:
@@ -143,7 +156,9 @@ class BatchSession:
         # a token tree's nodes sit in the cache until the step compacts it to the accepted path
         shape = getattr(decoder.drafter, "shape", None)
         slack = getattr(shape, "nodes", 0) + 1
-        self.store = make_store(target, max_rows, max_len + slack)
+        if not prefix_cache_mb >= 0:
+            raise ValueError(f"prefix_cache_mb must be >= 0 (got {prefix_cache_mb!r})")
+        self.store = make_store(target, max_rows, max_len + slack, int(prefix_cache_mb * 2**20))
         self.clock = clock_for(decoder.target.device)
         meter = ForwardMeter(self.clock if decoder.time_forwards else None)
         self.batch = Batch(
@@ -160,6 +175,11 @@ class BatchSession:
     @property
     def max_rows(self) -> int:
         return self.store.rows
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """Where the prefixes freed rows held are kept beyond the rows (the lean store's)."""
+        return self.store.kept if isinstance(self.store, LeanStore) else None
 
     @property
     def store_bytes(self) -> int:

@@ -28,7 +28,12 @@ from starlette.requests import ClientDisconnect
 
 from specdecode.runtime.engine import SpeculativeDecoder
 from specdecode.server.errors import APIError, error_body, from_validation_errors, shutting_down
-from specdecode.server.limits import DEFAULT_MAX_BODY_BYTES, PREFILL_CHUNK, check_prompt_size
+from specdecode.server.limits import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_PREFIX_CACHE_MB,
+    PREFILL_CHUNK,
+    check_prompt_size,
+)
 from specdecode.server.middleware import (
     DOCS_PATHS,
     CountRequests,
@@ -65,6 +70,7 @@ def create_app(
     api_key: str | None = None,
     metrics_auth: bool = False,
     prefill_chunk: int = PREFILL_CHUNK,
+    prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
 ) -> FastAPI:
     """The OpenAI-compatible app serving `engine` under the name `model_name` (options: see
     `ServerOptions`). `app.state.server` is its `ServerState`; `await state.drain(s)` before
@@ -80,6 +86,7 @@ def create_app(
         api_key=api_key,
         metrics_auth=metrics_auth,
         prefill_chunk=prefill_chunk,
+        prefix_cache_mb=prefix_cache_mb,
     )
     options.check()
     openapi, docs, oauth2_redirect, redoc = DOCS_PATHS

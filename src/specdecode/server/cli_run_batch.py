@@ -78,6 +78,7 @@ def handle_run_batch(args: argparse.Namespace) -> int:
             max_batch=args.max_batch,
             max_len=args.max_len,
             prefill_chunk=args.prefill_chunk,
+            prefix_cache_mb=args.prefix_cache_mb,
             timeout_s=args.timeout or None,
             max_prompt_tokens=args.max_prompt_tokens,
             max_prompt_chars=args.max_prompt_chars,

@@ -18,7 +18,7 @@ from specdecode.cli_args import (
     add_policy_args,
     engine_from_args,
 )
-from specdecode.server.limits import DEFAULT_MAX_BODY_BYTES, PREFILL_CHUNK
+from specdecode.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_PREFIX_CACHE_MB, PREFILL_CHUNK
 
 API_KEY_ENV = "SPECDECODE_API_KEY"
 
@@ -67,6 +67,15 @@ def add_served_engine_args(parser: argparse.ArgumentParser, timeout_default: flo
         f"(default {PREFILL_CHUNK}; 0 = each prompt at once)",
     )
     parser.add_argument(
+        "--prefix-cache-mb",
+        type=float,
+        default=DEFAULT_PREFIX_CACHE_MB,
+        help="host memory for the prompt prefixes finished requests leave in the key/value "
+        "store, beyond its rows: a later prompt that starts the same (a system prompt, earlier "
+        "turns, the same prompt) prefills only the rest, to the same bits "
+        f"(default {DEFAULT_PREFIX_CACHE_MB}; 0 = only what the free rows hold)",
+    )
+    parser.add_argument(
         "--max-prompt-tokens",
         type=int,
         default=None,
@@ -91,6 +100,8 @@ def check_served_engine_args(args: argparse.Namespace) -> None:
         raise ValueError(f"max-len must be >= 2 positions (got {args.max_len})")
     if args.prefill_chunk < 0:
         raise ValueError(f"prefill-chunk must be >= 0 tokens (got {args.prefill_chunk})")
+    if not args.prefix_cache_mb >= 0:
+        raise ValueError(f"prefix-cache-mb must be >= 0 (got {args.prefix_cache_mb})")
     if args.timeout < 0:
         raise ValueError(f"timeout must be >= 0 seconds (got {args.timeout})")
     for name in ("max_prompt_tokens", "max_prompt_chars"):
@@ -189,6 +200,7 @@ def handle_serve(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         max_len=args.max_len,
         prefill_chunk=args.prefill_chunk,
+        prefix_cache_mb=args.prefix_cache_mb,
         timeout_s=args.timeout or None,
         max_prompt_tokens=args.max_prompt_tokens,
         max_prompt_chars=args.max_prompt_chars,

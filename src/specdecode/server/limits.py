@@ -17,6 +17,8 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # 4 MiB: a full 128k-token context is 
 # lean.VERIFY_TOKENS, so that every part takes the fused path, whose keys and values do not
 # depend on the split
 PREFILL_CHUNK = 128
+# runtime/session.py's DEFAULT_PREFIX_CACHE_MB, repeated so that the CLI starts without torch
+DEFAULT_PREFIX_CACHE_MB = 1024
 MAX_STOPS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 256  # per stop string; each one is searched for after every step
 

@@ -34,7 +34,7 @@ from specdecode.server.batch_file import (
     read_requests,
 )
 from specdecode.server.batch_order import Key, PrefixOrder, prompt_key
-from specdecode.server.limits import PREFILL_CHUNK
+from specdecode.server.limits import DEFAULT_PREFIX_CACHE_MB, PREFILL_CHUNK
 
 # a 503 is the server stopping (our interruption): that request is answered by the next run
 RETRY_STATUS = 503
@@ -248,6 +248,7 @@ def run_batch(
     max_batch: int = 8,
     max_len: int | None = None,
     prefill_chunk: int = PREFILL_CHUNK,
+    prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
     timeout_s: float | None = None,
     max_prompt_tokens: int | None = None,
     max_prompt_chars: int | None = None,
@@ -266,6 +267,7 @@ def run_batch(
         max_batch=max_batch,
         max_len=max_len,
         prefill_chunk=prefill_chunk,
+        prefix_cache_mb=prefix_cache_mb,
         timeout_s=timeout_s,
         max_prompt_tokens=max_prompt_tokens,
         max_prompt_chars=max_prompt_chars,

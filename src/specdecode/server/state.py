@@ -10,6 +10,7 @@ from typing import Any
 
 from specdecode.drafters.suffix import pool_of
 from specdecode.runtime.engine import SpeculativeDecoder
+from specdecode.runtime.session import DEFAULT_PREFIX_CACHE_MB
 from specdecode.server.errors import APIError
 from specdecode.server.limits import DEFAULT_MAX_BODY_BYTES, PREFILL_CHUNK, prompt_char_limit
 from specdecode.server.responses import drafting_card
@@ -35,7 +36,9 @@ class ServerOptions:
     characters, checked before tokenizing (None: derived from the token limit, see limits.py).
     `max_body_bytes`: larger bodies get 413. `api_key`: required as `Authorization: Bearer` on
     /v1/* (and /metrics with `metrics_auth`). `prefill_chunk`: a longer prompt is prefilled in
-    parts of that many tokens between the running rows' steps (0: at once; worker.py)."""
+    parts of that many tokens between the running rows' steps (0: at once; worker.py).
+    `prefix_cache_mb`: host memory for the prompt prefixes freed rows held (0: only the rows';
+    docs/architecture.md, "Prefix reuse")."""
 
     queue_size: int = 16
     max_batch: int = 8
@@ -47,6 +50,7 @@ class ServerOptions:
     api_key: str | None = None
     metrics_auth: bool = False
     prefill_chunk: int = PREFILL_CHUNK
+    prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB
 
     def check(self) -> None:
         if self.queue_size < 0:
@@ -57,6 +61,8 @@ class ServerOptions:
             raise ValueError(f"max_len must be >= 2 positions (got {self.max_len})")
         if not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be an integer >= 0 (got {self.prefill_chunk!r})")
+        if not self.prefix_cache_mb >= 0:
+            raise ValueError(f"prefix_cache_mb must be >= 0 (got {self.prefix_cache_mb!r})")
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise ValueError(f"timeout must be > 0 seconds (got {self.timeout_s})")
         for name in ("max_prompt_tokens", "max_prompt_chars"):
@@ -100,13 +106,16 @@ class ServerState:
             max_batch=options.max_batch,
             max_len=options.max_len,
             prefill_chunk=options.prefill_chunk,
+            prefix_cache_mb=options.prefix_cache_mb,
         )
         session = self.worker.session
         log.info(
-            "batch of up to %d sequences of %d positions: key/value store of %.1f MiB",
+            "batch of up to %d sequences of %d positions: key/value store of %.1f MiB, "
+            "freed rows' prefixes kept in up to %g MiB more",
             session.max_rows,
             session.max_len,
             session.store_bytes / 2**20,
+            options.prefix_cache_mb,
         )
         self.metrics = ServerMetrics(
             model_name,
@@ -114,6 +123,7 @@ class ServerState:
             lambda: self.worker.running,
             store_bytes=session.store_bytes,
             pool=pool.report if (pool := pool_of(engine.drafter)) is not None else None,
+            kept=kept.report if (kept := session.prefix_cache) is not None else None,
         )
         self.worker.metrics = self.metrics
         # the prompt limits known without tokenizing (the worker checks the exact count)

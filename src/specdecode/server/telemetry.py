@@ -54,6 +54,7 @@ class ServerMetrics:
         running: Callable[[], float],
         store_bytes: float = 0.0,
         pool: Callable[[], dict[str, int]] | None = None,
+        kept: Callable[[], dict[str, int]] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
@@ -77,6 +78,18 @@ class ServerMetrics:
                 "specdecode_suffix_pool_bytes",
                 "bytes the suffix pool holds, roughly (its tokens and their index)",
                 lambda: pool()["bytes"],
+            )
+        if kept is not None:  # the prefixes freed rows held (models/prefix_cache.py)
+            self.kept_bytes = self._gauge(
+                "specdecode_prefix_cache_bytes",
+                "bytes of host memory holding prompt prefixes freed rows left (at most "
+                "--prefix-cache-mb)",
+                lambda: kept()["bytes"],
+            )
+            self.kept_prefixes = self._gauge(
+                "specdecode_prefix_cache_prefixes",
+                "prompt prefixes held beyond the key/value store's rows",
+                lambda: kept()["prefixes"],
             )
         self.batch_size = self._histogram(
             "specdecode_batch_size", "generations in the batch at each step", BATCH_BUCKETS

@@ -35,7 +35,7 @@ from specdecode.core.store import StoreFull
 from specdecode.core.types import Stats
 from specdecode.kernels.openmp import release_pool
 from specdecode.runtime.engine import SpeculativeDecoder
-from specdecode.runtime.session import Generation, PartialPrefill
+from specdecode.runtime.session import DEFAULT_PREFIX_CACHE_MB, Generation, PartialPrefill
 from specdecode.server.errors import APIError, shutting_down
 from specdecode.server.limits import PREFILL_CHUNK
 from specdecode.server.logprobs import LogprobCollector, TokenLogprob
@@ -166,6 +166,7 @@ class GenerationWorker:
         max_batch: int = 8,
         max_len: int | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
+        prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
     ) -> None:
         if engine.tokenizer is None:
             raise ValueError("serving needs a model with a tokenizer")
@@ -177,7 +178,7 @@ class GenerationWorker:
         self.max_prompt_tokens = max_prompt_tokens
         self.metrics = metrics
         # the key/value store is made here, once: its size is known (and printed) at start
-        self.session = engine.batch_session(max_batch, max_len)
+        self.session = engine.batch_session(max_batch, max_len, prefix_cache_mb)
         self.max_batch = max_batch
         # positions a sequence may fill: the models' context and the store's rows
         limits = [n for n in (engine.context_limit(), self.session.max_len) if n is not None]
