@@ -19,12 +19,14 @@ from dataclasses import dataclass
 import torch
 
 
-def common_prefix(ids: torch.Tensor, tokens: Sequence[int]) -> int:
+def common_prefix(ids: torch.Tensor, tokens: Sequence[int] | torch.Tensor) -> int:
     """How many leading entries of `ids` ([n] int64) equal those of `tokens`."""
     n = min(int(ids.numel()), len(tokens))
     if n == 0:
         return 0
-    differ = (ids[:n].cpu() != torch.tensor(list(tokens[:n]), dtype=ids.dtype)).nonzero()
+    if not isinstance(tokens, torch.Tensor):
+        tokens = torch.tensor(list(tokens[:n]), dtype=torch.long)
+    differ = (ids[:n].cpu() != tokens[:n].cpu()).nonzero()
     return int(differ[0, 0]) if differ.numel() else n
 
 
@@ -70,7 +72,7 @@ class PrefixCache:
         if n == 0:
             return
         for i, other in enumerate(self._kept):
-            if len(other) >= n and common_prefix(other.ids, ids.tolist()) == n:
+            if len(other) >= n and common_prefix(other.ids, ids) == n:
                 self._kept.append(self._kept.pop(i))
                 return
         host = torch.device("cpu")  # a GPU's memory stays the store's
@@ -81,7 +83,7 @@ class PrefixCache:
         )
         if entry.nbytes > self.budget:
             return
-        covered = [k for k in self._kept if common_prefix(entry.ids, k.ids.tolist()) == len(k)]
+        covered = [k for k in self._kept if common_prefix(entry.ids, k.ids) == len(k)]
         for k in covered:
             self._remove(k)
         self._kept.append(entry)
@@ -94,6 +96,7 @@ class PrefixCache:
         """The kept prefix sharing the most leading positions with `tokens`, and how many
         (None, 0 when none shares any); the most recently used among equals."""
         best, length = None, 0
+        tokens = torch.tensor(list(tokens), dtype=torch.long)
         for entry in reversed(self._kept):
             shared = common_prefix(entry.ids, tokens)
             if shared > length:
