@@ -213,6 +213,14 @@ def test_a_prefix_a_row_gave_up_comes_back_from_the_prefix_cache(target, kept_by
     assert row.ids[:n].tolist() == prompt
 
 
+def test_the_cli_and_the_session_default_to_the_same_prefix_cache():
+    from specdecode.runtime import session
+    from specdecode.server import limits
+
+    # repeated in limits.py so that the CLI starts without torch
+    assert limits.DEFAULT_PREFIX_CACHE_MB == session.DEFAULT_PREFIX_CACHE_MB
+
+
 def test_a_prefix_cache_keeps_the_longest_within_its_budget():
     from specdecode.models.prefix_cache import PrefixCache, common_prefix
 

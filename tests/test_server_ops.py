@@ -258,7 +258,18 @@ def test_cli_api_key_from_the_environment(monkeypatch):
     args = _serve_args("--api-key", "flag")
     _check_args(args)
     assert args.api_key == "flag"  # the flag wins over the variable
-    for bad in (["--api-key", " "], ["--graceful-timeout", "-1"], ["--max-body-bytes", "0"]):
+    assert (
+        _serve_args().prefix_cache_mb == 1024
+        and _serve_args("--prefix-cache-mb", "0").prefix_cache_mb == 0
+    )
+    bad_args = (
+        ["--api-key", " "],
+        ["--graceful-timeout", "-1"],
+        ["--max-body-bytes", "0"],
+        ["--prefix-cache-mb", "-1"],
+        ["--prefix-cache-mb", "nan"],
+    )
+    for bad in bad_args:
         with pytest.raises(ValueError):
             _check_args(_serve_args(*bad))
 
