@@ -105,6 +105,22 @@ def test_a_prefix_pool_hands_out_the_longest_and_keeps_at_most_size(target):
     assert len(pool) == 0
 
 
+@needs_kernel()
+def test_a_prefix_pool_keeps_more_than_its_size_within_its_budget(target):
+    caches = []
+    for seed in (20, 21, 22):
+        cache = LeanCache(target)
+        _prefill(cache, _ids(30, seed))
+        caches.append(cache)
+    one = caches[0].nbytes
+    pool = PrefixPool(1, budget=int(2.5 * one))
+    for cache in caches:
+        pool.put(cache)
+    assert len(pool) == 2 and pool.nbytes == 2 * one  # the oldest went for room
+    assert pool.take(_ids(30, 20)) is None
+    assert pool.take(_ids(30, 21)) is caches[1] and pool.nbytes == one
+
+
 @pytest.fixture(scope="module")
 def engines():
     tokenizer = char_tokenizer()
@@ -211,6 +227,25 @@ def test_a_prefix_a_row_gave_up_comes_back_from_the_prefix_cache(target, kept_by
     n = len(prompt)
     assert torch.equal(row.kv[:, :, :, :n], fresh.kv[:, :, :, :n])
     assert row.ids[:n].tolist() == prompt
+
+
+@needs_kernel()
+def test_a_draft_model_takes_its_share_of_the_prefix_cache(engines):
+    from specdecode.models.lean import position_bytes
+
+    target, draft = engines
+    for drafter in (draft, None):
+        engine = SpeculativeDecoder(target, drafter, k=3, k_policy="fixed")
+        session = engine.batch_session(2, 64, prefix_cache_mb=1)
+        kept, draft_kept = session.prefix_cache.budget, session.draft_prefixes.budget
+        assert kept + draft_kept == 2**20
+        if drafter is None:
+            assert draft_kept == 0
+        else:  # both keep about as many positions
+            per_target, per_draft = position_bytes(target.model), position_bytes(draft)
+            assert abs(kept / per_target - draft_kept / per_draft) <= 1
+    with pytest.raises(ValueError, match="prefix_cache_mb"):
+        engine.batch_session(2, 64, prefix_cache_mb=-1)
 
 
 def test_the_cli_and_the_session_default_to_the_same_prefix_cache():

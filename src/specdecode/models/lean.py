@@ -148,6 +148,12 @@ def target_residual(model: Any) -> torch.dtype | None:
     return torch.float32 if any(is_quantized(m) for m in model.modules()) else None
 
 
+def position_bytes(model: Any) -> int:
+    """Bytes a LeanCache of `model` spends on one position: its keys and values in float32."""
+    layers, kv_heads, head_dim = kv_shape(model)
+    return layers * 2 * kv_heads * head_dim * 4
+
+
 def capacity_for(n_tokens: int) -> int:
     """The positions a LeanCache holds once it has seen n_tokens: CAPACITY doubled until they
     fit (whatever the order of the forwards, so the memory estimate knows it)."""
@@ -238,6 +244,12 @@ class LeanCache(Cache):
 
     def __len__(self) -> int:
         return self.length
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors this cache holds (its capacity, not only its length)."""
+        tensors = (self.kv, self.ids, self._features)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def features(self) -> torch.Tensor:
         """[len, W]: the feature of every cached position (`keep_features`)."""
@@ -697,14 +709,16 @@ class LeanStore(RowPool):
 
 class PrefixPool:
     """The draft caches that ended sequences leave behind (`DraftModelState.end`, in
-    drafters/model.py), at most `size`, for the next sequences to start from: `take(tokens)`
-    hands out the one holding the longest prefix of `tokens` that is bit for bit what a
-    prefill would compute (`LeanCache.reusable_prefix`), rolled back to it; None when none
-    holds any. A batch session's rows share one (runtime/session.py), as its target rows share
-    the store."""
+    drafters/model.py), for the next sequences to start from: the `size` most recent, and
+    older ones while all of them take at most `budget` bytes. `take(tokens)` hands out the one
+    holding the longest prefix of `tokens` that is bit for bit what a prefill would compute
+    (`LeanCache.reusable_prefix`), rolled back to it; None when none holds any. A batch
+    session's rows share one (runtime/session.py), as its target rows share the store and its
+    `PrefixCache`."""
 
-    def __init__(self, size: int) -> None:
-        self.size = size
+    def __init__(self, size: int, budget: int = 0) -> None:
+        self.size, self.budget = size, budget
+        self.nbytes = 0
         self._caches: list[LeanCache] = []  # oldest first
 
     def __len__(self) -> int:
@@ -716,13 +730,17 @@ class PrefixPool:
             return None
         best = max(range(len(kept)), key=kept.__getitem__)
         cache = self._caches.pop(best)
+        self.nbytes -= cache.nbytes
         cache.rollback(kept[best])
         return cache
 
     def put(self, cache: KVCache | LeanCache) -> None:
-        if isinstance(cache, LeanCache) and self.size > 0:
-            self._caches.append(cache)
-            del self._caches[: -self.size]
+        if not isinstance(cache, LeanCache) or (self.size == 0 and cache.nbytes > self.budget):
+            return
+        self._caches.append(cache)
+        self.nbytes += cache.nbytes
+        while len(self._caches) > self.size and self.nbytes > self.budget:
+            self.nbytes -= self._caches.pop(0).nbytes
 
 
 def layer_projections(layer: Any) -> tuple[torch.nn.Module, ...]:

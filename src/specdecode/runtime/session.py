@@ -31,7 +31,15 @@ from specdecode.core.measure import clock_for
 from specdecode.core.request import GenerationRequest
 from specdecode.core.store import StaticStore, StoreFull
 from specdecode.core.types import ForwardMeter, GenerationResult, Stats
-from specdecode.models.lean import LeanCache, LeanStore, PrefixPool, draft_cache, target_cache
+from specdecode.models.lean import (
+    LeanCache,
+    LeanStore,
+    PrefixPool,
+    draft_cache,
+    position_bytes,
+    target_cache,
+    unsupported_reason,
+)
 from specdecode.models.prefix_cache import PrefixCache
 from specdecode.runtime.textstream import TextStream
 
@@ -50,6 +58,19 @@ def make_store(
     if isinstance(target_cache(target), LeanCache):
         return LeanStore(target, rows, max_len, kept_bytes=kept_bytes)
     return StaticStore(target, rows, max_len)
+
+
+def prefix_budgets(decoder: Any, kept: int) -> tuple[int, int]:
+    """`kept` bytes of kept prefixes split between the target's (`LeanStore.kept`) and a draft
+    model's caches (`PrefixPool`) in proportion to what a position takes in each, so that both
+    keep about as many positions; all of it the target's without a draft model."""
+    drafter = decoder.drafter
+    draft = getattr(drafter, "model", None)
+    if draft is None or not hasattr(drafter, "prefixes") or unsupported_reason(draft) is not None:
+        return kept, 0
+    target, per_draft = position_bytes(decoder.target.model), position_bytes(draft)
+    draft_kept = kept * per_draft // (target + per_draft)
+    return kept - draft_kept, draft_kept
 
 
 @dataclass(eq=False)
@@ -158,7 +179,8 @@ class BatchSession:
         slack = getattr(shape, "nodes", 0) + 1
         if not prefix_cache_mb >= 0:
             raise ValueError(f"prefix_cache_mb must be >= 0 (got {prefix_cache_mb!r})")
-        self.store = make_store(target, max_rows, max_len + slack, int(prefix_cache_mb * 2**20))
+        kept, draft_kept = prefix_budgets(decoder, int(prefix_cache_mb * 2**20))
+        self.store = make_store(target, max_rows, max_len + slack, kept)
         self.clock = clock_for(decoder.target.device)
         meter = ForwardMeter(self.clock if decoder.time_forwards else None)
         self.batch = Batch(
@@ -169,8 +191,8 @@ class BatchSession:
         )
         self.generations: list[Generation] = []
         # the draft caches of ended rows, for the next rows' prompts (as the store keeps the
-        # target's): one per row of the store
-        self.draft_prefixes = PrefixPool(max_rows)
+        # target's): one per row of the store, and more within their share of the budget
+        self.draft_prefixes = PrefixPool(max_rows, draft_kept)
 
     @property
     def max_rows(self) -> int:

@@ -82,8 +82,8 @@ class ServerMetrics:
         if kept is not None:  # the prefixes freed rows held (models/prefix_cache.py)
             self.kept_bytes = self._gauge(
                 "specdecode_prefix_cache_bytes",
-                "bytes of host memory holding prompt prefixes freed rows left (at most "
-                "--prefix-cache-mb)",
+                "bytes of host memory holding the target's keys and values of prompt prefixes "
+                "freed rows left (with a draft model's caches, at most --prefix-cache-mb)",
                 lambda: kept()["bytes"],
             )
             self.kept_prefixes = self._gauge(
