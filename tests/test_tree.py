@@ -407,3 +407,18 @@ def test_a_tree_step_reports_its_depth_and_its_nodes():
         assert depth == tree.max_depth == 3  # positions offered along one path
         assert nodes == len(tree) > depth  # every node the target verified
     assert stats.nodes_verified == sum(nodes for _, nodes in steps)
+
+
+def test_a_protocol_check_is_made_once_per_class():
+    from specdecode.core.protocols import Drafter, implements
+    from specdecode.core.tree import SizedTreeDrafter, TreeDrafter
+    from specdecode.drafters.ngram import NgramDrafter
+    from specdecode.drafters.suffix import SuffixDrafter
+
+    for drafter in (NgramDrafter(), SuffixDrafter()):
+        for protocol in (Drafter, TreeDrafter, SizedTreeDrafter):
+            assert implements(drafter, protocol) == isinstance(drafter, protocol)
+            assert implements(drafter, protocol) == isinstance(drafter, protocol)  # cached
+    assert implements(SuffixDrafter(), SizedTreeDrafter) and not implements(
+        NgramDrafter(), TreeDrafter
+    )

@@ -32,7 +32,7 @@ from specdecode.core.policies import (
     seconds_since,
     size_trees,
 )
-from specdecode.core.protocols import Drafter
+from specdecode.core.protocols import Drafter, implements
 from specdecode.core.sampling import SamplingParams
 from specdecode.core.step import (
     DecodeState,
@@ -251,7 +251,7 @@ class Batch:
         for row, result in zip(rows, results, strict=True):
             # what the step asked of the row: a chain's k, a tree's own depth (trees take no k)
             chain_k = k if row.drafting else 0  # a row an exploration did not begin: none
-            asked = result.depth if isinstance(row.drafter, TreeDrafter) else chain_k
+            asked = result.depth if implements(row.drafter, TreeDrafter) else chain_k
             self._commit(row, result, min(asked, max(row.allowed, 0)) if row.drafter else 0)
         return stepped
 
@@ -263,7 +263,7 @@ class Batch:
         forwards only: a prefill is paid once per row, not per step.)"""
         going = []
         for row in rows:
-            tree = isinstance(row.drafter, TreeDrafter)
+            tree = implements(row.drafter, TreeDrafter)
             drafts = tree or (k > 0 and begin and (row.drafting or self._pays(row, k, len(rows))))
             try:
                 if drafts and row.allowed > 0:
@@ -310,7 +310,7 @@ class Batch:
         chains = [
             i
             for i, r in enumerate(rows)
-            if isinstance(r.drafter, Drafter) and r.drafting and min(k, r.allowed) > 0
+            if implements(r.drafter, Drafter) and r.drafting and min(k, r.allowed) > 0
         ]
         # rows with less room draft alone, so that no row drafts past its end
         for depth in sorted({min(k, rows[i].allowed) for i in chains}):
@@ -354,9 +354,9 @@ class Batch:
         trees: dict[int, TokenTree] = {}
         sized: dict[int, list[float]] = {}
         for i, r in enumerate(rows):
-            if not isinstance(r.drafter, TreeDrafter) or r.allowed <= 0:
+            if not implements(r.drafter, TreeDrafter) or r.allowed <= 0:
                 continue
-            if isinstance(r.drafter, SizedTreeDrafter):
+            if implements(r.drafter, SizedTreeDrafter):
                 sized[i] = r.drafter.candidates(r.state.tokens, r.allowed)
             else:
                 trees[i] = r.drafter.propose_tree(r.state.tokens, r.allowed)
