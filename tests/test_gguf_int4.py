@@ -82,6 +82,20 @@ def test_q6_k_decoding_is_exactly_gguf_dequantize(tmp_path):
     assert torch.equal(scale * (q.float() - 32), expected)
 
 
+def test_our_reader_reads_what_gguf_py_reads_and_hands_back_only_the_files_pages(tmp_path):
+    from specdecode.models.gguf_int4 import _file_backed, open_gguf
+
+    raw = random_blocks(T.Q4_K, rows=6, k=512, seed=2)
+    write_gguf(tmp_path / "r.gguf", "qwen2", {"blk.0.ffn_up.weight": (raw, T.Q4_K)})
+    ours, theirs = open_gguf(tmp_path / "r.gguf"), GGUFReader(tmp_path / "r.gguf")
+    assert ours.fields["general.architecture"].contents() == "qwen2"
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    mine, reference = ours.tensors[0].data, theirs.tensors[0].data
+    assert type(mine) is np.ndarray and np.array_equal(mine, reference)
+    assert _file_backed(mine) and _file_backed(reference)
+    assert not _file_backed(mine.copy()) and not _file_backed(mine[[0, 2]])
+
+
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q4_1, T.Q4_0])
 def test_decoding_equals_gguf_dequantize(tmp_path, qtype):
     raw = random_blocks(qtype, rows=6, k=512, seed=int(qtype))

@@ -20,6 +20,7 @@ the rest); `preset_gguf` finds it, or makes it again.
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import sys
@@ -195,12 +196,43 @@ def _reordered(codes: tuple[torch.Tensor, ...], order: torch.Tensor | None) -> t
     return codes if order is None else tuple(t[order].contiguous() for t in codes)
 
 
+def open_gguf(path: str | Path) -> Any:
+    """gguf-py's `GGUFReader` over `path`, its file mapping seen as a plain array: the slicing
+    hooks of numpy.memmap, run for every value of a large vocabulary's metadata, took most of
+    the time reading the header (docs/results.md, "Loading a 4-bit target"). Tensors' `data` are
+    views of the read-only mapping as before, plain arrays."""
+    # gguf only when reading a GGUF file (~30 ms more): gguf_int4 is imported with
+    # models/quantized.py by the command line's parser
+    from gguf import GGUFReader
+
+    class PlainReader(GGUFReader):
+        @property
+        def data(self) -> np.ndarray:
+            return self._plain
+
+        @data.setter
+        def data(self, value: np.ndarray) -> None:
+            self._plain = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+    return PlainReader(path)
+
+
+def _file_backed(data: np.ndarray) -> bool:
+    """Whether `data` is a view of a file's mapping (its pages can be handed back)."""
+    base: Any = data
+    while base is not None:
+        if isinstance(base, (np.memmap, mmap.mmap)):
+            return True
+        base = getattr(base, "base", None)
+    return False
+
+
 def _let_go(data: np.ndarray) -> None:
     """Hand back the pages of a tensor read from the file (gguf-py maps it read-only): they would
     stay in the process while the reader lives, a whole file's worth by the last tensor. The
     decoded codes are copies; the file stays in the page cache (kernels/quantize.py
-    `drop_range`)."""
-    if isinstance(data, np.memmap):
+    `drop_range`). Only a view of the mapping: the pages of a copy would be lost."""
+    if _file_backed(data):
         drop_range(data.ctypes.data, data.nbytes)
 
 
@@ -267,12 +299,9 @@ def gguf_codes(model: torch.nn.Module, path: str | Path) -> tuple[GgufCodes | No
 
     Every mapped tensor's rows (a sample of them) must equal the model's weights to bfloat16
     rounding (or exactly, in float32): else the file is not the model's, and None says which."""
-    # gguf only when reading a GGUF file (~30 ms more): gguf_int4 is imported with
-    # models/quantized.py by the command line's parser
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    reader = GGUFReader(path)
+    reader = open_gguf(path)
     field_ = reader.fields.get("general.architecture")
     arch = field_.contents() if field_ is not None else None
     if arch not in ARCHITECTURES:
@@ -367,9 +396,9 @@ def write_codes(gguf: Path, dest: Path) -> Path:
     the loaded weights. The token embedding and those linears' data stay out: a 4-bit
     target's cache keeps this, not the whole file (its converted folder has the rest). Written
     beside `dest` and renamed into place, so that a file there is whole."""
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from gguf import GGUFValueType, GGUFWriter
 
-    reader = GGUFReader(gguf)
+    reader = open_gguf(gguf)
     field_ = reader.fields.get("general.architecture")
     if field_ is None:
         raise ValueError(f"{gguf} names no architecture (general.architecture)")
