@@ -180,8 +180,9 @@ def test_a_drafter_starts_from_the_pool_and_drafts_as_from_a_fresh_cache(target)
     assert torch.equal(got.tokens, want.tokens)
 
 
-@needs_kernel()
-def test_the_server_reports_the_kept_prefix_in_usage_and_metrics(engines):
+def _served(engines, prompts: list[str], **options) -> tuple[list[int], str]:
+    """Each prompt's `cached_tokens` from a server over the tiny pair (answered one after the
+    other, each checked against the engine alone), then its /metrics."""
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
@@ -191,20 +192,28 @@ def test_the_server_reports_the_kept_prefix_in_usage_and_metrics(engines):
     target, draft = engines
     engine = SpeculativeDecoder(target, draft, k=3, k_policy="fixed")
     reference = SpeculativeDecoder(target, draft, k=3, k_policy="fixed")
-    prompts = [SYSTEM + "the cat sat", SYSTEM + "the dog ran"]
     cached = []
-    with serve_in_thread(create_app(engine, "tiny")) as base:
-        for prompt in prompts:  # one after the other: the second finds the first's row
+    with serve_in_thread(create_app(engine, "tiny", **options)) as base:
+        for prompt in prompts:
             body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0}
             out = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()
             assert out["choices"][0]["text"] == reference.generate(prompt, 12).text
             cached.append(out["usage"]["prompt_tokens_details"]["cached_tokens"])
         metrics = httpx.get(f"{base}/metrics").text
-    assert cached[0] == 0 and cached[1] >= len(engine.encode_prompt(SYSTEM + "the "))
-    hits = next(
-        line for line in metrics.splitlines() if line.startswith("vllm:prefix_cache_hits_total")
-    )
-    assert float(hits.split()[-1]) == sum(cached)
+    return cached, metrics
+
+
+def _metric(metrics: str, name: str) -> float:
+    return float(next(line for line in metrics.splitlines() if line.startswith(name)).split()[-1])
+
+
+@needs_kernel()
+def test_the_server_reports_the_kept_prefix_in_usage_and_metrics(engines):
+    # one after the other: the second finds the first's row
+    cached, metrics = _served(engines, [SYSTEM + "the cat sat", SYSTEM + "the dog ran"])
+    encode = SpeculativeDecoder(*engines).encode_prompt
+    assert cached[0] == 0 and cached[1] >= len(encode(SYSTEM + "the "))
+    assert _metric(metrics, "vllm:prefix_cache_hits_total") == sum(cached)
 
 
 @needs_kernel()
@@ -288,29 +297,9 @@ def test_a_prefix_cache_keeps_the_longest_within_its_budget():
 @needs_kernel()
 @pytest.mark.parametrize("prefix_cache_mb", [0, 64])
 def test_the_server_keeps_prefixes_beyond_its_rows(engines, prefix_cache_mb):
-    httpx = pytest.importorskip("httpx")
-    pytest.importorskip("fastapi")
-    pytest.importorskip("uvicorn")
-    from specdecode.server.app import create_app
-    from specdecode.server.background import serve_in_thread
-
-    target, draft = engines
-    engine = SpeculativeDecoder(target, draft, k=3, k_policy="fixed")
-    reference = SpeculativeDecoder(target, draft, k=3, k_policy="fixed")
     # one row: the second prompt (sharing nothing) takes over what the first left
     prompts = [SYSTEM + "the cat sat", "once upon a time", SYSTEM + "the cat sat"]
-    app = create_app(engine, "tiny", max_batch=1, prefix_cache_mb=prefix_cache_mb)
-    cached = []
-    with serve_in_thread(app) as base:
-        for prompt in prompts:
-            body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0}
-            out = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()
-            assert out["choices"][0]["text"] == reference.generate(prompt, 12).text
-            cached.append(out["usage"]["prompt_tokens_details"]["cached_tokens"])
-        metrics = httpx.get(f"{base}/metrics").text
-    whole = len(engine.encode_prompt(prompts[0])) - 1  # the last prompt token is always run
+    cached, metrics = _served(engines, prompts, max_batch=1, prefix_cache_mb=prefix_cache_mb)
+    whole = len(SpeculativeDecoder(*engines).encode_prompt(prompts[0])) - 1  # the last is run
     assert cached == [0, 0, whole if prefix_cache_mb else 0]
-    held = next(
-        line for line in metrics.splitlines() if line.startswith("specdecode_prefix_cache_b")
-    )
-    assert (float(held.split()[-1]) > 0) == bool(prefix_cache_mb)
+    assert (_metric(metrics, "specdecode_prefix_cache_bytes") > 0) == bool(prefix_cache_mb)
