@@ -63,10 +63,13 @@ def make_store(
 def prefix_budgets(decoder: Any, kept: int) -> tuple[int, int]:
     """`kept` bytes of kept prefixes split between the target's (`LeanStore.kept`) and a draft
     model's caches (`PrefixPool`) in proportion to what a position takes in each, so that both
-    keep about as many positions; all of it the target's without a draft model."""
+    keep about as many positions; all of it the target's without a draft model, or with one
+    off the CPU (its caches stay where it runs: host memory is what the budget is for)."""
     drafter = decoder.drafter
     draft = getattr(drafter, "model", None)
     if draft is None or not hasattr(drafter, "prefixes") or unsupported_reason(draft) is not None:
+        return kept, 0
+    if next(draft.parameters()).device.type != "cpu":
         return kept, 0
     target, per_draft = position_bytes(decoder.target.model), position_bytes(draft)
     draft_kept = kept * per_draft // (target + per_draft)
