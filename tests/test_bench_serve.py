@@ -127,6 +127,18 @@ def test_completions_run_records_every_request(completions_run, models, url):
     assert "the server's `usage` count" in report
 
 
+def test_continue_takes_each_levels_prompts_after_the_last_ones(url, prompts_file, tmp_path):
+    out = tmp_path / "continue"
+    argv = ["--endpoint", url, "--concurrency", "1,2", "--prompts", str(prompts_file)]
+    argv += ["--max-new-tokens", "2", "--requests-per-level", "2", "--prompt-order", "continue"]
+    assert bench(*argv, "--out", str(out)) == 0
+    records, summary = read_run(out)
+    # the warm-up took ORDER[0]; level 1 the next two, level 2 the two after them
+    assert [r["prompt_id"] for r in records] == [ORDER[i % 3] for i in range(1, 5)]
+    assert summary["settings"]["prompt_order"] == "continue"
+    assert "each level after the last one's prompts" in (out / "report.md").read_text()
+
+
 def test_chat_without_usage_counts_chunks_and_compares(url, prompts_file, completions_run):
     out = completions_run.parent / "chat"
     argv = ["--endpoint", f"{url}/v1", "--concurrency", "2", "--prompts", str(prompts_file)]
@@ -290,6 +302,10 @@ def closed_port() -> int:
         (["--endpoint", "http://x", "--prompts", "{empty}"], "no prompts in the file"),
         (["--endpoint", "http://x", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
         (["--endpoint", "http://x", "--duration", "0"], "--duration must be > 0"),
+        (
+            ["--endpoint", "http://x", "--prompt-order", "shuffle"],
+            "one of restart, continue (got 'shuffle')",
+        ),
         ([], "give --endpoint URL to measure"),
         (["--compare", "{tmp}"], "two or more folders"),
         (["--compare", "{tmp}", "{tmp}/none"], "summary.json does not exist"),

@@ -92,6 +92,14 @@ def add_bench_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.A
         help="unrecorded requests before the first level (default 1)",
     )
     parser.add_argument(
+        "--prompt-order",
+        default="restart",
+        metavar="restart|continue",
+        help="restart: every level from the first prompt (a server's prompt cache sees the "
+        "same prompts again); continue: each level after the last one's prompts, so that a "
+        "prompt comes back only after all were sent (default restart)",
+    )
+    parser.add_argument(
         "--no-usage",
         dest="stream_usage",
         action="store_false",
@@ -138,6 +146,7 @@ def handle_bench_serve(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         stream_usage=args.stream_usage,
         command=_command(getattr(args, "argv", [])),
+        prompt_order=args.prompt_order,
     )
     summary = run_load(config)
     print(main_table(summary))

@@ -6,7 +6,11 @@ next as soon as the last one ended; after a 429, after its Retry-After, at most
 max(16, 4·C)) or its `duration_s` has passed (requests under way then still finish). Request i
 of a level (in order of sending) takes prompt i mod n of the prompts in a fixed order (the suite
 interleaved by category), its first turn, raw (`/v1/completions`) or as one user message
-(`--chat`, `/v1/chat/completions`). One `warmup` request runs first, unrecorded.
+(`--chat`, `/v1/chat/completions`); with `prompt_order="continue"`, prompt (s + i) mod n, s the
+requests sent before it (the warm-up's included), so that a prompt comes back only after all n
+were sent: a server that keeps earlier prompts (a prefix cache) meets each level's prompts as
+new where "restart" (the default) meets the same first prompts at every level. One `warmup`
+request runs first, unrecorded.
 
 Writes to `out`: results.jsonl (one record per request, a level at a time), summary.json (per
 level and category: serve_stats.py; the endpoint, model and settings), report.md and plots
@@ -37,6 +41,7 @@ DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16)
 MAX_CONCURRENCY = 1024
 MAX_RETRY_WAIT_S = 10.0
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+PROMPT_ORDERS = ("restart", "continue")
 
 
 def default_requests(concurrency: int) -> int:
@@ -66,6 +71,7 @@ class LoadConfig:
     warmup: int = 1
     stream_usage: bool = True  # send stream_options.include_usage
     command: str | None = None
+    prompt_order: str = "restart"  # each level from the first prompt, or "continue"
 
     def validate(self) -> list[BenchPrompt]:
         """The prompts, in sending order; ValueError naming what is allowed for a bad option."""
@@ -105,6 +111,10 @@ class LoadConfig:
             raise ValueError(f"--temperature must be in [0, 2] (got {self.temperature})")
         if not self.timeout_s > 0:
             raise ValueError(f"--timeout must be > 0 seconds (got {self.timeout_s})")
+        if self.prompt_order not in PROMPT_ORDERS:
+            raise ValueError(
+                f"--prompt-order must be one of {', '.join(PROMPT_ORDERS)} (got {self.prompt_order!r})"
+            )
         Endpoint.parse(self.endpoint)
         return interleave_by_category(load_suite(self.prompts_file, self.categories))
 
@@ -172,8 +182,11 @@ def run_load(config: LoadConfig, progress: bool = True) -> dict[str, Any]:
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     records: list[dict[str, Any]] = []
     (out / RESULTS).write_text("")
+    first = config.warmup if config.prompt_order == "continue" else 0
     for concurrency in config.concurrency:
-        level = run_level(send, prompts, concurrency, config, progress)
+        level = run_level(send, prompts, concurrency, config, progress, first)
+        if config.prompt_order == "continue":
+            first += len(level)
         with (out / RESULTS).open("a") as f:
             f.writelines(json.dumps(r) + "\n" for r in level)
         records += level
@@ -190,8 +203,10 @@ def run_level(
     concurrency: int,
     config: LoadConfig,
     progress: bool = True,
+    first: int = 0,
 ) -> list[dict[str, Any]]:
-    """One level's records (in order of sending): `concurrency` closed-loop clients."""
+    """One level's records (in order of sending): `concurrency` closed-loop clients, request i
+    taking prompt (first + i) mod n."""
     count = config.requests_per_level
     if count is None and config.duration_s is None:
         count = default_requests(concurrency)
@@ -212,7 +227,7 @@ def run_level(
                     if over or failures:
                         return
                     index, sent = sent, sent + 1
-                prompt = prompts[index % len(prompts)]
+                prompt = prompts[(first + index) % len(prompts)]
                 began = time.perf_counter() - start
                 outcome = send(prompt)
                 ended = time.perf_counter() - start

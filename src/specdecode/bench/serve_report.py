@@ -86,7 +86,12 @@ def render_report(summary: dict[str, Any]) -> str:
         f"- endpoint: {summary['endpoint']}{summary['route']}, model `{summary['model']}`",
         f"- {amount}, up to {settings['max_new_tokens']} new tokens, temperature "
         f"{settings['temperature']:g}, prompts: {settings['prompts_file'] or 'the built-in suite'}"
-        + (f" ({', '.join(settings['categories'])})" if settings["categories"] else ""),
+        + (f" ({', '.join(settings['categories'])})" if settings["categories"] else "")
+        + (
+            ", each level after the last one's prompts"
+            if settings.get("prompt_order") == "continue"
+            else ""
+        ),
         f"- started {summary['started']}; client: {machine['cpu']}, {machine['cpus']} CPUs",
         f"- {token_note(summary['token_counting'])}; ITL: gaps between content chunks (a chunk "
         "may carry several tokens); TPOT: time after the first chunk / (tokens - 1)",
