@@ -192,3 +192,39 @@ def test_later_parts_are_smaller_as_each_token_costs_more(engines):
     assert worker.part_size(partial) == 128
     with pytest.raises(ValueError, match="prefill_chunk"):
         GenerationWorker(SpeculativeDecoder(target, draft), prefill_chunk=-1)
+
+
+VERY_LONG = SYSTEM * 8 + "What does the cat do?"  # over 600 tokens: past one chunk of 512
+
+
+def _answer_in_parts(session, prompt: str, parts: int):
+    """`prompt`'s answer through open_prefill with `parts`, offering parts of 200 (clamped),
+    and the prompt positions a kept prefix covered."""
+    request = GenerationRequest(6, SamplingParams())
+    partial = session.open_prefill(prompt, request, parts=parts)
+    kept = partial.kept
+    while partial.remaining > 0:
+        session.advance_prefill(partial, 200)
+    assert all(n <= parts for n, _ in partial.parts)
+    generation = session.add(prompt, request, prefilled=partial)
+    assert generation.stats.meter.tokens["prefill"] == len(generation.prompt_ids) - kept
+    while session.generations:
+        session.step()
+    return generation, kept
+
+
+def test_a_prompt_of_any_length_keeps_a_prefix_where_its_parts_stay_fused(engines):
+    target, draft = engines
+    engine = SpeculativeDecoder(target, draft, k=3, k_policy="fixed")
+    other = VERY_LONG.replace("cat", "dog")
+    want, _ = _answer_in_parts(engine.batch_session(max_rows=1, max_len=800), other, 128)
+    session = engine.batch_session(max_rows=1, max_len=800)
+    _answer_in_parts(session, VERY_LONG, 128)  # leaves its keys and values in the row
+    got, kept = _answer_in_parts(session, other, 128)
+    assert kept >= len(engine.encode_prompt(SYSTEM * 8)) > 512
+    assert got.token_ids == want.token_ids and got.stats.cached_tokens == kept
+    # parts longer than the fused rows (VERIFY_TOKENS): such a prefill leaves the fused path
+    # past one chunk, so nothing is kept
+    session = engine.batch_session(max_rows=1, max_len=800)
+    _answer_in_parts(session, VERY_LONG, 256)
+    assert _answer_in_parts(session, other, 256)[1] == 0

@@ -117,9 +117,10 @@ class StaticStore(RowPool):
         """Every per-row tensor a row's positions live in: [rows, ..., max_len + 1, ...]."""
         return [*self.keys, *self.values]
 
-    def open_row(self, tokens: Sequence[int] = ()) -> StoreRow:
+    def open_row(self, tokens: Sequence[int] = (), parts: int | None = None) -> StoreRow:
         """An empty row (StoreFull when every row is taken); `StoreRow.close()` frees it.
-        `tokens` (the sequence's start) is not used: only the lean store keeps prefixes."""
+        `tokens` (the sequence's start) and `parts` are not used: only the lean store keeps
+        prefixes."""
         row = self.take()
         self.lengths[row] = 0
         return StoreRow(self, row)

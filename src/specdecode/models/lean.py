@@ -273,22 +273,26 @@ class LeanCache(Cache):
         if release is not None:
             release(self)
 
-    def reusable_prefix(self, tokens: Sequence[int]) -> int:
+    def reusable_prefix(self, tokens: Sequence[int], parts: int | None = None) -> int:
         """How many leading positions a sequence starting with `tokens` may keep from this
         cache, bit for bit what its own prefill would compute: the common prefix of `tokens`
         and the cached ids, within the positions computed on the fused path, and only where
-        the prefill of `tokens` would take that path too (at most PREFILL_CHUNK of them, and
-        at most VERIFY_TOKENS where a longer prefill takes PyTorch's product: `_prefill`)."""
-        if not self.keeps_prefix(len(tokens)):
+        the prefill of `tokens` would take that path too (`keeps_prefix`)."""
+        if not self.keeps_prefix(len(tokens), parts):
             return 0
         return common_prefix(self.ids[: self.fused_len], tokens)
 
-    def keeps_prefix(self, n_tokens: int) -> bool:
+    def keeps_prefix(self, n_tokens: int, parts: int | None = None) -> bool:
         """Whether a prefill of `n_tokens` takes the fused path for every position, so that a
-        prefix computed there is the bits it would compute (`reusable_prefix`)."""
-        return (
-            self._fused is not None and n_tokens <= PREFILL_CHUNK and not self._on_torch(n_tokens)
-        )
+        prefix computed there is the bits it would compute (`reusable_prefix`): at once, at
+        most PREFILL_CHUNK of them (and at most VERIFY_TOKENS where a longer prefill takes
+        PyTorch's product: `_prefill`); in forwards of at most `parts` positions each (a
+        server's prefill in parts), any number where `parts` is at most `fused_tokens`."""
+        if self._fused is None:
+            return False
+        if parts is not None and parts <= self.fused_tokens:
+            return True
+        return n_tokens <= PREFILL_CHUNK and not self._on_torch(n_tokens)
 
     def rollback(self, length: int) -> None:
         """Forget every cached position at or after `length`."""
@@ -661,13 +665,14 @@ class LeanStore(RowPool):
         )
         return self.kv.numel() * self.kv.element_size() + self.ids.numel() * 8 + kept
 
-    def open_row(self, tokens: Sequence[int] = ()) -> LeanCache:
+    def open_row(self, tokens: Sequence[int] = (), parts: int | None = None) -> LeanCache:
         """A row for a sequence that starts with `tokens` (StoreFull when every row is
         taken), holding the longest prefix of them a free row can keep (`len()` of the
-        cache: 0 when none)."""
+        cache: 0 when none). `parts`: the most positions each forward of its prefill will
+        take, where the caller promises that (`LeanCache.keeps_prefix`)."""
         if not self.free_rows:
             self.take()  # raises StoreFull
-        kept = {row: self._kept(row, tokens) for row in self.free_order()}
+        kept = {row: self._kept(row, tokens, parts) for row in self.free_order()}
         row = max(kept, key=kept.get)  # the first of the longest: freed longest ago on ties
         self.take(row)
         self._keep_left(row, kept[row])
@@ -683,7 +688,7 @@ class LeanStore(RowPool):
             features=features,
         )
         entry, length = self.kept.match(tokens) if len(self.kept) else (None, 0)
-        if entry is not None and length > kept[row] and cache.keeps_prefix(len(tokens)):
+        if entry is not None and length > kept[row] and cache.keeps_prefix(len(tokens), parts):
             self.kept.restore(entry, length, self.kv[row], self.ids[row], features)
             cache.length = cache.fused_len = length
         return cache
@@ -698,9 +703,9 @@ class LeanStore(RowPool):
         features = self.features[row, :n] if self.features is not None else None
         self.kept.keep(self.ids[row, :n], self.kv[row], features)
 
-    def _kept(self, row: int, tokens: Sequence[int]) -> int:
+    def _kept(self, row: int, tokens: Sequence[int], parts: int | None) -> int:
         left = self._left[row]
-        return left.reusable_prefix(tokens) if left is not None and tokens else 0
+        return left.reusable_prefix(tokens, parts) if left is not None and tokens else 0
 
     def _free_row(self, row: int, cache: LeanCache) -> None:
         self._left[row] = cache

@@ -93,6 +93,9 @@ class PartialPrefill:
     # a draft model's cache, filled with the same parts (its drafter's `begin` takes it), or None
     draft: Any = None
     new_tokens: int = 0  # the most tokens the request may generate
+    # the most positions one forward of it takes (advance_prefill's parts, and add's last one
+    # with the prompt's last token), as open_prefill was promised; None: no limit
+    part_limit: int | None = None
 
     @property
     def remaining(self) -> int:
@@ -243,6 +246,9 @@ class BatchSession:
                 self._check_room(prompt_ids, request)
             elif prefilled.prompt_ids != prompt_ids:
                 raise ValueError("a partial prefill continues its own prompt only")
+            elif prefilled.part_limit is not None:  # the last forward (the rest and the last
+                while prefilled.remaining >= prefilled.part_limit:  # token) within the limit
+                    self.advance_prefill(prefilled, prefilled.part_limit)
         except BaseException:  # a partial prefill's row is add's: given back, not lost
             if prefilled is not None:
                 prefilled.close()
@@ -279,12 +285,17 @@ class BatchSession:
         self._take(generation, self.clock())
         return generation
 
-    def open_prefill(self, prompt: Any, request: GenerationRequest) -> PartialPrefill:
+    def open_prefill(
+        self, prompt: Any, request: GenerationRequest, parts: int | None = None
+    ) -> PartialPrefill:
         """Validate `request` for `prompt` as `add` does and take a free row for its prefill in
         parts (`advance_prefill`), keeping the longest prefix of the prompt a free row holds;
         `add(prompt, request, prefilled=...)` then finishes it. A prompt split into parts of at
         most VERIFY_TOKENS (lean.py) positions gets the keys and values of one whole prefill on
         the kernels' fused path, bit for bit (the fused path's rows do not depend on the split).
+        `parts`: the most positions any part (the last, `add`'s, included) will take; at most
+        VERIFY_TOKENS, it lets a prompt of any length keep a prefix (`LeanCache.keeps_prefix`),
+        and `advance_prefill` never takes more.
         A draft model's cache is filled in the same parts (its drafter's `begin` then takes it)
         where the batch's policy says the row's drafting will pay for that prefill
         (`Batch.draft_pays`): the draft's prefill of a long prompt never stalls the running
@@ -293,18 +304,27 @@ class BatchSession:
         self.decoder.resolve(prompt_ids, request, self.clock)  # validates the request
         self._check_room(prompt_ids, request)
         started = self.clock()
-        cache = self.store.open_row(prompt_ids[:-1])
+        cache = self.store.open_row(prompt_ids[:-1], parts)
         draft = None
         drafter = self.decoder.drafter
         if hasattr(drafter, "prefilled"):  # a draft model: its prefill goes in the same parts
             draft = self.draft_prefixes.take(prompt_ids[:-1]) or draft_cache(drafter.model)
         return PartialPrefill(
-            prompt_ids, cache, len(cache), started, draft=draft, new_tokens=request.max_new_tokens
+            prompt_ids,
+            cache,
+            len(cache),
+            started,
+            draft=draft,
+            new_tokens=request.max_new_tokens,
+            part_limit=parts,
         )
 
     @torch.inference_mode()
     def advance_prefill(self, partial: PartialPrefill, tokens: int) -> None:
-        """Forward up to `tokens` more of the prompt's positions (never its last token)."""
+        """Forward up to `tokens` more of the prompt's positions (never its last token; never
+        more than the `parts` it was opened with)."""
+        if partial.part_limit is not None:
+            tokens = min(tokens, partial.part_limit)
         begin = len(partial.cache)
         end = begin + max(0, min(tokens, partial.remaining))
         if end == begin:

@@ -338,7 +338,11 @@ class GenerationWorker:
                 request = job.params.request(self.engine, max_new)
                 job.plan = (prompt_ids, request, self._collector(job.params))
                 if self.prefill_chunk and len(prompt_ids) - 1 > self.prefill_chunk:
-                    job.partial = self.session.open_prefill(prompt_ids, request)
+                    # no part longer than prefill_chunk: at most VERIFY_TOKENS (the default),
+                    # a prompt of any length then keeps a prefix for the next (lean.py)
+                    job.partial = self.session.open_prefill(
+                        prompt_ids, request, parts=self.prefill_chunk
+                    )
             prompt_ids, request, collector = job.plan
             partial = job.partial
             while partial is not None:
