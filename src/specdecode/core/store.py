@@ -47,6 +47,11 @@ def kv_shape(model: Any) -> tuple[int, int, int]:
     return int(layers), int(kv_heads), int(head_dim)
 
 
+def tensor_bytes(*tensors: torch.Tensor | None) -> int:
+    """Bytes the given tensors hold (None counts nothing)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
 class RowPool:
     """Which rows of a store are taken: what StaticStore and LeanStore share."""
 
@@ -110,8 +115,7 @@ class StaticStore(RowPool):
     @property
     def nbytes(self) -> int:
         """Bytes the store holds (keys and values of every layer, and features if kept)."""
-        kept = [self.features] if self.features is not None else []
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values, *kept))
+        return tensor_bytes(*self.keys, *self.values, self.features)
 
     def _states(self) -> list[torch.Tensor]:
         """Every per-row tensor a row's positions live in: [rows, ..., max_len + 1, ...]."""

@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.core.cache import Cache, KVCache, compaction, feature_width, tapped_features
-from specdecode.core.store import RowPool, StoreFull, kv_shape
+from specdecode.core.store import RowPool, StoreFull, kv_shape, tensor_bytes
 from specdecode.kernels.build import KernelUnavailable, extension
 from specdecode.kernels.cpu_linear import direct_linear, prefill_linear
 from specdecode.kernels.panels import on_kernel
@@ -248,8 +248,7 @@ class LeanCache(Cache):
     @property
     def nbytes(self) -> int:
         """Bytes of the tensors this cache holds (its capacity, not only its length)."""
-        tensors = (self.kv, self.ids, self._features)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return tensor_bytes(self.kv, self.ids, self._features)
 
     def features(self) -> torch.Tensor:
         """[len, W]: the feature of every cached position (`keep_features`)."""
@@ -660,10 +659,7 @@ class LeanStore(RowPool):
 
     @property
     def nbytes(self) -> int:
-        kept = (
-            self.features.numel() * self.features.element_size() if self.features is not None else 0
-        )
-        return self.kv.numel() * self.kv.element_size() + self.ids.numel() * 8 + kept
+        return tensor_bytes(self.kv, self.ids, self.features)
 
     def open_row(self, tokens: Sequence[int] = (), parts: int | None = None) -> LeanCache:
         """A row for a sequence that starts with `tokens` (StoreFull when every row is

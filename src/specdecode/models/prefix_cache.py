@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specdecode.core.store import tensor_bytes
+
 
 def common_prefix(ids: torch.Tensor, tokens: Sequence[int] | torch.Tensor) -> int:
     """How many leading entries of `ids` ([n] int64) equal those of `tokens`."""
@@ -44,8 +46,7 @@ class KeptPrefix:
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.ids, self.kv, self.features)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return tensor_bytes(self.ids, self.kv, self.features)
 
 
 class PrefixCache:
