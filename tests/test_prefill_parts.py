@@ -199,10 +199,10 @@ VERY_LONG = SYSTEM * 8 + "What does the cat do?"  # over 600 tokens: past one ch
 
 def _answer_in_parts(session, prompt: str, parts: int):
     """`prompt`'s answer through open_prefill with `parts`, offering parts of 200 (clamped),
-    and the prompt positions a kept prefix covered."""
-    request = GenerationRequest(6, SamplingParams())
+    and the prompt positions a kept prefix covered (the target's, then the draft's)."""
+    request = GenerationRequest(12, SamplingParams(), eos_token_ids=())  # drafts: no early EOS
     partial = session.open_prefill(prompt, request, parts=parts)
-    kept = partial.kept
+    kept, draft_kept = partial.kept, len(partial.draft)
     while partial.remaining > 0:
         session.advance_prefill(partial, 200)
     assert all(n <= parts for n, _ in partial.parts)
@@ -210,21 +210,28 @@ def _answer_in_parts(session, prompt: str, parts: int):
     assert generation.stats.meter.tokens["prefill"] == len(generation.prompt_ids) - kept
     while session.generations:
         session.step()
-    return generation, kept
+    return generation, kept, draft_kept
 
 
 def test_a_prompt_of_any_length_keeps_a_prefix_where_its_parts_stay_fused(engines):
     target, draft = engines
     engine = SpeculativeDecoder(target, draft, k=3, k_policy="fixed")
     other = VERY_LONG.replace("cat", "dog")
-    want, _ = _answer_in_parts(engine.batch_session(max_rows=1, max_len=800), other, 128)
+    want, _, _ = _answer_in_parts(engine.batch_session(max_rows=1, max_len=800), other, 128)
     session = engine.batch_session(max_rows=1, max_len=800)
     _answer_in_parts(session, VERY_LONG, 128)  # leaves its keys and values in the row
-    got, kept = _answer_in_parts(session, other, 128)
-    assert kept >= len(engine.encode_prompt(SYSTEM * 8)) > 512
+    before = session.batch.meter.tokens["draft_prefill"]
+    got, kept, draft_kept = _answer_in_parts(session, other, 128)
+    shared = len(engine.encode_prompt(SYSTEM * 8))
+    assert kept >= shared > 512
     assert got.token_ids == want.token_ids and got.stats.cached_tokens == kept
+    # the draft's cache, prefilled in the same parts, keeps as much: its drafts are the ones
+    # a fresh draft makes (the same acceptance), and only the rest of it is prefilled
+    assert draft_kept >= shared and got.stats.accepted == want.stats.accepted
+    spent = session.batch.meter.tokens["draft_prefill"] - before
+    assert draft_kept < len(got.prompt_ids) and spent < len(got.prompt_ids) - 512
     # parts longer than the fused rows (VERIFY_TOKENS): such a prefill leaves the fused path
     # past one chunk, so nothing is kept
     session = engine.batch_session(max_rows=1, max_len=800)
     _answer_in_parts(session, VERY_LONG, 256)
-    assert _answer_in_parts(session, other, 256)[1] == 0
+    assert _answer_in_parts(session, other, 256)[1:] == (0, 0)

@@ -167,6 +167,9 @@ def test_a_drafter_starts_from_the_pool_and_drafts_as_from_a_fresh_cache(target)
     for prompt, prefixes in ((first, pool), (second, pool), (second, None)):
         drafter = fork_drafter(base)
         drafter.prefixes = prefixes
+        # what its begin will prefill, by which a batch prices its drafting (Batch._pays)
+        lacking = len(prompt) - 1 - (20 if prompt is second and prefixes is not None else 0)
+        assert drafter.prefill_positions(prompt) == lacking
         drafter.begin(prompt, SamplingParams(), None, ForwardMeter())
         drafters.append(drafter)
         if prompt is first:

@@ -276,13 +276,17 @@ class Batch:
         return going
 
     def _pays(self, row: Row, k: int, rows: int) -> bool:
-        """Whether `row`'s draft prefill pays for itself (`KPolicy.pays_to_begin`)."""
-        prefill_s = self._draft_prefill_seconds(len(row.state.tokens))
+        """Whether `row`'s draft prefill (of what its draft lacks: `prefill_positions`) pays for
+        itself (`KPolicy.pays_to_begin`)."""
+        drafter = row.drafter
+        lacking = drafter.prefill_positions(row.state.tokens) if drafter is not None else 0
+        prefill_s = self._draft_prefill_seconds(lacking)
         return self.policy.pays_to_begin(k, rows, row.allowed + 1, prefill_s)
 
     def draft_pays(self, prompt_tokens: int, new_tokens: int) -> bool:
-        """Whether a row about to join (a prompt of `prompt_tokens`, up to `new_tokens` to
-        generate) is worth its draft's prefill at the best k for the batch it joins."""
+        """Whether a row about to join (its draft lacking `prompt_tokens` positions of the
+        prompt, up to `new_tokens` to generate) is worth its draft's prefill at the best k for
+        the batch it joins."""
         prefill_s = self._draft_prefill_seconds(prompt_tokens)
         return self.policy.pays_to_begin(None, len(self.running()) + 1, new_tokens, prefill_s)
 

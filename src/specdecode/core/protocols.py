@@ -3,7 +3,7 @@
 The core codes against these protocols only; the implementations live in drafters/ and the core
 never imports them (docs/architecture.md, Invariants 5). The tree drafter's protocol sits with the
 token tree it proposes (tree.py). A drafter subclasses its protocol: the optional hooks
-(`follow`, `share_costs`, `end`, `propose_many`, `cost_ratio`) are declared here with defaults that do nothing
+(`follow`, `share_costs`, `prefill_positions`, `end`, `propose_many`, `cost_ratio`) are declared here with defaults that do nothing
 special, so the core calls them on every drafter and never asks whether one has them.
 """
 
@@ -43,6 +43,12 @@ class BaseDrafter(Protocol):
         """Before `begin`: the batch's k policy, whose measured costs a drafter that sizes its
         own draft reads (`policies.verify_cost`: a suffix tree, a hybrid's choice). Default:
         nothing."""
+
+    def prefill_positions(self, prompt_ids: list[int]) -> int:
+        """How many positions `begin(prompt_ids, ...)` would compute in its draft's prefill, by
+        which the core prices it (`Batch._pays`): a draft model holding a prefix of the prompt
+        already computes only the rest. Default: all of prompt_ids[:-1]."""
+        return max(0, len(prompt_ids) - 1)
 
     def end(self) -> None:
         """The sequence is over (finished, cancelled or failed): give back what `begin` took

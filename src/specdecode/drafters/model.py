@@ -54,6 +54,15 @@ class DraftModelState:
             with meter.forward("draft_prefill", len(prompt_ids) - 1 - start):
                 self.cache.forward(self._ids(prompt_ids[start:-1]), last_only=True)
 
+    def prefill_positions(self, prompt_ids: list[int]) -> int:
+        """What `begin(prompt_ids, ...)` would prefill: the prompt past the cache it was handed
+        (`prefilled`) or would take from `prefixes`."""
+        if self.prefilled is not None:
+            held = len(self.prefilled)
+        else:
+            held = self.prefixes.longest(prompt_ids[:-1]) if self.prefixes is not None else 0
+        return max(0, len(prompt_ids) - 1 - held)
+
     def end(self) -> None:
         """The sequence is over: its cache goes to `prefixes`, if any, for the next ones."""
         if self.prefixes is not None and self.cache is not None:

@@ -121,10 +121,13 @@ def runs_lean(model: Any, env: str = ENV) -> bool:
     return choice == "lean" and unsupported_reason(model) is None
 
 
-def draft_cache(model: Any) -> KVCache | LeanCache:
+def draft_cache(model: Any, fused_tokens: int = FUSED_TOKENS) -> KVCache | LeanCache:
     """The cache a drafter runs `model` through: a LeanCache where the lean forward supports the
-    model (and SPECDECODE_DRAFT_FORWARD is not "hf"), else the KVCache over its own forward."""
-    return LeanCache(model) if runs_lean(model) else KVCache(model)
+    model (and SPECDECODE_DRAFT_FORWARD is not "hf"), else the KVCache over its own forward.
+    `fused_tokens`: the longest forward on the fused path (`LeanCache`); a draft prefilled in
+    parts of up to VERIFY_TOKENS, as a server's are, keeps its prompt fused with it at their
+    size, so its prefix can be kept past PREFILL_CHUNK (`PrefixPool.take(tokens, parts)`)."""
+    return LeanCache(model, fused_tokens=fused_tokens) if runs_lean(model) else KVCache(model)
 
 
 def target_cache(model: Any) -> KVCache | LeanCache:
@@ -711,9 +714,10 @@ class LeanStore(RowPool):
 class PrefixPool:
     """The draft caches that ended sequences leave behind (`DraftModelState.end`, in
     drafters/model.py), for the next sequences to start from: the `size` most recent, and
-    older ones while all of them take at most `budget` bytes. `take(tokens)` hands out the one
-    holding the longest prefix of `tokens` that is bit for bit what a prefill would compute
-    (`LeanCache.reusable_prefix`), rolled back to it; None when none holds any. A batch
+    older ones while all of them take at most `budget` bytes. `take(tokens, parts)` hands out
+    the one holding the longest prefix of `tokens` that is bit for bit what a prefill would
+    compute (at once, or in `parts`: `LeanCache.reusable_prefix`), rolled back to it; None when
+    none holds any. A batch
     session's rows share one (runtime/session.py), as its target rows share the store and its
     `PrefixCache`."""
 
@@ -725,8 +729,12 @@ class PrefixPool:
     def __len__(self) -> int:
         return len(self._caches)
 
-    def take(self, tokens: Sequence[int]) -> LeanCache | None:
-        kept = [cache.reusable_prefix(tokens) for cache in self._caches]
+    def longest(self, tokens: Sequence[int], parts: int | None = None) -> int:
+        """The most positions `take(tokens, parts)` would keep (0: none)."""
+        return max((cache.reusable_prefix(tokens, parts) for cache in self._caches), default=0)
+
+    def take(self, tokens: Sequence[int], parts: int | None = None) -> LeanCache | None:
+        kept = [cache.reusable_prefix(tokens, parts) for cache in self._caches]
         if not kept or max(kept) == 0:
             return None
         best = max(range(len(kept)), key=kept.__getitem__)

@@ -32,6 +32,8 @@ from specdecode.core.request import GenerationRequest
 from specdecode.core.store import StaticStore, StoreFull
 from specdecode.core.types import ForwardMeter, GenerationResult, Stats
 from specdecode.models.lean import (
+    FUSED_TOKENS,
+    VERIFY_TOKENS,
     LeanCache,
     LeanStore,
     PrefixPool,
@@ -308,7 +310,10 @@ class BatchSession:
         draft = None
         drafter = self.decoder.drafter
         if hasattr(drafter, "prefilled"):  # a draft model: its prefill goes in the same parts
-            draft = self.draft_prefixes.take(prompt_ids[:-1]) or draft_cache(drafter.model)
+            # (fused at their size, so that a later prompt may keep its prefix too)
+            fused = max(FUSED_TOKENS, min(parts or 0, VERIFY_TOKENS))
+            draft = self.draft_prefixes.take(prompt_ids[:-1], parts)
+            draft = draft or draft_cache(drafter.model, fused_tokens=fused)
         return PartialPrefill(
             prompt_ids,
             cache,
@@ -335,13 +340,18 @@ class BatchSession:
         partial.cache.forward(ids, last_only=True)
         partial.parts.append((end - begin, self.clock() - before))
         draft = partial.draft
-        # the draft's share, the same positions, where the row would begin drafting at all (a
-        # row that would not is spared its draft's prefill; should it draft later, `begin`
-        # prefills what its cache lacks)
-        behind = draft is not None and len(draft) < end
-        if behind and self.batch.draft_pays(len(partial.prompt_ids), partial.new_tokens):
-            embed = self.decoder.drafter.embed_size  # ids it cannot embed go in as 0 (as begin)
-            ids = torch.tensor(partial.prompt_ids[len(draft) : end], device=device)
+        # the draft's share, the same positions (in forwards within the parts' limit), where
+        # the row would begin drafting at all (a row that would not is spared its draft's
+        # prefill; should it draft later, `begin` prefills what its cache lacks)
+        lacking = len(partial.prompt_ids) - 1 - len(draft) if draft is not None else 0
+        if draft is None or len(draft) >= end:
+            return
+        if not self.batch.draft_pays(lacking, partial.new_tokens):
+            return
+        embed = self.decoder.drafter.embed_size  # ids it cannot embed go in as 0 (as begin)
+        step = partial.part_limit or end
+        for at in range(len(draft), end, step):
+            ids = torch.tensor(partial.prompt_ids[at : min(at + step, end)], device=device)
             with self.batch.meter.forward("draft_prefill", int(ids.numel())):
                 draft.forward(ids.masked_fill(ids >= embed, 0), last_only=True)
 
