@@ -21,7 +21,7 @@ from specdecode.core.decode import decode
 from specdecode.core.policies import CostK, FixedK
 from specdecode.core.sampling import SamplingParams, make_generator
 from specdecode.core.store import StaticStore
-from specdecode.core.types import Stats
+from specdecode.core.types import ForwardMeter, Stats
 from specdecode.drafters.early_exit import EarlyExitDrafter
 from specdecode.drafters.model import ModelDrafter
 from specdecode.drafters.ngram import NgramDrafter
@@ -466,6 +466,35 @@ def test_the_policy_learns_each_rows_depth_and_acceptance(llama):
     assert sum(a for told, _ in policy.steps for _, a in told) == sum(
         r.stats.accepted for r in rows
     )
+
+
+class Scripted(FixedK):
+    """The ks of a script, step by step; records the draft seconds each step reports."""
+
+    def __init__(self, ks: list[int]) -> None:
+        super().__init__(max(ks))
+        self.ks, self.draft_s = list(ks), []
+
+    def next_k(self, max_k_allowed: int) -> int:
+        return min(self.ks.pop(0), max_k_allowed)
+
+    def observe_step(self, rows, draft_s, target_s, verified) -> None:
+        self.draft_s.append(draft_s if rows[0][0] else "no draft")
+
+
+def test_a_step_that_catches_up_after_steps_without_drafting_is_not_timed(llama):
+    # after four steps at k = 0 the draft's cache lacks their tokens: the next chain's first
+    # forward feeds them too, which says nothing of what one drafted depth costs
+    target, draft = llama
+    policy = Scripted([2, 2, 0, 0, 0, 0, 2, 2, 1, 1])
+    ticks = iter(range(10_000))
+    batch = Batch(target, policy=policy, meter=ForwardMeter(lambda: float(next(ticks))))
+    batch.add([1, 2, 3, 4, 5], 40, drafter=ModelDrafter(draft))
+    for _ in range(10):
+        batch.step()
+    timed = [s is not None for s in policy.draft_s]
+    assert policy.draft_s[2:6] == ["no draft"] * 4
+    assert timed[:2] == [True, True] and timed[6] is False and timed[7:] == [True] * 3
 
 
 # -- CostK chooses k for a batch ----------------------------------------------------------------

@@ -239,7 +239,7 @@ class Batch:
         stepped = self.running()
         if not stepped:
             return []
-        spent = forward_seconds(self.meter)
+        spent = forward_seconds(self.meter), self.meter.tokens.get("draft", 0)
         k = self.last_k = self._next_k(stepped)
         # False for a cost policy's exploration: only rows already drafting draft in it
         rows = self._begin_drafts(stepped, k, self.policy.begins_drafts())
@@ -374,8 +374,20 @@ class Batch:
         return trees
 
     def _observe(self, rows: list[Row], results: list[StepResult], spent: Any) -> None:
-        """The policy learns the step: each row's acceptance, the batch's forward times."""
-        draft_s, target_s = seconds_since(self.meter, spent)
+        """The policy learns the step: each row's acceptance, the batch's forward times. A
+        step whose draft forwards also caught up on tokens committed while their rows did not
+        draft (steps at k = 0 before it) is not timed for the draft: a drafted depth costs one
+        token a row where drafting goes on, and a catch-up of many, charged to the depths of
+        one exploration, made a draft that would pay look too dear to try again."""
+        times, draft_tokens = spent
+        draft_s, target_s = seconds_since(self.meter, times)
+        # a chain's depth feeds one token a row, the first up to two (the last draft fully
+        # accepted), and a confidence stop one forward more than it drafted (a tree's depths
+        # feed its nodes: not judged)
+        if not any(implements(r.drafter, TreeDrafter) for r in rows):
+            usual = sum(r.depth + 2 for r in results if r.depth)
+            if self.meter.tokens.get("draft", 0) - draft_tokens > usual:
+                draft_s = None
         verified = sum(r.nodes + 1 for r in results)
         for row, result in zip(rows, results, strict=True):
             if row.stats.meter is not self.meter:  # the row's share of the batch's forward

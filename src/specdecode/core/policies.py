@@ -200,7 +200,8 @@ class CostK(KPolicy):
       between the nearest seen n, or extrapolated from the nearest with the slope fitted to the
       seen ones. v(k) = T(B(k+1)) / T(1): at B = 1 the verify cost of the glossary.
     - draft time per depth D(B) (one forward of the draft model over the batch's B rows); c =
-      D(B) / T(1).
+      D(B) / T(1). A step whose draft also caught up on the tokens of steps at k = 0 before it
+      is not timed for it (`Batch._observe`).
     - the machine's speed: the median, over the last `SPEED_WINDOW` timed steps of a size
       measured `TRUSTED_SAMPLES` times before, of the forward's time over that size's
       estimate. Times are stored divided by it, so that a size measured while the machine ran
