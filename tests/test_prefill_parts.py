@@ -235,3 +235,22 @@ def test_a_prompt_of_any_length_keeps_a_prefix_where_its_parts_stay_fused(engine
     session = engine.batch_session(max_rows=1, max_len=800)
     _answer_in_parts(session, VERY_LONG, 256)
     assert _answer_in_parts(session, other, 256)[1:] == (0, 0)
+
+
+def test_a_hybrids_model_keeps_its_prefix_and_is_prefilled_in_parts(engines):
+    # `MODEL+suffix`: its model's cache is a draft model's to the session (the same parts, the
+    # same pool), so a long chat's next turn prefills only what neither kept
+    from specdecode.drafters.factory import hybrid_drafter
+
+    target, draft = engines
+    engine = SpeculativeDecoder(target, hybrid_drafter(draft, target), k=3, k_policy="fixed")
+    other = VERY_LONG.replace("cat", "dog")
+    alone = SpeculativeDecoder(target).generate(other, 12, eos_token_ids=())
+    session = engine.batch_session(max_rows=1, max_len=800)
+    first, _, draft_kept = _answer_in_parts(session, VERY_LONG, 128)
+    assert draft_kept == 0 and session.batch.meter.tokens["draft_prefill"] >= 512
+    before = session.batch.meter.tokens["draft_prefill"]
+    got, kept, draft_kept = _answer_in_parts(session, other, 128)
+    assert kept > 512 and draft_kept > 512
+    assert session.batch.meter.tokens["draft_prefill"] - before < len(got.prompt_ids) - 512
+    assert got.token_ids == alone.token_ids

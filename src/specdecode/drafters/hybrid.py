@@ -29,6 +29,7 @@ from specdecode.core.tree import TokenTree, TreeDrafter
 from specdecode.core.types import ForwardMeter
 from specdecode.drafters.model import ModelDrafter
 from specdecode.drafters.suffix import SuffixDrafter
+from specdecode.models.lean import PrefixPool
 
 PRIOR_ACCEPTANCE = 0.6  # a model chain's acceptance per position before any is measured
 PRIOR_WEIGHT = 2.0  # in steps: how soon measured acceptance outweighs the prior
@@ -144,6 +145,31 @@ class HybridDrafter(TreeDrafter):
     def end(self) -> None:
         self.suffix.end()
         self.drafter.end()
+
+    # the model's cache as a draft model's (drafters/model.py), so that a batch session hands
+    # it a kept prefix and prefills it in the target's parts (runtime/session.py)
+    @property
+    def prefixes(self) -> PrefixPool | None:
+        return self.drafter.prefixes
+
+    @prefixes.setter
+    def prefixes(self, pool: PrefixPool | None) -> None:
+        self.drafter.prefixes = pool
+
+    @property
+    def prefilled(self) -> Any:
+        return self.drafter.prefilled
+
+    @prefilled.setter
+    def prefilled(self, cache: Any) -> None:
+        self.drafter.prefilled = cache
+
+    @property
+    def embed_size(self) -> int:
+        return self.drafter.embed_size
+
+    def prefill_positions(self, prompt_ids: list[int]) -> int:
+        return self.drafter.prefill_positions(prompt_ids)
 
     def _draft_cost(self) -> float:
         """c: the model's forward over the target's, measured where both are, from the median of
