@@ -64,6 +64,51 @@ def test_a_prompt_prefilled_in_parts_answers_as_at_once(engines, temperature):
     assert session.free_rows == 2
 
 
+def test_a_draft_prefilled_after_the_first_token_in_parts_one_before_each_step(engines):
+    # `draft_later` (the server's): the first token waits for the target's prefill alone; then
+    # one part of the draft's before each step, the row drafting nothing until it is level
+    target, draft = engines
+    engine = SpeculativeDecoder(target, draft, k=3, k_policy="fixed")
+    alone = engine.generate(LONG, 40, eos_token_ids=())
+    session = engine.batch_session(max_rows=2, max_len=512)
+    request = GenerationRequest(40, SamplingParams(), eos_token_ids=())
+    partial = session.open_prefill(LONG, request, parts=64, draft_later=True)
+    while partial.remaining > 64:
+        session.advance_prefill(partial, 64)
+    meter = session.batch.meter
+    assert "draft_prefill" not in meter.tokens
+    generation = session.add(LONG, request, prefilled=partial, begin_draft=False)
+    assert generation.new_ids == alone.token_ids[:1] and generation.row.waits_for_draft
+    spent = []
+    while session.generations:
+        before = meter.tokens.get("draft_prefill", 0)
+        session.step()
+        spent.append(meter.tokens["draft_prefill"] - before)
+        if generation.row.waits_for_draft:
+            assert generation.stats.drafted == 0  # not before its draft is level
+    parts = [n for n in spent if n]  # one a step
+    assert all(n <= 64 for n in parts) and len(parts) >= (len(alone.prompt_ids) - 1) // 64
+    assert spent[: len(parts)] == parts  # from the first step on
+    assert generation.stats.drafted > 0 and generation.token_ids == alone.token_ids
+    # its draft cache covers what it drafted from, the prompt's and the tokens since
+    assert sum(spent) == meter.tokens["draft_prefill"] >= len(alone.prompt_ids) - 1
+
+
+def test_a_row_that_ends_before_its_draft_is_level_leaves_the_draft_to_the_pool(engines):
+    target, draft = engines
+    engine = SpeculativeDecoder(target, draft, k=3, k_policy="fixed")
+    session = engine.batch_session(max_rows=1, max_len=512)
+    request = GenerationRequest(3, SamplingParams(), eos_token_ids=())
+    partial = session.open_prefill(LONG, request, parts=64, draft_later=True)
+    generation = session.add(LONG, request, prefilled=partial, begin_draft=False)
+    while session.generations:
+        session.step()
+    assert generation.stats.drafted == 0 and len(session.draft_prefixes) == 1
+    again = session.open_prefill(LONG, request, parts=64, draft_later=True)
+    assert len(again.draft) == 2 * 64  # the two parts it got: kept for the same prompt
+    again.close()
+
+
 def test_a_draft_that_would_not_pay_is_not_prefilled_in_parts(engines, monkeypatch):
     # the policy says no while the prompt goes in (a batch at k = 0, a short answer): the parts
     # leave the draft alone; says yes later: the row's first drafting step prefills it whole

@@ -65,6 +65,9 @@ class Row:
     done: bool = False
     committed: list[int] = field(default_factory=list)
     drafting: bool = False
+    # its draft is still being prefilled by the caller (a server's, in parts after the first
+    # token: runtime/session.py): until cleared the row drafts nothing, as a row not begun
+    waits_for_draft: bool = False
     error: BaseException | None = None
     # called with the target's logits before each token the row commits ([n, V], raw), the
     # prefill's first token included (`Batch.add`)
@@ -257,12 +260,15 @@ class Batch:
 
     def _begin_drafts(self, rows: list[Row], k: int, begin: bool = True) -> list[Row]:
         """Begin the drafters of rows about to draft for the first time (a chain's when k > 0
-        and `begin`, a tree's always); returns the rows that go on (a chain row not begun
-        drafts nothing this step). A row whose drafter fails to begin is done, with its
+        and `begin`, a tree's always; neither while the row `waits_for_draft`); returns the rows
+        that go on (a row not begun drafts nothing this step). A row whose drafter fails to begin is done, with its
         `error`: a fault of one row, not the batch's. (The policy's draft time counts draft
         forwards only: a prefill is paid once per row, not per step.)"""
         going = []
         for row in rows:
+            if row.waits_for_draft:
+                going.append(row)
+                continue
             tree = implements(row.drafter, TreeDrafter)
             drafts = tree or (k > 0 and begin and (row.drafting or self._pays(row, k, len(rows))))
             try:
@@ -358,7 +364,7 @@ class Batch:
         trees: dict[int, TokenTree] = {}
         sized: dict[int, list[float]] = {}
         for i, r in enumerate(rows):
-            if not implements(r.drafter, TreeDrafter) or r.allowed <= 0:
+            if not implements(r.drafter, TreeDrafter) or not r.drafting or r.allowed <= 0:
                 continue
             if implements(r.drafter, SizedTreeDrafter):
                 sized[i] = r.drafter.candidates(r.state.tokens, r.allowed)

@@ -98,6 +98,8 @@ class PartialPrefill:
     # the most positions one forward of it takes (advance_prefill's parts, and add's last one
     # with the prompt's last token), as open_prefill was promised; None: no limit
     part_limit: int | None = None
+    # the draft's share waits for the first token: `step` prefills it in parts after `add`
+    draft_later: bool = False
 
     @property
     def remaining(self) -> int:
@@ -198,6 +200,9 @@ class BatchSession:
             new_cache=lambda model: self.store.open_row(),  # rows made without a prompt
         )
         self.generations: list[Generation] = []
+        # rows whose draft `step` prefills in parts (`open_prefill(..., draft_later=True)`),
+        # the oldest first, each with its draft cache
+        self._drafts_in_parts: list[tuple[Generation, Any, int]] = []
         # the draft caches of ended rows, for the next rows' prompts (as the store keeps the
         # target's): one per row of the store, and more within their share of the budget
         self.draft_prefixes = PrefixPool(max_rows, draft_kept)
@@ -284,11 +289,57 @@ class BatchSession:
         text = decoder.text_stream(request) if decoder.tokenizer is not None else None
         generation = Generation(prompt_ids, request, start.stats, text, row, started)
         self.generations.append(generation)
+        if prefilled is not None and prefilled.draft_later:
+            self._hold_draft(generation, prefilled)
         self._take(generation, self.clock())
         return generation
 
+    def _hold_draft(self, generation: Generation, partial: PartialPrefill) -> None:
+        """A row whose draft lacks a part or more of its prompt, where drafting will pay for
+        that prefill: `step` prefills it in parts, the row drafting nothing until it is level
+        (`Row.waits_for_draft`). Otherwise the row's first drafting step prefills what its
+        draft lacks, if it ever drafts."""
+        draft, row = partial.draft, generation.row
+        if draft is None or row.drafting or row.done:
+            return
+        lacking = len(partial.prompt_ids) - 1 - len(draft)
+        limit = partial.part_limit or lacking
+        if lacking < limit or not self.batch.draft_pays(lacking, partial.new_tokens):
+            return
+        row.waits_for_draft = True
+        self._drafts_in_parts.append((generation, draft, limit))
+
+    @torch.inference_mode()
+    def _advance_draft(self) -> None:
+        """One part of the oldest held draft's prefill, over its row's committed tokens (the
+        prompt's, then those generated since: one a step); once level, the row drafts (its
+        drafter's `begin` takes the cache as it is)."""
+        if not self._drafts_in_parts:
+            return
+        generation, draft, limit = self._drafts_in_parts[0]
+        row = generation.row
+        tokens = row.state.tokens  # a draft level with them covers tokens[:-1]
+        end = min(len(tokens) - 1, len(draft) + limit)
+        try:
+            if end > len(draft):
+                device = next(self.batch.target.parameters()).device
+                ids = torch.tensor(tokens[len(draft) : end], device=device)
+                embed = self.decoder.drafter.embed_size  # ids it cannot embed go in as 0
+                with self.batch.meter.forward("draft_prefill", int(ids.numel())):
+                    draft.forward(ids.masked_fill(ids >= embed, 0), last_only=True)
+        except Exception:  # a half-filled cache is never handed on: `begin` starts afresh,
+            row.drafter.prefilled = None  # and ends the row with its error should it fail too
+            end = len(tokens)
+        if end >= len(tokens) - 1:  # level: the row drafts from this step on
+            row.waits_for_draft = False
+            self._drafts_in_parts.pop(0)
+
     def open_prefill(
-        self, prompt: Any, request: GenerationRequest, parts: int | None = None
+        self,
+        prompt: Any,
+        request: GenerationRequest,
+        parts: int | None = None,
+        draft_later: bool = False,
     ) -> PartialPrefill:
         """Validate `request` for `prompt` as `add` does and take a free row for its prefill in
         parts (`advance_prefill`), keeping the longest prefix of the prompt a free row holds;
@@ -301,7 +352,10 @@ class BatchSession:
         A draft model's cache is filled in the same parts (its drafter's `begin` then takes it)
         where the batch's policy says the row's drafting will pay for that prefill
         (`Batch.draft_pays`): the draft's prefill of a long prompt never stalls the running
-        rows either."""
+        rows either. `draft_later`: the draft's parts wait for the first token instead (the
+        row decodes without drafting meanwhile; `step` runs one part before each step, each
+        of at most `parts`, then the row drafts): the first token waits for the target's
+        prefill alone."""
         prompt_ids = self.decoder.encode_prompt(prompt, chat=request.chat)
         self.decoder.resolve(prompt_ids, request, self.clock)  # validates the request
         self._check_room(prompt_ids, request)
@@ -322,6 +376,7 @@ class BatchSession:
             draft=draft,
             new_tokens=request.max_new_tokens,
             part_limit=parts,
+            draft_later=draft_later,
         )
 
     @torch.inference_mode()
@@ -344,7 +399,7 @@ class BatchSession:
         # the row would begin drafting at all (a row that would not is spared its draft's
         # prefill; should it draft later, `begin` prefills what its cache lacks)
         lacking = len(partial.prompt_ids) - 1 - len(draft) if draft is not None else 0
-        if draft is None or len(draft) >= end:
+        if draft is None or partial.draft_later or len(draft) >= end:
             return
         if not self.batch.draft_pays(lacking, partial.new_tokens):
             return
@@ -366,7 +421,10 @@ class BatchSession:
 
     def step(self) -> list[Generation]:
         """One batched step of every running generation; returns them with this step's
-        `new_ids` / `new_text`. Finished ones leave the batch (their row is freed)."""
+        `new_ids` / `new_text`. Finished ones leave the batch (their row is freed). Before it,
+        one part of a draft prefilled after its row's first token (`open_prefill(...,
+        draft_later=True)`)."""
+        self._advance_draft()
         stepped = {id(row) for row in self.batch.step()}
         now = self.clock()
         out = []
@@ -450,7 +508,13 @@ class BatchSession:
             generation.stats.stop_reason = reason
         generation.stats.wall_time_s = self.clock() - generation.started
         self.generations.remove(generation)
-        self.batch.remove(generation.row)
+        row = generation.row
+        self._drafts_in_parts = [d for d in self._drafts_in_parts if d[0] is not generation]
+        held = getattr(row.drafter, "prefilled", None)
+        if held is not None and not row.drafting:  # a draft never begun: its prefix may serve
+            self.draft_prefixes.put(held)  # the next prompts
+            row.drafter.prefilled = None  # type: ignore[union-attr]
+        self.batch.remove(row)
 
 
 def generate_each(

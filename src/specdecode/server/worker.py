@@ -12,7 +12,8 @@ prompt's positions make each token dearer, `part_size`), one part between two st
 running rows while any run (all at once while none does), so one long prompt does not stall
 every stream's next token for its whole prefill; parts of at most VERIFY_TOKENS (the default)
 keep the bits of a whole prefill on the kernels' fused path, and the prompt's prefix for the
-next request.
+next request. A draft model's share of such a prompt follows its first token, one part before
+each step, the row decoding without drafting until its draft is level.
 
 Results go back as events through each job's `deliver` callback (the app posts them to its event
 loop): `Started`, any number of `Delta`, then exactly one of `Finished` or `Failed`.
@@ -321,10 +322,12 @@ class GenerationWorker:
 
     def _join(self, job: Job, budget: int | None) -> tuple[bool, int | None]:
         """Validate `job`, prefill it into the batch and send its first token; a bad request
-        ends here, alone. The draft's prefill waits for the row's first drafting step. A prompt
-        longer than `prefill_chunk` goes in parts (its draft's prefill too, where drafting
-        would pay for it: `Batch.draft_pays`): as many as `budget` allows (None: all), each
-        taking one from it, the last one `add`'s. Returns whether the job is still
+        ends here, alone. The draft's prefill waits for the first token: for a prompt of up to
+        `prefill_chunk` tokens, the row's first drafting step; a longer prompt goes in parts,
+        as many as `budget` allows (None: all), each taking one from it, the last one `add`'s,
+        and its draft's in parts of the same size after its first token, one before each
+        step, where drafting would pay for it (`BatchSession.open_prefill(...,
+        draft_later=True)`, `Batch.draft_pays`). Returns whether the job is still
         prefilling, and what is left of the budget."""
         if job.cancelled.is_set() or job.expired():
             cancelled = job.cancelled.is_set()
@@ -341,7 +344,7 @@ class GenerationWorker:
                     # no part longer than prefill_chunk: at most VERIFY_TOKENS (the default),
                     # a prompt of any length then keeps a prefix for the next (lean.py)
                     job.partial = self.session.open_prefill(
-                        prompt_ids, request, parts=self.prefill_chunk
+                        prompt_ids, request, parts=self.prefill_chunk, draft_later=True
                     )
             prompt_ids, request, collector = job.plan
             partial = job.partial
