@@ -1,7 +1,8 @@
-"""A chat's second turn past 512 tokens through a 1-row batch session as the server runs it
-(its prefill in parts of 128, the draft's prefill left to its first drafting step): the prompt
-positions kept, the second turn's time to its first token, its first step after that (where
-the draft's own prefill of the prompt lands when the draft keeps nothing) and the whole turn.
+"""A chat's second turn past 512 tokens through a 1-row batch session as the server's worker
+runs it (the prompt in parts of 128, the last one add's; the draft's parts after the first
+token where the code has `draft_later`): each turn's time to its first token and whole time,
+the second turn's prompt positions kept and its first step after the first token (where the
+draft's own prefill of the prompt lands when the draft keeps nothing).
 Arguments: a label to print, then `docs` (three of the suite's documents to summarize: the
 policy then seldom drafts) or `code` (a module of this repository to edit, twice: an answer
 that copies its context, where drafting pays).
@@ -42,10 +43,10 @@ def run(messages, tokens):
     request = GenerationRequest(tokens, SamplingParams(), chat=True)
     drafted = session.batch.meter.tokens.get("draft_prefill", 0)
     t0 = time.perf_counter()
-    try:
+    try:  # as the server's worker opens it
+        partial = session.open_prefill(messages, request, parts=128, draft_later=True)
+    except TypeError:  # the code before the draft's parts followed the first token
         partial = session.open_prefill(messages, request, parts=128)
-    except TypeError:  # the code before open_prefill took parts
-        partial = session.open_prefill(messages, request)
     while partial.remaining > 128:  # as the server's worker: the last part is add's
         session.advance_prefill(partial, 128)
     g = session.add(messages, request, prefilled=partial, begin_draft=False)
@@ -58,7 +59,7 @@ def run(messages, tokens):
     return g, ttft, second, time.perf_counter() - t0, drafted
 
 
-g1, t1, _, _, d1 = run(first, new_tokens[0])
+g1, t1, _, w1, d1 = run(first, new_tokens[0])
 answer = engine.tokenizer.decode(g1.token_ids, skip_special_tokens=True)
 second = [
     *first,
@@ -68,6 +69,7 @@ second = [
 g2, t2, s2, w2, d2 = run(second, new_tokens[1])
 print(
     f"{sys.argv[1]}: turn 1: {len(g1.prompt_ids)} prompt tokens, first token {t1:.2f} s, "
+    f"the turn {w1:.2f} s ({len(g1.token_ids)} tokens), "
     f"draft prefill {d1}, drafted {g1.stats.drafted} / accepted {g1.stats.accepted}; "
     f"turn 2: {len(g2.prompt_ids)} prompt tokens, {g2.stats.cached_tokens} kept, "
     f"first token {t2:.2f} s, its first step {s2:.2f} s, the turn {w2:.2f} s "

@@ -4,7 +4,9 @@
 # code against the code an issue was filed on" (issue 58's serving bar). Run it alone.
 #   bash lab/probes/serve_ab.sh OUT_DIR OLD_CHECKOUT [ROUNDS]
 # OLD_CHECKOUT: a worktree of the older commit (`git worktree add /tmp/old COMMIT`); it runs from
-# its src/ with this Python. SERVE_ARGS, LEVELS (default 1,8), SECONDS_PER_LEVEL (40), TOKENS (96).
+# its src/ with this Python. SERVE_ARGS, LEVELS (default 1,8), SECONDS_PER_LEVEL (40), TOKENS (96),
+# BENCH_ARGS (default: six categories of short prompts; `--prompt-order continue` for the whole
+# suite, prompts never seen).
 set -euo pipefail
 out=${1:?output folder}
 old=${2:?the older checkout}
@@ -13,6 +15,8 @@ port=8766
 target=qwen2.5-coder-1.5b-instruct:int4
 draft=qwen2.5-coder-0.5b-instruct:int4
 read -r -a serve_args <<<"${SERVE_ARGS:---target $target --draft $draft --k 4 --k-policy cost --max-batch 8}"
+categories=chat,code_generation,creative_writing,question_answering,translation,math_reasoning
+read -r -a bench_args <<<"${BENCH_ARGS:---categories $categories}"
 mkdir -p "$out"
 
 serve() {  # which (old/new), then the log file; sets pid
@@ -34,8 +38,7 @@ measure() {  # which, round
   done
   specdecode bench-serve --endpoint "http://127.0.0.1:$port" --concurrency "${LEVELS:-1,8}" \
     --duration "${SECONDS_PER_LEVEL:-40}" --max-new-tokens "${TOKENS:-96}" --chat \
-    --categories chat,code_generation,creative_writing,question_answering,translation,math_reasoning \
-    --label "$label" --out "$out/$label"
+    "${bench_args[@]}" --label "$label" --out "$out/$label"
   kill "$pid"
   wait "$pid" || true
 }
