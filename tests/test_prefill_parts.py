@@ -292,7 +292,7 @@ def test_a_hybrids_model_keeps_its_prefix_and_is_prefilled_in_parts(engines):
     other = VERY_LONG.replace("cat", "dog")
     alone = SpeculativeDecoder(target).generate(other, 12, eos_token_ids=())
     session = engine.batch_session(max_rows=1, max_len=800)
-    first, _, draft_kept = _answer_in_parts(session, VERY_LONG, 128)
+    _, _, draft_kept = _answer_in_parts(session, VERY_LONG, 128)
     assert draft_kept == 0 and session.batch.meter.tokens["draft_prefill"] >= 512
     before = session.batch.meter.tokens["draft_prefill"]
     got, kept, draft_kept = _answer_in_parts(session, other, 128)

@@ -261,9 +261,9 @@ class Batch:
     def _begin_drafts(self, rows: list[Row], k: int, begin: bool = True) -> list[Row]:
         """Begin the drafters of rows about to draft for the first time (a chain's when k > 0
         and `begin`, a tree's always; neither while the row `waits_for_draft`); returns the rows
-        that go on (a row not begun drafts nothing this step). A row whose drafter fails to begin is done, with its
-        `error`: a fault of one row, not the batch's. (The policy's draft time counts draft
-        forwards only: a prefill is paid once per row, not per step.)"""
+        that go on (a row not begun drafts nothing this step). A row whose drafter fails to
+        begin is done, with its `error`: a fault of one row, not the batch's. (The policy's
+        draft time counts draft forwards only: a prefill is paid once per row, not per step.)"""
         going = []
         for row in rows:
             if row.waits_for_draft:
