@@ -322,11 +322,7 @@ class BatchSession:
         end = min(len(tokens) - 1, len(draft) + limit)
         try:
             if end > len(draft):
-                device = next(self.batch.target.parameters()).device
-                ids = torch.tensor(tokens[len(draft) : end], device=device)
-                embed = self.decoder.drafter.embed_size  # ids it cannot embed go in as 0
-                with self.batch.meter.forward("draft_prefill", int(ids.numel())):
-                    draft.forward(ids.masked_fill(ids >= embed, 0), last_only=True)
+                self._draft_forward(draft, tokens[len(draft) : end])
         except Exception:  # a half-filled cache is never handed on: `begin` starts afresh,
             row.drafter.prefilled = None  # and ends the row with its error should it fail too
             end = len(tokens)
@@ -398,17 +394,21 @@ class BatchSession:
         # the draft's share, the same positions (in forwards within the parts' limit), where
         # the row would begin drafting at all (a row that would not is spared its draft's
         # prefill; should it draft later, `begin` prefills what its cache lacks)
-        lacking = len(partial.prompt_ids) - 1 - len(draft) if draft is not None else 0
         if draft is None or partial.draft_later or len(draft) >= end:
             return
-        if not self.batch.draft_pays(lacking, partial.new_tokens):
+        if not self.batch.draft_pays(len(partial.prompt_ids) - 1 - len(draft), partial.new_tokens):
             return
-        embed = self.decoder.drafter.embed_size  # ids it cannot embed go in as 0 (as begin)
         step = partial.part_limit or end
         for at in range(len(draft), end, step):
-            ids = torch.tensor(partial.prompt_ids[at : min(at + step, end)], device=device)
-            with self.batch.meter.forward("draft_prefill", int(ids.numel())):
-                draft.forward(ids.masked_fill(ids >= embed, 0), last_only=True)
+            self._draft_forward(draft, partial.prompt_ids[at : min(at + step, end)])
+
+    def _draft_forward(self, draft: Any, ids: list[int]) -> None:
+        """A draft cache over `ids` more positions, counted as the draft's prefill (ids the
+        draft cannot embed go in as 0, as its drafter's `begin` feeds them)."""
+        tensor = torch.tensor(ids, device=next(self.batch.target.parameters()).device)
+        tensor = tensor.masked_fill(tensor >= self.decoder.drafter.embed_size, 0)
+        with self.batch.meter.forward("draft_prefill", len(ids)):
+            draft.forward(tensor, last_only=True)
 
     def _check_room(self, prompt_ids: list[int], request: GenerationRequest) -> None:
         if len(prompt_ids) + request.max_new_tokens > self.max_len:
