@@ -289,12 +289,13 @@ class Batch:
         prefill_s = self._draft_prefill_seconds(lacking)
         return self.policy.pays_to_begin(k, rows, row.allowed + 1, prefill_s)
 
-    def draft_pays(self, prompt_tokens: int, new_tokens: int) -> bool:
-        """Whether a row about to join (its draft lacking `prompt_tokens` positions of the
-        prompt, up to `new_tokens` to generate) is worth its draft's prefill at the best k for
-        the batch it joins."""
+    def draft_pays(self, prompt_tokens: int, new_tokens: int, joined: bool = False) -> bool:
+        """Whether a row about to join (`joined`: that joined already) is worth its draft's
+        prefill at the best k for the batch it joins: its draft lacking `prompt_tokens`
+        positions of the prompt, up to `new_tokens` to generate."""
         prefill_s = self._draft_prefill_seconds(prompt_tokens)
-        return self.policy.pays_to_begin(None, len(self.running()) + 1, new_tokens, prefill_s)
+        rows = len(self.running()) + (0 if joined else 1)
+        return self.policy.pays_to_begin(None, rows, new_tokens, prefill_s)
 
     def _draft_prefill_seconds(self, tokens: int) -> float | None:
         """A draft prefill over `tokens` tokens, at the rate of those this batch timed."""

@@ -304,7 +304,7 @@ class BatchSession:
             return
         lacking = len(partial.prompt_ids) - 1 - len(draft)
         limit = partial.part_limit or lacking
-        if lacking < limit or not self.batch.draft_pays(lacking, partial.new_tokens):
+        if lacking < limit or not self.batch.draft_pays(lacking, partial.new_tokens, joined=True):
             return
         row.waits_for_draft = True
         self._drafts_in_parts.append((generation, draft, limit))
