@@ -200,9 +200,9 @@ class BatchSession:
             new_cache=lambda model: self.store.open_row(),  # rows made without a prompt
         )
         self.generations: list[Generation] = []
-        # rows whose draft `step` prefills in parts (`open_prefill(..., draft_later=True)`),
-        # the oldest first, each with its draft cache
-        self._drafts_in_parts: list[tuple[Generation, Any, int]] = []
+        # rows whose draft (their drafter's `prefilled` cache) `step` prefills in parts
+        # (`open_prefill(..., draft_later=True)`), the oldest first, each with its parts' size
+        self._drafts_in_parts: list[tuple[Generation, int]] = []
         # the draft caches of ended rows, for the next rows' prompts (as the store keeps the
         # target's): one per row of the store, and more within their share of the budget
         self.draft_prefixes = PrefixPool(max_rows, draft_kept)
@@ -307,7 +307,7 @@ class BatchSession:
         if lacking < limit or not self.batch.draft_pays(lacking, partial.new_tokens, joined=True):
             return
         row.waits_for_draft = True
-        self._drafts_in_parts.append((generation, draft, limit))
+        self._drafts_in_parts.append((generation, limit))
 
     @torch.inference_mode()
     def _advance_draft(self) -> None:
@@ -316,8 +316,9 @@ class BatchSession:
         drafter's `begin` takes the cache as it is)."""
         if not self._drafts_in_parts:
             return
-        generation, draft, limit = self._drafts_in_parts[0]
+        generation, limit = self._drafts_in_parts[0]
         row = generation.row
+        draft = row.drafter.prefilled  # type: ignore[union-attr]
         tokens = row.state.tokens  # a draft level with them covers tokens[:-1]
         end = min(len(tokens) - 1, len(draft) + limit)
         try:
@@ -398,9 +399,9 @@ class BatchSession:
             return
         if not self.batch.draft_pays(len(partial.prompt_ids) - 1 - len(draft), partial.new_tokens):
             return
-        step = partial.part_limit or end
-        for at in range(len(draft), end, step):
-            self._draft_forward(draft, partial.prompt_ids[at : min(at + step, end)])
+        size = partial.part_limit or end
+        for at in range(len(draft), end, size):
+            self._draft_forward(draft, partial.prompt_ids[at : min(at + size, end)])
 
     def _draft_forward(self, draft: Any, ids: list[int]) -> None:
         """A draft cache over `ids` more positions, counted as the draft's prefill (ids the
