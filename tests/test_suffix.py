@@ -293,6 +293,55 @@ def test_the_hybrid_is_lossless_greedy_and_uses_both_parts(policy):
     ]
 
 
+def test_a_batchs_hybrid_rows_draft_their_model_chains_together(monkeypatch):
+    # rows that choose the model draft in one forward of it per depth, as model-draft rows do:
+    # one row's drafting cost for the batch, the same tokens as each row alone
+    from specdecode.drafters import ModelDrafter
+
+    target = wrap_model(tiny_llama(seed=0, layers=4))
+    ar = SpeculativeDecoder(target)
+    hybrid = _hybrid(target)
+    engine = SpeculativeDecoder(target, hybrid, k=3, k_policy="fixed")
+    together = []
+    original = ModelDrafter.propose_many.__func__
+
+    def spy(cls, drafters, contexts, ks):
+        together.append(len(drafters))
+        return original(cls, drafters, contexts, ks)
+
+    monkeypatch.setattr(ModelDrafter, "propose_many", classmethod(spy))
+    prompts = [list(range(40 + 9 * i, 49 + 9 * i)) for i in range(4)]  # nothing repeats
+    batch = engine.generate_batch(prompts, max_new_tokens=12)
+    assert [r.token_ids for r in batch] == [
+        ar.generate(p, max_new_tokens=12).token_ids for p in prompts
+    ]
+    assert max(together) == 4  # every row's chain in one call
+    assert sum(together) == hybrid.chosen["model"]  # and no chain drafted alone besides
+
+
+def test_a_batch_prices_the_hybrids_rows_against_its_larger_forward():
+    # a target whose forward costs the same up to 8 rows, then grows with them (arithmetic-
+    # bound): alone, a chain's extra verified rows are free; in a batch of 8 they double the
+    # forward, and the share of a cheap draft does not buy them back
+    target = wrap_model(tiny_llama(seed=0, layers=4))
+    hybrid = _hybrid(target)
+    policy = CostK(4)
+    for n in range(1, 41):
+        for _ in range(3):
+            policy.observe_step([(0, 0)], None, 0.010 * max(1.0, n / 8), n)
+    hybrid.share_costs(policy)
+    hybrid.begin([1, 2, 3], SamplingParams(), None, ForwardMeter())
+    for _ in range(8):  # a model whose chains of 4 are kept 9 times in 10
+        hybrid._used = ("model", 4)
+        hybrid.observe_path([0, 1, 2, 3] if _ else [0, 1, 2])
+    hybrid.draft_seconds.extend([0.001] * 4)  # c = 0.1
+    alone, batch = hybrid.model_rate(4), hybrid.model_rate(4, rows=8)
+    assert alone[0] == 4 and alone[1] > 1.0  # beats a plain step's 1 token per T(1)
+    plain_in_batch = 8 / verify_cost(policy, 8)
+    assert batch[1] < plain_in_batch  # 8 rows of one token each beat drafting there
+    assert hybrid.model_rate(4, rows=1) == alone
+
+
 def test_the_hybrid_learns_each_rows_acceptance_from_the_pairs():
     target = wrap_model(tiny_llama(seed=0, layers=4))
     hybrid = _hybrid(target)

@@ -364,13 +364,23 @@ class Batch:
         in a batch, a node pays only where it adds more than its share of the larger forward."""
         trees: dict[int, TokenTree] = {}
         sized: dict[int, list[float]] = {}
+        proposing: list[int] = []  # the other tree rows: their drafters' `propose_trees`
         for i, r in enumerate(rows):
             if not implements(r.drafter, TreeDrafter) or not r.drafting or r.allowed <= 0:
                 continue
             if implements(r.drafter, SizedTreeDrafter):
                 sized[i] = r.drafter.candidates(r.state.tokens, r.allowed)
             else:
-                trees[i] = r.drafter.propose_tree(r.state.tokens, r.allowed)
+                proposing.append(i)
+        for kind in dict.fromkeys(type(rows[i].drafter) for i in proposing):  # in row order
+            group = [i for i in proposing if type(rows[i].drafter) is kind]
+            proposed = kind.propose_trees(  # type: ignore[union-attr]
+                [rows[i].drafter for i in group],
+                [rows[i].state.tokens for i in group],
+                [rows[i].allowed for i in group],
+                rows=len(rows),
+            )
+            trees.update(zip(group, proposed, strict=True))
         if sized:
             # the other rows' chains and trees count as rows verified; what they emit, as one
             # token a row (their accepted drafts unknown yet)

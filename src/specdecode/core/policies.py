@@ -506,6 +506,19 @@ def verify_cost(policy: object, rows: int) -> float:
     return 1 + PRIOR_VERIFY_SLOPE * (rows - 1)
 
 
+def batch_rate(
+    policy: object, rows: int, emitted: float, verified: int, draft: float = 0.0
+) -> float:
+    """Expected tokens per single-row target time of a step in which each of `rows` rows emits
+    `emitted` tokens (expected), puts `verified` rows into the target's forward and spends
+    `draft` single-row target forwards on its share of the draft's (k·c): the rate of a batch
+    whose rows all do alike (v: `verify_cost`), which at rows = 1 is one row's,
+    emitted / (draft + v(verified)). A row of a batch that prices its draft by this rate weighs
+    its extra verified rows against the batch's larger forward, as the cost policy prices a
+    batch's k (`CostK.rates`)."""
+    return rows * emitted / (rows * draft + verify_cost(policy, rows * verified))
+
+
 def size_trees(
     gains: Sequence[Sequence[float]], rows: int, tokens: float, policy: object
 ) -> tuple[list[int], float]:

@@ -14,6 +14,7 @@ sequence prefix + ancestors + node.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -159,6 +160,22 @@ class TreeDrafter(BaseDrafter, Protocol):
 
     def observe_path(self, path: list[int]) -> None:
         """Learn the accepted root-to-node path (node indices) and drop every other node."""
+
+    @classmethod
+    def propose_trees(
+        cls,
+        drafters: Sequence[TreeDrafter],
+        contexts: Sequence[list[int]],
+        max_depths: Sequence[int],
+        rows: int = 1,
+    ) -> list[TokenTree]:
+        """The trees of several drafters of this class, one per context, in one step of a
+        batch of `rows` rows; a class that can draft them together (the hybrid: its model's
+        chains in one forward per depth) overrides it. Default: one by one."""
+        return [
+            d.propose_tree(ctx, depth)
+            for d, ctx, depth in zip(drafters, contexts, max_depths, strict=True)
+        ]
 
 
 @runtime_checkable

@@ -8,6 +8,11 @@ drafted) over k·c + v(k + 1), with c the model's own forward time (timed here) 
 single-row forward and v measured by the batch's cost policy (`policies.verify_cost`; priors
 until measured). A step where neither beats one plain target forward drafts nothing.
 
+In a batch the rows that choose the model draft their chains together, one forward of the
+draft model per depth for all of them (`propose_trees`), and each row prices its draft as its
+share of that forward and its verified rows against the batch's larger forward
+(`policies.batch_rate`: as if every row drafted alike, as the cost policy prices a batch's k).
+
 The model's draft cache sits still while the suffix drafts: its next chain first feeds the tokens
 committed since, in one forward (`ModelDrafter.propose`'s catch-up), so sitting out costs
 nothing but that catch-up. The model's chain goes to the target as a one-branch tree carrying
@@ -19,11 +24,12 @@ from __future__ import annotations
 
 import copy
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from specdecode.core.policies import TRUSTED_SAMPLES, CostK, verify_cost
+from specdecode.core.policies import TRUSTED_SAMPLES, CostK, batch_rate
 from specdecode.core.sampling import SamplingParams
 from specdecode.core.tree import TokenTree, TreeDrafter
 from specdecode.core.types import ForwardMeter
@@ -188,24 +194,60 @@ class HybridDrafter(TreeDrafter):
         first = self.acceptance.estimate()[0] if self.row_prior is None else self.row_prior
         return self.row_acceptance.estimate(first)
 
-    def model_rate(self, limit: int) -> tuple[int, float]:
+    def model_rate(self, limit: int, rows: int = 1) -> tuple[int, float]:
         """(k, rate): the model chain's best length up to `limit` and its expected tokens per
-        single-row target time."""
+        single-row target time, on a row alone or in a batch of `rows` rows drafting alike
+        (`policies.batch_rate`; c is a row's share of the draft's forward, `_draft_cost`)."""
         c = self._draft_cost()
         best, best_rate, emitted, reach = 0, 0.0, 1.0, 1.0
         for k, a in enumerate(self.row_estimate()[:limit], start=1):
             reach *= a
             emitted += reach
-            rate = emitted / (k * c + verify_cost(self.costs, k + 1))
+            rate = batch_rate(self.costs, rows, emitted, k + 1, k * c)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best, best_rate
 
     def propose_tree(self, context: list[int], max_depth: int) -> TokenTree:
+        return self.propose_trees([self], [context], [max_depth])[0]
+
+    @classmethod
+    def propose_trees(
+        cls,
+        drafters: Sequence[HybridDrafter],  # type: ignore[override]
+        contexts: Sequence[list[int]],
+        max_depths: Sequence[int],
+        rows: int = 1,
+    ) -> list[TokenTree]:
+        """Each row's choice (`_choose`) and tree; the rows that chose the model draft their
+        chains together, one forward of the draft model per depth for all of them
+        (`ModelDrafter.propose_many`), as a batch of model-draft rows does."""
+        trees: list[TokenTree | None] = []
+        chains: list[int] = []
+        ks: list[int] = []
+        for i, (hybrid, context, depth) in enumerate(
+            zip(drafters, contexts, max_depths, strict=True)
+        ):
+            choice = hybrid._choose(context, depth, rows)
+            trees.append(choice if isinstance(choice, TokenTree) else None)
+            if not isinstance(choice, TokenTree):
+                chains.append(i)
+                ks.append(choice)
+        if chains:
+            made = cls._model_trees(
+                [drafters[i] for i in chains], [contexts[i] for i in chains], ks
+            )
+            for i, tree in zip(chains, made, strict=True):
+                trees[i] = tree
+        return trees  # type: ignore[return-value]
+
+    def _choose(self, context: list[int], max_depth: int, rows: int) -> TokenTree | int:
+        """This step's draft for the row: the suffix's tree (or an empty one: no draft), or
+        the length of the model's chain to draft."""
         proposal = self.suffix.suggest(context, max_depth)
-        n, suffix_rate = proposal.best_size(self.costs)
-        k, model_rate = self.model_rate(min(self.k_max, max_depth))
-        plain = 1.0 / verify_cost(self.costs, 1)
+        n, suffix_rate = proposal.best_size(self.costs, rows)
+        k, model_rate = self.model_rate(min(self.k_max, max_depth), rows)
+        plain = batch_rate(self.costs, rows, 1.0, 1)
         self._since_model += 1
         unsure = self.row_acceptance.n[0] < TRUSTED_SAMPLES
         if self._since_model >= (EXPLORE_UNSURE if unsure else EXPLORE_EVERY):  # measure again
@@ -218,7 +260,7 @@ class HybridDrafter(TreeDrafter):
             self._model_chains += 1
             if self._model_chains % EXPLORE_DEEPER == 0:
                 k = min(k + 1, self.k_max, max_depth)
-            return self._model_tree(context, k)
+            return k
         self._count("none")
         return self.suffix.take(proposal, 0)
 
@@ -227,21 +269,36 @@ class HybridDrafter(TreeDrafter):
         self._used = (way, 0)
 
     def _model_tree(self, context: list[int], k: int) -> TokenTree:
-        meter = self.meter
+        return self._model_trees([self], [context], [k])[0]
+
+    @staticmethod
+    def _model_trees(
+        hybrids: Sequence[HybridDrafter], contexts: Sequence[list[int]], ks: Sequence[int]
+    ) -> list[TokenTree]:
+        """The rows' model chains, drafted together, each as a one-branch tree; the forwards
+        timed per depth, a row's share of them (the rows share one meter: the batch's)."""
+        meter = hybrids[0].meter
         seconds, calls, tokens = (getattr(meter, f).get("draft", 0) for f in _METER_FIELDS)
-        draft = self.drafter.propose(context, k)
+        models = [hybrid.drafter for hybrid in hybrids]
+        drafts = type(models[0]).propose_many(models, contexts, ks)
         calls = meter.calls.get("draft", 0) - calls
         tokens = meter.tokens.get("draft", 0) - tokens
-        # a chain's time per depth, where its first forward fed at most the two tokens of a
-        # step (the last one committed and the one before): after the suffix's steps that
+        # a chain's time per depth, where each row's first forward fed at most the two tokens
+        # of a step (the last one committed and the one before): after the suffix's steps that
         # forward catches up on every token committed since, which is not a depth's cost.
         # Untimed forwards: the prior stands.
-        if meter.clock is not None and calls and tokens <= calls + 1:
-            self.draft_seconds.append((meter.seconds.get("draft", 0) - seconds) / calls)
-        drafted = int(draft.tokens.shape[0])
-        self._used = ("model", drafted)
-        parents = torch.arange(-1, drafted - 1, dtype=torch.long)  # a chain: each below the last
-        return TokenTree(draft.tokens, parents, q_draft=draft.q_draft)
+        if meter.clock is not None and calls and tokens <= sum(ks) + len(ks):
+            share = (meter.seconds.get("draft", 0) - seconds) / calls / len(hybrids)
+            hybrids[0].draft_seconds.append(share)  # shared by the rows
+        trees = []
+        for hybrid, draft in zip(hybrids, drafts, strict=True):
+            drafted = int(draft.tokens.shape[0])
+            hybrid._used = ("model", drafted)
+            parents = torch.arange(
+                -1, drafted - 1, dtype=torch.long
+            )  # a chain: each below the last
+            trees.append(TokenTree(draft.tokens, parents, q_draft=draft.q_draft))
+        return trees
 
     def observe_path(self, path: list[int]) -> None:
         way, drafted = self._used or ("none", 0)
