@@ -14,7 +14,6 @@ from specdecode.core import batch as batch_module
 from specdecode.core.draft_spec import DraftSpec, SuffixOptions
 from specdecode.core.policies import CostK, FixedK, size_trees, verify_cost
 from specdecode.core.sampling import SamplingParams
-from specdecode.core.tree import TokenTree
 from specdecode.core.types import ForwardMeter
 from specdecode.drafters import (
     HybridDrafter,
@@ -341,70 +340,6 @@ def test_a_batch_prices_the_hybrids_rows_against_its_larger_forward():
     plain_in_batch = 8 / verify_cost(policy, 8)
     assert batch[1] < plain_in_batch  # 8 rows of one token each beat drafting there
     assert hybrid.model_rate(4, rows=1) == alone
-
-
-def test_the_suffixs_nodes_that_pay_join_the_models_chain():
-    # the model's chain a b c; the suffix proposes a (shared with the chain), x below a and y
-    # at the root: the union keeps the chain and adds the nodes it lacks below their parents
-    from specdecode.drafters.suffix import SuffixProposal
-
-    target = wrap_model(tiny_llama(seed=0, layers=4))
-    hybrid = _hybrid(target)
-    hybrid.begin([1, 2, 3], SamplingParams(), None, ForwardMeter())
-    a, b, c = _chain_drafter_tokens([1, 2, 3], 3)
-    x, y = next(t for t in range(5, 99) if t != b), next(t for t in range(5, 99) if t != a)
-    proposal = SuffixProposal([a, x, y], [-1, 0, -1], [0.9, 0.5, 0.3], length=4)
-    hybrid._beside = proposal
-    union = hybrid._model_tree([1, 2, 3], 3)
-    assert union.tokens.tolist() == [a, b, c, x, y]
-    assert union.parents.tolist() == [-1, 0, 1, 0, -1]
-    # what the model learns: its chain's tokens on the path (a, then x: b was rejected)
-    hybrid.observe_path([0, 3])
-    assert hybrid.row_acceptance.n[:3] == [1, 1, 0] and hybrid.row_acceptance.mean[:2] == [1, 0]
-    assert len(hybrid.drafter.cache) == 3 + 1  # the context and a, the one token it kept
-    # nodes worth less than the rows they add: the chain goes alone
-    hybrid._beside = SuffixProposal([x, y], [-1, -1], [0.02, 0.01], length=4)
-    assert len(hybrid._model_tree([1, 2, 3, a, x], 3)) == 3
-    # and a sampled chain (drawn from the draft's q) never takes fixed tokens beside it
-    q = torch.full((3, 64), 1 / 64)
-    sampled = TokenTree(torch.tensor([a, b, c]), torch.tensor([-1, 0, 1]), q_draft=q)
-    hybrid._beside = SuffixProposal([x], [-1], [0.99], length=4)
-    assert hybrid._with_suffix(sampled, rows=1) is sampled
-
-
-def _chain_drafter_tokens(context: list[int], k: int) -> list[int]:
-    """The greedy chain `_hybrid`'s draft model drafts after `context`, alone."""
-    alone = _chain_drafter()
-    alone.begin(list(context), SamplingParams(), None, ForwardMeter())
-    return alone.propose(context, k).tokens.tolist()
-
-
-def test_the_hybrid_with_the_suffixs_nodes_beside_its_chains_is_lossless(monkeypatch):
-    target = wrap_model(tiny_llama(seed=0, layers=4))
-    ar = SpeculativeDecoder(target)
-    hybrid = _hybrid(target)
-    hybrid.prior_cost = 0.01  # the model drafts (nearly) every step, beside the suffix's nodes
-    unions = []
-    original = HybridDrafter._with_suffix
-
-    def spy(self, chain, rows):
-        tree = original(self, chain, rows)
-        unions.append(len(tree) > len(chain))
-        return tree
-
-    monkeypatch.setattr(HybridDrafter, "_with_suffix", spy)
-    engine = SpeculativeDecoder(target, hybrid, k=3, k_policy="cost")
-    prompts = [[1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2], list(range(40, 52)) * 3]
-    for prompt in prompts:
-        assert (
-            engine.generate(prompt, max_new_tokens=40).token_ids
-            == ar.generate(prompt, max_new_tokens=40).token_ids
-        )
-    batch = engine.generate_batch(prompts, max_new_tokens=30)
-    assert [r.token_ids for r in batch] == [
-        ar.generate(p, max_new_tokens=30).token_ids for p in prompts
-    ]
-    assert any(unions)
 
 
 def test_the_hybrid_learns_each_rows_acceptance_from_the_pairs():

@@ -519,27 +519,6 @@ def batch_rate(
     return rows * emitted / (rows * draft + verify_cost(policy, rows * verified))
 
 
-def best_extension(
-    gains: Sequence[float],
-    policy: object,
-    rows: int = 1,
-    emitted: float = 1.0,
-    verified: int = 1,
-    draft: float = 0.0,
-) -> tuple[int, float]:
-    """(n, rate): how many of the candidate nodes `gains` (each one's expected acceptance, in
-    the order to keep them, non-increasing) to add to a step whose row emits `emitted` tokens,
-    verifies `verified` rows and drafts for `draft` (`batch_rate`'s terms) for the most tokens
-    per unit of time; n = 0 when no node pays for the rows it adds."""
-    best, best_rate = 0, batch_rate(policy, rows, emitted, verified, draft)
-    for n, gain in enumerate(gains, start=1):
-        emitted += gain
-        rate = batch_rate(policy, rows, emitted, verified + n, draft)
-        if rate > best_rate:
-            best, best_rate = n, rate
-    return best, best_rate
-
-
 def size_trees(
     gains: Sequence[Sequence[float]], rows: int, tokens: float, policy: object
 ) -> tuple[list[int], float]:

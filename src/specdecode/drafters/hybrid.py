@@ -29,12 +29,12 @@ from typing import Any
 
 import torch
 
-from specdecode.core.policies import TRUSTED_SAMPLES, CostK, batch_rate, best_extension
+from specdecode.core.policies import TRUSTED_SAMPLES, CostK, batch_rate
 from specdecode.core.sampling import SamplingParams
 from specdecode.core.tree import TokenTree, TreeDrafter
 from specdecode.core.types import ForwardMeter
 from specdecode.drafters.model import ModelDrafter
-from specdecode.drafters.suffix import SuffixDrafter, SuffixProposal
+from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.models.lean import PrefixPool
 
 PRIOR_ACCEPTANCE = 0.6  # a model chain's acceptance per position before any is measured
@@ -114,7 +114,6 @@ class HybridDrafter(TreeDrafter):
         self.draft_seconds: deque[float] = deque(maxlen=MEMORY)
         self.chosen = {"suffix": 0, "model": 0, "none": 0}  # steps each way, every row
         self._used: tuple[str, int] | None = None
-        self._beside: SuffixProposal | None = None  # the suffix's nodes for the model's chain
 
     def __copy__(self) -> HybridDrafter:
         # a row's own model cache and suffix index; the learnt estimates stay shared
@@ -236,7 +235,7 @@ class HybridDrafter(TreeDrafter):
                 ks.append(choice)
         if chains:
             made = cls._model_trees(
-                [drafters[i] for i in chains], [contexts[i] for i in chains], ks, rows
+                [drafters[i] for i in chains], [contexts[i] for i in chains], ks
             )
             for i, tree in zip(chains, made, strict=True):
                 trees[i] = tree
@@ -258,7 +257,6 @@ class HybridDrafter(TreeDrafter):
             return self.suffix.take(proposal, n)
         if k and model_rate > plain:
             self._count("model")
-            self._beside = proposal  # its nodes may join the model's chain (`_with_suffix`)
             self._model_chains += 1
             if self._model_chains % EXPLORE_DEEPER == 0:
                 k = min(k + 1, self.k_max, max_depth)
@@ -269,21 +267,16 @@ class HybridDrafter(TreeDrafter):
     def _count(self, way: str) -> None:
         self.chosen[way] += 1
         self._used = (way, 0)
-        self._beside = None
 
     def _model_tree(self, context: list[int], k: int) -> TokenTree:
         return self._model_trees([self], [context], [k])[0]
 
     @staticmethod
     def _model_trees(
-        hybrids: Sequence[HybridDrafter],
-        contexts: Sequence[list[int]],
-        ks: Sequence[int],
-        rows: int = 1,
+        hybrids: Sequence[HybridDrafter], contexts: Sequence[list[int]], ks: Sequence[int]
     ) -> list[TokenTree]:
-        """The rows' model chains, drafted together, each as a one-branch tree with the suffix's
-        nodes that pay beside it (`_with_suffix`); the forwards timed per depth, a row's share
-        of them (the rows share one meter: the batch's)."""
+        """The rows' model chains, drafted together, each as a one-branch tree; the forwards
+        timed per depth, a row's share of them (the rows share one meter: the batch's)."""
         meter = hybrids[0].meter
         seconds, calls, tokens = (getattr(meter, f).get("draft", 0) for f in _METER_FIELDS)
         models = [hybrid.drafter for hybrid in hybrids]
@@ -304,61 +297,16 @@ class HybridDrafter(TreeDrafter):
             parents = torch.arange(
                 -1, drafted - 1, dtype=torch.long
             )  # a chain: each below the last
-            chain = TokenTree(draft.tokens, parents, q_draft=draft.q_draft)
-            trees.append(hybrid._with_suffix(chain, rows))
+            trees.append(TokenTree(draft.tokens, parents, q_draft=draft.q_draft))
         return trees
-
-    def _with_suffix(self, chain: TokenTree, rows: int) -> TokenTree:
-        """The model's chain and, beside it, the suffix's candidate nodes that pay for the rows
-        they add (`policies.best_extension`; their gains add to the chain's expected tokens:
-        a node the chain lacks is accepted only where the chain's token at its depth is not,
-        a disjoint event), a node the chain holds already shared. Greedy rows only: a sampled
-        chain's tokens are drawn from the draft's q, and a tree mixing them with fixed tokens
-        is verified losslessly only in the order they were drawn; not built."""
-        proposal, self._beside = self._beside, None
-        if proposal is None or chain.q_draft is not None or not proposal.gains:
-            return chain
-        tokens = chain.tokens.tolist()
-        parents = chain.parents.tolist()
-        node_of = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens, strict=True))}
-        gains: list[float] = []
-        merged: list[int] = []  # the proposal's node i -> its node in the union
-        for token, parent, gain in zip(
-            proposal.tokens, proposal.parents, proposal.gains, strict=True
-        ):
-            above = merged[parent] if parent >= 0 else -1
-            node = node_of.get((above, token))
-            if node is None:  # a node the chain lacks: a candidate, in the proposal's order
-                node = node_of[(above, token)] = len(tokens)
-                tokens.append(token)
-                parents.append(above)
-                gains.append(gain)
-            merged.append(node)
-        k = len(chain)
-        emitted, reach = 1.0, 1.0
-        for a in self.row_estimate()[:k]:
-            reach *= a
-            emitted += reach
-        n, _ = best_extension(gains, self.costs, rows, emitted, k + 1, k * self._draft_cost())
-        if not n:
-            return chain
-        # the candidates come in the proposal's order, parents first: the first n are a tree
-        return TokenTree(
-            torch.tensor(tokens[: k + n], dtype=torch.long),
-            torch.tensor(parents[: k + n], dtype=torch.long),
-        )
 
     def observe_path(self, path: list[int]) -> None:
         way, drafted = self._used or ("none", 0)
         if way == "model":
             self._since_model = 0
-            # the chain's tokens kept: nodes 0, 1, ... (a path that leaves it went through
-            # the suffix's nodes beside it, from where the chain's token was rejected)
-            kept = next((j for j, node in enumerate(path) if node != j), len(path))
-            kept = min(kept, drafted)
-            self.acceptance.add(drafted, kept)
-            self.row_acceptance.add(drafted, kept)
-            self.drafter.observe(kept)
+            self.acceptance.add(drafted, len(path))
+            self.row_acceptance.add(drafted, len(path))
+            self.drafter.observe(len(path))
         else:
             self.suffix.observe_path(path)
         self._used = None

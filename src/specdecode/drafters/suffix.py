@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.core.draft_spec import SuffixOptions
-from specdecode.core.policies import best_extension
+from specdecode.core.policies import batch_rate
 from specdecode.core.sampling import SamplingParams
 from specdecode.core.tree import SizedTreeDrafter, TokenTree
 from specdecode.core.types import ForwardMeter
@@ -215,7 +215,13 @@ class SuffixProposal:
         time, (1 + sum of the first n gains) / v(n + 1 rows) on a row alone; in a batch of
         `rows` rows, as if each drafted a tree alike (`policies.batch_rate`). n = 0 when no
         tree pays."""
-        return best_extension(self.gains, costs, rows)
+        best, best_rate, emitted = 0, batch_rate(costs, rows, 1.0, 1), 1.0
+        for n, gain in enumerate(self.gains, start=1):
+            emitted += gain
+            rate = batch_rate(costs, rows, emitted, n + 1)
+            if rate > best_rate:
+                best, best_rate = n, rate
+        return best, best_rate
 
 
 class SuffixDrafter(SizedTreeDrafter):
