@@ -6,7 +6,9 @@
 # OLD_CHECKOUT: a worktree of the older commit (`git worktree add /tmp/old COMMIT`); it runs from
 # its src/ with this Python. SERVE_ARGS, LEVELS (default 1,8), SECONDS_PER_LEVEL (40), TOKENS (96),
 # BENCH_ARGS (default: six categories of short prompts; `--prompt-order continue` for the whole
-# suite, prompts never seen).
+# suite, prompts never seen). Two settings of one checkout side by side: OLD_CHECKOUT the same
+# checkout, OLD_SERVE_ARGS the older setting's serve arguments (default SERVE_ARGS), NAMES the
+# two labels (default "old new").
 set -euo pipefail
 out=${1:?output folder}
 old=${2:?the older checkout}
@@ -15,6 +17,8 @@ port=8766
 target=qwen2.5-coder-1.5b-instruct:int4
 draft=qwen2.5-coder-0.5b-instruct:int4
 read -r -a serve_args <<<"${SERVE_ARGS:---target $target --draft $draft --k 4 --k-policy cost --max-batch 8}"
+read -r -a old_serve_args <<<"${OLD_SERVE_ARGS:-${serve_args[*]}}"
+read -r old_name new_name <<<"${NAMES:-old new}"
 categories=chat,code_generation,creative_writing,question_answering,translation,math_reasoning
 read -r -a bench_args <<<"${BENCH_ARGS:---categories $categories}"
 mkdir -p "$out"
@@ -22,7 +26,7 @@ mkdir -p "$out"
 serve() {  # which (old/new), then the log file; sets pid
   if [[ $1 == old ]]; then
     PYTHONPATH="$old/src" python -c 'import sys; from specdecode.cli import main; sys.exit(main())' \
-      serve --port "$port" --max-len 1024 "${serve_args[@]}" >"$2" 2>&1 &
+      serve --port "$port" --max-len 1024 "${old_serve_args[@]}" >"$2" 2>&1 &
   else
     specdecode serve --port "$port" --max-len 1024 "${serve_args[@]}" >"$2" 2>&1 &
   fi
@@ -30,7 +34,9 @@ serve() {  # which (old/new), then the log file; sets pid
 }
 
 measure() {  # which, round
-  local label="$1-$2"
+  local label
+  if [[ $1 == old ]]; then label="$old_name-$2"; else label="$new_name-$2"; fi
+  labels+=("$out/$label")
   serve "$1" "$out/$label.server.log"
   for _ in $(seq 900); do
     curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
@@ -48,7 +54,6 @@ for r in $(seq "$rounds"); do
   if ((r % 2)); then order="old new"; else order="new old"; fi
   for which in $order; do
     measure "$which" "$r"
-    labels+=("$out/$which-$r")
   done
 done
 specdecode bench-serve --compare "${labels[@]}" --out "$out/compare"

@@ -294,9 +294,8 @@ class HybridDrafter(TreeDrafter):
         for hybrid, draft in zip(hybrids, drafts, strict=True):
             drafted = int(draft.tokens.shape[0])
             hybrid._used = ("model", drafted)
-            parents = torch.arange(
-                -1, drafted - 1, dtype=torch.long
-            )  # a chain: each below the last
+            # a chain: each node below the one before
+            parents = torch.arange(-1, drafted - 1, dtype=torch.long)
             trees.append(TokenTree(draft.tokens, parents, q_draft=draft.q_draft))
         return trees
 
