@@ -286,22 +286,16 @@ class Batch:
         itself (`KPolicy.pays_to_begin`)."""
         drafter = row.drafter
         lacking = drafter.prefill_positions(row.state.tokens) if drafter is not None else 0
-        prefill_s = self._draft_prefill_seconds(lacking)
+        prefill_s = self.meter.seconds_for("draft_prefill", lacking)
         return self.policy.pays_to_begin(k, rows, row.allowed + 1, prefill_s)
 
     def draft_pays(self, prompt_tokens: int, new_tokens: int, joined: bool = False) -> bool:
         """Whether a row about to join (`joined`: that joined already) is worth its draft's
         prefill at the best k for the batch it joins: its draft lacking `prompt_tokens`
         positions of the prompt, up to `new_tokens` to generate."""
-        prefill_s = self._draft_prefill_seconds(prompt_tokens)
+        prefill_s = self.meter.seconds_for("draft_prefill", prompt_tokens)
         rows = len(self.running()) + (0 if joined else 1)
         return self.policy.pays_to_begin(None, rows, new_tokens, prefill_s)
-
-    def _draft_prefill_seconds(self, tokens: int) -> float | None:
-        """A draft prefill over `tokens` tokens, at the rate of those this batch timed."""
-        done = self.meter.tokens.get("draft_prefill", 0)
-        seconds = self.meter.seconds.get("draft_prefill", 0.0)
-        return seconds / done * tokens if done and seconds else None
 
     # -- one step, in parts -----------------------------------------------------------------
 

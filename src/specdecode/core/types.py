@@ -77,6 +77,11 @@ class ForwardMeter:
         yield
         self.seconds[kind] = self.seconds.get(kind, 0.0) + self.clock() - start
 
+    def seconds_for(self, kind: str, n_tokens: int) -> float | None:
+        """`n_tokens` of `kind` at the rate of those timed so far (None before any)."""
+        done, seconds = self.tokens.get(kind, 0), self.seconds.get(kind, 0.0)
+        return seconds / done * n_tokens if done and seconds else None
+
     def add(self, kind: str, n_tokens: int, seconds: float | None) -> None:
         """Count a forward timed elsewhere (a row's share of a batch's forward)."""
         self.calls[kind] = self.calls.get(kind, 0) + 1

@@ -13,6 +13,11 @@ draft model per depth for all of them (`propose_trees`), and each row prices its
 share of that forward and its verified rows against the batch's larger forward
 (`policies.batch_rate`: as if every row drafted alike, as the cost policy prices a batch's k).
 
+The model begins (prefills its cache) at the first step where drafting with it pays for that
+prefill, as the batch prices a model-draft row's (`KPolicy.pays_to_begin`); until then the row
+drafts suffix trees or nothing, so a short answer behind a long prompt, or a row of a large
+batch over an arithmetic-bound target, does not pay a draft prefill it would not use.
+
 The model's draft cache sits still while the suffix drafts: its next chain first feeds the tokens
 committed since, in one forward (`ModelDrafter.propose`'s catch-up), so sitting out costs
 nothing but that catch-up. The model's chain goes to the target as a one-branch tree carrying
@@ -139,7 +144,12 @@ class HybridDrafter(TreeDrafter):
     ) -> None:
         self.meter = meter
         self.suffix.begin(prompt_ids, params, generator, meter)
-        self.drafter.begin(prompt_ids, params, generator, meter)  # type: ignore[arg-type]
+        # the model begins (its prefill) at the first step where drafting with it pays for
+        # that prefill (`_model_begun`); one handed a cache level with the prompt begins now
+        self._start = (params, generator)
+        self._model_ready = False
+        if self.drafter.prefill_positions(prompt_ids) == 0:
+            self._begin_model(prompt_ids)
         self._used = None
         self._since_model = 0
         self._model_chains = 0  # this row's
@@ -150,7 +160,33 @@ class HybridDrafter(TreeDrafter):
 
     def end(self) -> None:
         self.suffix.end()
+        held, pool = self.drafter.prefilled, self.drafter.prefixes
+        if not self._model_ready and held is not None and pool is not None:
+            pool.put(held)  # a cache handed on and never begun: its prefix may serve the next
+            self.drafter.prefilled = None
         self.drafter.end()
+
+    def _begin_model(self, context: list[int]) -> None:
+        params, generator = self._start
+        self.drafter.begin(context, params, generator, self.meter)  # type: ignore[arg-type]
+        self._model_ready = True
+
+    def _model_begun(self, context: list[int], remaining: int, rows: int) -> bool:
+        """Whether the model drafts for this row: begun already, or its prefill (over what its
+        cache lacks of `context`) pays for itself over the `remaining` tokens at this batch
+        size (the batch's policy's `pays_to_begin`, as a model-draft row's prefill is priced:
+        `Batch._pays`), and is begun now. Until then the row drafts suffix trees or nothing: a
+        short answer behind a long prompt, or a row of a large batch over an arithmetic-bound
+        target, never pays the model's prefill."""
+        if self._model_ready:
+            return True
+        lacking = self.drafter.prefill_positions(context)
+        prefill_s = self.meter.seconds_for("draft_prefill", lacking)
+        pays = getattr(self.costs, "pays_to_begin", None)
+        if pays is not None and not pays(None, rows, remaining, prefill_s):
+            return False
+        self._begin_model(context)
+        return True
 
     # the model's cache as a draft model's (drafters/model.py), so that a batch session hands
     # it a kept prefix and prefills it in the target's parts (runtime/session.py)
@@ -246,12 +282,14 @@ class HybridDrafter(TreeDrafter):
         the length of the model's chain to draft."""
         proposal = self.suffix.suggest(context, max_depth)
         n, suffix_rate = proposal.best_size(self.costs, rows)
-        k, model_rate = self.model_rate(min(self.k_max, max_depth), rows)
+        k, model_rate = 0, 0.0
         plain = batch_rate(self.costs, rows, 1.0, 1)
-        self._since_model += 1
-        unsure = self.row_acceptance.n[0] < TRUSTED_SAMPLES
-        if self._since_model >= (EXPLORE_UNSURE if unsure else EXPLORE_EVERY):  # measure again
-            k, model_rate = max(k, 1), float("inf")
+        if self._model_begun(context, max_depth + 1, rows):  # as `Batch._pays` counts
+            k, model_rate = self.model_rate(min(self.k_max, max_depth), rows)
+            self._since_model += 1
+            unsure = self.row_acceptance.n[0] < TRUSTED_SAMPLES
+            if self._since_model >= (EXPLORE_UNSURE if unsure else EXPLORE_EVERY):  # again
+                k, model_rate = max(k, 1), float("inf")
         if n and suffix_rate >= model_rate and suffix_rate > plain:
             self._count("suffix")
             return self.suffix.take(proposal, n)
@@ -277,6 +315,9 @@ class HybridDrafter(TreeDrafter):
     ) -> list[TokenTree]:
         """The rows' model chains, drafted together, each as a one-branch tree; the forwards
         timed per depth, a row's share of them (the rows share one meter: the batch's)."""
+        for hybrid, context in zip(hybrids, contexts, strict=True):
+            if not hybrid._model_ready:  # a chain asked of a model not begun: begin it
+                hybrid._begin_model(context)
         meter = hybrids[0].meter
         seconds, calls, tokens = (getattr(meter, f).get("draft", 0) for f in _METER_FIELDS)
         models = [hybrid.drafter for hybrid in hybrids]
