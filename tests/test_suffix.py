@@ -330,7 +330,7 @@ def test_a_batch_prices_the_hybrids_rows_against_its_larger_forward():
         for _ in range(3):
             policy.observe_step([(0, 0)], None, 0.010 * max(1.0, n / 8), n)
     hybrid.share_costs(policy)
-    _begin(hybrid, [1, 2, 3])
+    hybrid.begin([1, 2, 3], SamplingParams(), None, ForwardMeter())
     for _ in range(8):  # a model whose chains of 4 are kept 9 times in 10
         hybrid._used = ("model", 4)
         hybrid.observe_path([0, 1, 2, 3] if _ else [0, 1, 2])
@@ -342,7 +342,7 @@ def test_a_batch_prices_the_hybrids_rows_against_its_larger_forward():
     assert hybrid.model_rate(4, rows=1) == alone
 
 
-def test_the_hybrids_model_begins_where_its_prefill_pays():
+def test_a_deferred_hybrid_begins_its_model_where_its_prefill_pays():
     # measured: a one-row target forward of 10 ms, chains mostly kept, and a draft prefill of
     # 0.1 s a position: a row with 3 tokens left does not pay for its model's prefill and
     # drafts suffix trees or nothing; a row with a long answer ahead begins it
@@ -356,6 +356,7 @@ def test_the_hybrids_model_begins_where_its_prefill_pays():
     meter = ForwardMeter(clock=lambda: 0.0)
     meter.add("draft_prefill", 10, 1.0)
     context = list(range(40, 70))
+    hybrid.defer_prefill()  # begun at its row's first drafting step, as a server's rows are
     hybrid.begin(list(context), SamplingParams(), None, meter)
     assert not hybrid._model_ready and hybrid.drafter.cache is None
     for _ in range(3):
@@ -370,19 +371,39 @@ def test_the_hybrids_model_begins_where_its_prefill_pays():
     alone = _chain_drafter()
     alone.begin(list(context), SamplingParams(), None, ForwardMeter())
     row.drafter.prefilled, alone.cache = alone.cache, None
+    row.defer_prefill()
     row.begin(list(context), SamplingParams(), None, meter)
     assert row._model_ready
+    # begun with its row's prefill (one sequence, `Batch.add`), the model begins at once
+    eager = copy.copy(hybrid)
+    eager.begin(list(context), SamplingParams(), None, meter)
+    assert eager._model_ready and len(eager.drafter.cache) == len(context) - 1
+
+
+def test_a_batch_defers_a_hybrids_model_only_for_rows_begun_at_their_first_step(monkeypatch):
+    from specdecode.core.batch import Batch, fork_drafter
+
+    model = tiny_llama(seed=0, layers=4)
+    hybrid = _hybrid(wrap_model(model))
+    deferred = []
+    monkeypatch.setattr(HybridDrafter, "defer_prefill", lambda self: deferred.append(self))
+    batch = Batch(model, policy=CostK(4))
+    eager = batch.add(list(range(40, 60)), 8, drafter=fork_drafter(hybrid))
+    later = batch.add(list(range(60, 80)), 8, drafter=fork_drafter(hybrid), begin_draft=False)
+    assert eager.drafter._model_ready and not later.drafting
+    batch.step()
+    assert later.drafting and deferred == [later.drafter]
 
 
 def test_the_hybrid_learns_each_rows_acceptance_from_the_pairs():
     target = wrap_model(tiny_llama(seed=0, layers=4))
     hybrid = _hybrid(target)
-    _begin(hybrid, [1, 2, 3])
+    hybrid.begin([1, 2, 3], SamplingParams(), None, ForwardMeter())
     for _ in range(20):  # one prompt where the model's chains are always kept
         hybrid._used = ("model", 4)
         hybrid.observe_path([0, 1, 2, 3])
     fresh = copy.copy(hybrid)  # the next row starts from the pair's estimate
-    _begin(fresh, [4, 5, 6])
+    fresh.begin([4, 5, 6], SamplingParams(), None, ForwardMeter())
     assert fresh.row_acceptance.estimate(fresh.row_prior)[0] > 0.9
     for _ in range(6):  # a prompt where the model's first token is always wrong
         fresh._used = ("model", 4)
@@ -399,12 +420,12 @@ def test_a_row_that_keeps_every_chain_comes_to_draft_a_longer_one():
     target = wrap_model(tiny_llama(seed=0, layers=4))
     hybrid = _hybrid(target)
     hybrid.share_costs(CostK(4))
-    _begin(hybrid, [1, 2, 3])
+    hybrid.begin([1, 2, 3], SamplingParams(), None, ForwardMeter())
     for _ in range(20):
         hybrid._used = ("model", 4)
         hybrid.observe_path([0, 1, 2])  # the 4th rejected
     row = copy.copy(hybrid)
-    _begin(row, [4, 5, 6])
+    row.begin([4, 5, 6], SamplingParams(), None, ForwardMeter())
     assert row.acceptance.estimate()[3] < 0.2
     for _ in range(6):
         row._used = ("model", 3)
@@ -451,7 +472,7 @@ def test_the_hybrid_tries_the_model_again_on_a_row_that_rejected_it():
 def test_the_hybrid_model_chain_sits_out_and_catches_up():
     target = wrap_model(tiny_llama(seed=0, layers=4))
     hybrid = _hybrid(target)
-    _begin(hybrid, [1, 2, 3])
+    hybrid.begin([1, 2, 3], SamplingParams(), None, ForwardMeter())
     context = [1, 2, 3]
     first = hybrid._model_tree(context, 2)
     hybrid._used = ("model", 2)
@@ -473,7 +494,7 @@ def test_the_hybrid_times_the_model_by_its_chains_not_by_one_forward_or_a_catch_
     hybrid.share_costs(policy)
     clock = iter(range(10**6))  # each reading one second after the one before
     meter = ForwardMeter(clock=lambda: float(next(clock)))
-    _begin(hybrid, [1, 2, 3], meter)
+    hybrid.begin([1, 2, 3], SamplingParams(), None, meter)
     context = [1, 2, 3]
 
     def chain(committed: list[int]) -> None:  # a model step after `committed` joined the text
@@ -489,13 +510,6 @@ def test_the_hybrid_times_the_model_by_its_chains_not_by_one_forward_or_a_catch_
     chain([9])
     assert list(hybrid.draft_seconds) == [1.0, 1.0, 1.0]
     assert hybrid._draft_cost() == pytest.approx(100.0)  # 1 s against the target's 10 ms
-
-
-def _begin(hybrid, prompt: list[int], meter: ForwardMeter | None = None) -> None:
-    """`begin`, and the model begun at once (as where its prefill pays: `_model_begun`), for
-    tests that play the model's steps."""
-    hybrid.begin(list(prompt), SamplingParams(), None, meter or ForwardMeter())
-    hybrid._begin_model(list(prompt))
 
 
 def _chain_drafter():

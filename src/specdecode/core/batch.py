@@ -273,6 +273,8 @@ class Batch:
             drafts = tree or (k > 0 and begin and (row.drafting or self._pays(row, k, len(rows))))
             try:
                 if drafts and row.allowed > 0:
+                    if row.drafter is not None and not row.drafting:
+                        row.drafter.defer_prefill()
                     self.begin_draft(row)
             except Exception as err:
                 row.error, row.committed, row.done = err, [], True

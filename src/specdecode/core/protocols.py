@@ -3,7 +3,7 @@
 The core codes against these protocols only; the implementations live in drafters/ and the core
 never imports them (docs/architecture.md, Invariants 5). The tree drafter's protocol sits with the
 token tree it proposes (tree.py). A drafter subclasses its protocol: the optional hooks
-(`follow`, `share_costs`, `prefill_positions`, `end`, `propose_many`, `cost_ratio`) are declared here with defaults that do nothing
+(`follow`, `share_costs`, `prefill_positions`, `defer_prefill`, `end`, `propose_many`, `cost_ratio`) are declared here with defaults that do nothing
 special, so the core calls them on every drafter and never asks whether one has them.
 """
 
@@ -49,6 +49,12 @@ class BaseDrafter(Protocol):
         which the core prices it (`Batch._pays`): a draft model holding a prefix of the prompt
         already computes only the rest. Default: all of prompt_ids[:-1]."""
         return max(0, len(prompt_ids) - 1)
+
+    def defer_prefill(self) -> None:
+        """Before `begin`, from a batch that begins the drafter at its row's first drafting
+        step rather than with the row's prefill (`Batch.add(begin_draft=False)`: a server's
+        rows): a drafter that can draft before its own prefill (the hybrid, with its suffix)
+        may leave that prefill to the first step where it pays. Default: nothing."""
 
     def end(self) -> None:
         """The sequence is over (finished, cancelled or failed): give back what `begin` took

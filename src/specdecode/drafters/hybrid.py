@@ -13,10 +13,11 @@ draft model per depth for all of them (`propose_trees`), and each row prices its
 share of that forward and its verified rows against the batch's larger forward
 (`policies.batch_rate`: as if every row drafted alike, as the cost policy prices a batch's k).
 
-The model begins (prefills its cache) at the first step where drafting with it pays for that
-prefill, as the batch prices a model-draft row's (`KPolicy.pays_to_begin`); until then the row
-drafts suffix trees or nothing, so a short answer behind a long prompt, or a row of a large
-batch over an arithmetic-bound target, does not pay a draft prefill it would not use.
+Where a batch begins the row's drafter at its first drafting step (a server's rows:
+`defer_prefill`), the model begins (prefills its cache) at the first step where drafting with it
+pays for that prefill, as the batch prices a model-draft row's (`KPolicy.pays_to_begin`); until
+then the row drafts suffix trees or nothing, so a short answer behind a long prompt, or a row of
+a large batch over an arithmetic-bound target, does not pay a draft prefill it would not use.
 
 The model's draft cache sits still while the suffix drafts: its next chain first feeds the tokens
 committed since, in one forward (`ModelDrafter.propose`'s catch-up), so sitting out costs
@@ -119,6 +120,7 @@ class HybridDrafter(TreeDrafter):
         self.draft_seconds: deque[float] = deque(maxlen=MEMORY)
         self.chosen = {"suffix": 0, "model": 0, "none": 0}  # steps each way, every row
         self._used: tuple[str, int] | None = None
+        self._deferred = False  # `defer_prefill` was called: the next `begin` defers the model
 
     def __copy__(self) -> HybridDrafter:
         # a row's own model cache and suffix index; the learnt estimates stay shared
@@ -144,11 +146,13 @@ class HybridDrafter(TreeDrafter):
     ) -> None:
         self.meter = meter
         self.suffix.begin(prompt_ids, params, generator, meter)
-        # the model begins (its prefill) at the first step where drafting with it pays for
-        # that prefill (`_model_begun`); one handed a cache level with the prompt begins now
+        # begun with its row's prefill, the model begins now; begun at the row's first
+        # drafting step (`defer_prefill`), at the first step where drafting with it pays for
+        # its prefill (`_model_begun`), or now where the cache it was handed is level
         self._start = (params, generator)
         self._model_ready = False
-        if self.drafter.prefill_positions(prompt_ids) == 0:
+        deferred, self._deferred = self._deferred, False
+        if not deferred or self.drafter.prefill_positions(prompt_ids) == 0:
             self._begin_model(prompt_ids)
         self._used = None
         self._since_model = 0
@@ -157,6 +161,9 @@ class HybridDrafter(TreeDrafter):
         # the row's prior: the pair's estimate as the row begins (the pair's goes on learning
         # from this row too, and a prior that holds the row's own evidence counts it twice)
         self.row_prior = self.acceptance.estimate()[0]
+
+    def defer_prefill(self) -> None:
+        self._deferred = True  # for the next `begin` only
 
     def end(self) -> None:
         self.suffix.end()
