@@ -18,19 +18,20 @@ from collections import defaultdict
 
 from specdecode import SpeculativeDecoder, load_model
 from specdecode.core.policies import verify_cost
+from specdecode.core.tree import TokenTree
 from specdecode.drafters.factory import resolve_draft
 from specdecode.drafters.hybrid import HybridDrafter
 
 
 def instrument(log: list[dict]) -> None:
     """Wrap HybridDrafter's choice and its outcome to append one record per step to `log`."""
-    propose, observe = HybridDrafter.propose_tree, HybridDrafter.observe_path
+    choose, observe = HybridDrafter._choose, HybridDrafter.observe_path
 
-    def propose_tree(self, context, max_depth):  # type: ignore[no-untyped-def]
+    def _choose(self, context, max_depth, rows):  # type: ignore[no-untyped-def]
         proposal = self.suffix.suggest(context, max_depth)
-        n, suffix_rate = proposal.best_size(self.costs)
-        k, model_rate = self.model_rate(min(self.k_max, max_depth))
-        tree = propose(self, context, max_depth)
+        n, suffix_rate = proposal.best_size(self.costs, rows)
+        k, model_rate = self.model_rate(min(self.k_max, max_depth), rows)
+        choice = choose(self, context, max_depth, rows)  # a tree, or the model chain's k
         way = self._used[0] if self._used else "none"
         record = {
             "way": way,
@@ -41,7 +42,7 @@ def instrument(log: list[dict]) -> None:
             "model_rate": round(model_rate, 3),
             "plain": round(1.0 / verify_cost(self.costs, 1), 3),
             "c": round(self._draft_cost(), 3),
-            "nodes": int(tree.tokens.shape[0]),
+            "nodes": len(choice) if isinstance(choice, TokenTree) else choice,
         }
         if way == "model":
             emitted, reach = 1.0, 1.0
@@ -50,14 +51,14 @@ def instrument(log: list[dict]) -> None:
                 emitted += reach
             record["model_promise"] = emitted
         log.append(record)
-        return tree
+        return choice
 
     def observe_path(self, path):  # type: ignore[no-untyped-def]
         if log:
             log[-1]["kept"] = 1 + len(path)
         return observe(self, path)
 
-    HybridDrafter.propose_tree = propose_tree  # type: ignore[method-assign]
+    HybridDrafter._choose = _choose  # type: ignore[method-assign]
     HybridDrafter.observe_path = observe_path  # type: ignore[method-assign]
 
 
