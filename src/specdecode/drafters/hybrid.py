@@ -121,6 +121,7 @@ class HybridDrafter(TreeDrafter):
         self.chosen = {"suffix": 0, "model": 0, "none": 0}  # steps each way, every row
         self._used: tuple[str, int] | None = None
         self._deferred = False  # `defer_prefill` was called: the next `begin` defers the model
+        self._model_ready = False  # the model's cache begun (`_begin_model`) for this row
 
     def __copy__(self) -> HybridDrafter:
         # a row's own model cache and suffix index; the learnt estimates stay shared
@@ -322,9 +323,6 @@ class HybridDrafter(TreeDrafter):
     ) -> list[TokenTree]:
         """The rows' model chains, drafted together, each as a one-branch tree; the forwards
         timed per depth, a row's share of them (the rows share one meter: the batch's)."""
-        for hybrid, context in zip(hybrids, contexts, strict=True):
-            if not hybrid._model_ready:  # a chain asked of a model not begun: begin it
-                hybrid._begin_model(context)
         meter = hybrids[0].meter
         seconds, calls, tokens = (getattr(meter, f).get("draft", 0) for f in _METER_FIELDS)
         models = [hybrid.drafter for hybrid in hybrids]
