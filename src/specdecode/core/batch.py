@@ -205,13 +205,17 @@ class Batch:
         self.rows.append(row)
         return row
 
-    def begin_draft(self, row: Row) -> None:
+    def begin_draft(self, row: Row, deferred: bool = False) -> None:
         """The row's drafter begins its sequence (a model draft prefills its cache over the
-        committed tokens); once per row, before it first drafts. Should it fail, the row keeps
-        no drafter (a half-filled draft cache is never handed on) and the error is raised."""
+        committed tokens); once per row, before it first drafts. `deferred`: at the row's first
+        drafting step rather than with its prefill, which the drafter is told first
+        (`defer_prefill`). Should it fail, the row keeps no drafter (a half-filled draft cache
+        is never handed on) and the error is raised."""
         if row.drafter is None or row.drafting:
             return
         try:
+            if deferred:
+                row.drafter.defer_prefill()
             row.drafter.follow(row.state.target_cache)
             row.drafter.share_costs(self.policy)
             with torch.inference_mode():  # the draft's prefill: no autograd graph
@@ -273,9 +277,7 @@ class Batch:
             drafts = tree or (k > 0 and begin and (row.drafting or self._pays(row, k, len(rows))))
             try:
                 if drafts and row.allowed > 0:
-                    if row.drafter is not None and not row.drafting:
-                        row.drafter.defer_prefill()
-                    self.begin_draft(row)
+                    self.begin_draft(row, deferred=True)
             except Exception as err:
                 row.error, row.committed, row.done = err, [], True
                 row.stats.stop_reason = "error"
