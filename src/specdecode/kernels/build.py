@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from specdecode.core.sampling import use_argmax_rows
-from specdecode.kernels.cpu import BF16_AMX_ENV, BF16_DOT_ENV
+from specdecode.kernels.cpu import BF16_AMX_ENV, BF16_DOT_ENV, torch_has_avx2
 
 _SOURCES = [
     Path(__file__).with_name(name)
@@ -46,9 +46,8 @@ class KernelUnavailable(RuntimeError):
 
 def unavailable_reason() -> str | None:
     """Why the kernel cannot be built or run on this machine, or None when it can."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    if "AVX2" not in capability and "AVX512" not in capability:
-        return f"the CPU has no AVX2 (PyTorch reports {capability})"
+    if not torch_has_avx2():
+        return f"the CPU has no AVX2 (PyTorch reports {torch.backends.cpu.get_cpu_capability()})"
     # slow import (setuptools with it, ~0.1 s): the kernels are imported by the command line's
     # parser; cpp_extension only to check, locate or build the extension
     from torch.utils import cpp_extension

@@ -42,6 +42,15 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
     return frozenset(flags)
 
 
+def torch_has_avx2() -> bool:
+    """Whether PyTorch finds AVX2 (or AVX-512, which every CPU with it pairs with AVX2 + FMA):
+    what every tile here needs."""
+    import torch  # here, so that reading the flags needs no torch
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    return "AVX2" in capability or "AVX512" in capability
+
+
 def has_avx512_bf16() -> bool:
     """Whether the CPU reports AVX-512 BF16 (False where /proc/cpuinfo is unreadable)."""
     return "avx512_bf16" in cpu_flags()

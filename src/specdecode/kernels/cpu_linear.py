@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from specdecode.kernels.attention import restore_attention, use_decode_attention
 from specdecode.kernels.build import KernelUnavailable, bf16_amx_on, bf16_dot_on, extension
-from specdecode.kernels.cpu import bf16_name, has_avx512_bf16
+from specdecode.kernels.cpu import bf16_name, torch_has_avx2
 from specdecode.kernels.panels import (
     clear_forward,
     eligible,
@@ -160,9 +160,8 @@ def apply_kernel(model: torch.nn.Module, mode: str | None = None) -> str:
         if mode == "on":
             raise ValueError("--kernel on needs a bfloat16 model on the CPU")
         return "eager"
-    capability = torch.backends.cpu.get_cpu_capability()
-    if mode == "auto" and "AVX2" not in capability and not has_avx512_bf16():
-        return "eager"  # AVX-512 machines without BF16 keep PyTorch's path; others cannot run it
+    if mode == "auto" and not torch_has_avx2():
+        return "eager"  # the tiles cannot run here: say nothing, PyTorch's path is the only one
     try:
         if not swap_linears(model):
             return "eager"
