@@ -5,10 +5,9 @@ built them. Weights are packed into the kernel's panels (panels.py); the extensi
 first use (build.py); quantized drafts are quantize.py's.
 
 Modes (`load_model(kernel=...)`, `--kernel`, or the `SPECDECODE_KERNEL` environment variable):
-  auto  use it for bfloat16 models when it builds, on an AVX2 CPU without AVX-512 and on an
-        AVX-512 CPU with AVX-512 BF16 (its panels then run on `linear_avx512.cpp`); otherwise
-        plain PyTorch (default). On AVX-512 without BF16 the kernel was never measured against
-        PyTorch's own path (oneDNN), so there `on` must ask for it.
+  auto  use it for bfloat16 models when it builds, on every CPU with AVX2 (AVX-512 ones
+        without BF16 too, where it measured faster than PyTorch's own path: docs/results.md);
+        otherwise plain PyTorch (default).
   on    use it, and fail with the reason when it cannot be used
   off   plain PyTorch
 
