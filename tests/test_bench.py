@@ -313,6 +313,50 @@ def test_theory_against_known_values():
         metrics.geometric_mean([1.0, 0.0])
 
 
+def test_intervals_of_a_mean_of_ratios():
+    interval = metrics.geometric_mean_interval
+    assert interval([[2.0, 2.0]]) is None  # one prompt: nothing to resample
+    assert interval([]) is None
+    # every prompt the same: nothing to be unsure of
+    low, high = interval([[1.5], [1.5], [1.5]])
+    assert low == pytest.approx(1.5) and high == pytest.approx(1.5)
+    groups = [[1.0, 1.1], [1.3], [0.9, 0.95], [1.6], [1.2]]
+    low, high = interval(groups)
+    mean = metrics.geometric_mean([r for g in groups for r in g])
+    assert 0.9 < low < mean < high < 1.6
+    assert interval(groups) == (low, high)  # seeded: a report renders the same every time
+    # a wider spread of the same mean gives a wider interval
+    wide = interval([[r**3 for r in g] for g in groups])
+    assert math.log(wide[1]) - math.log(wide[0]) > math.log(high) - math.log(low)
+    # a prompt's repeats are drawn together: two prompts of two repeats each, not four prompts
+    assert interval([[1.0, 1.0], [2.0, 2.0]]) == (pytest.approx(1.0), pytest.approx(2.0))
+    with pytest.raises(ValueError):
+        interval(groups, level=1.0)
+
+
+def test_every_setting_is_paired_with_the_fastest_of_each_category():
+    summary = summarize(_hand_made_records())
+    against = summary["against_fastest"]
+    # overall the spec setting is the fastest (sqrt 2); per category HF's k=2 loses to it in
+    # code (16 against 20) and wins nowhere
+    assert against["all"]["fastest"] == "spec[d] k=2"
+    assert against["code"]["fastest"] == "spec[d] k=2"
+    code = against["code"]["ratios"]
+    assert code["hf-assisted[d] k=2"]["ratio"] == pytest.approx(16 / 20)
+    assert code["ar"]["ratio"] == pytest.approx(10 / 20)
+    assert code["ar"]["interval"] is None  # one prompt a category here
+    # chat: spec and ar tie at 20 tok/s, HF's default too; the first of them counts as fastest
+    assert against["chat"]["fastest"] == "ar"
+    overall = against["all"]["ratios"]["hf-assisted[d] k=2"]
+    assert overall["ratio"] == pytest.approx(math.sqrt(16 / 20 * 16 / 20))
+    low, high = overall["interval"]
+    assert low == pytest.approx(0.8) and high == pytest.approx(0.8)
+    # the speedup's own interval, over the two prompts (2x and 1x)
+    low, high = row_for(summary, "spec[d] k=2")["speedup_interval"]
+    assert low == pytest.approx(1.0) and high == pytest.approx(2.0)
+    assert row_for(summary, "ar")["speedup_interval"] is None
+
+
 def test_summarize_needs_the_baseline():
     records = [r for r in _hand_made_records() if r.method != "ar"]
     with pytest.raises(ValueError, match="no `ar` baseline"):

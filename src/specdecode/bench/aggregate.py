@@ -9,6 +9,9 @@ Pairing: a setting's record is compared with the `ar` record of the same prompt,
   for fixed-k settings; efficiency = speedup / ideal.
 - vs_hf_assisted: geometric mean of per-prompt decode tokens/s against the hf-assisted setting
   that was fastest overall (`best_hf_assisted`); vs_best_hf likewise against HF's fastest method.
+- speedup_interval: how sure the speedup is, a bootstrap interval over prompts
+  (metrics.geometric_mean_interval); against_fastest: each setting paired with the fastest one
+  of each category, the ratio and its interval.
 """
 
 from __future__ import annotations
@@ -36,17 +39,34 @@ def _sum(records: Iterable[Record], field: str) -> float:
     return sum(getattr(r, field) or 0 for r in records)
 
 
-def paired_ratio(
+def paired_ratios(
     records: list[Record], baseline: dict[tuple, Record], field: str = "decode_tokens_per_s"
-) -> float | None:
-    """Geometric mean of record.field / baseline.field over records with a usable pair."""
-    ratios = []
+) -> dict[str, list[float]]:
+    """record.field / baseline.field for every record with a usable pair, by prompt (its turns
+    and repeats together)."""
+    ratios: dict[str, list[float]] = defaultdict(list)
     for record in records:
         base = baseline.get(_key(record))
         ours, theirs = getattr(record, field), getattr(base, field, None)
         if ours and theirs:
-            ratios.append(ours / theirs)
-    return metrics.geometric_mean(ratios)
+            ratios[record.prompt_id].append(ours / theirs)
+    return ratios
+
+
+def paired_ratio(
+    records: list[Record], baseline: dict[tuple, Record], field: str = "decode_tokens_per_s"
+) -> float | None:
+    """Geometric mean of record.field / baseline.field over records with a usable pair."""
+    by_prompt = paired_ratios(records, baseline, field)
+    return metrics.geometric_mean([r for ratios in by_prompt.values() for r in ratios])
+
+
+def paired_interval(
+    records: list[Record], baseline: dict[tuple, Record], field: str = "decode_tokens_per_s"
+) -> tuple[float, float] | None:
+    """How sure `paired_ratio` is: its bootstrap interval over prompts
+    (`metrics.geometric_mean_interval`); None with fewer than two prompts."""
+    return metrics.geometric_mean_interval(list(paired_ratios(records, baseline, field).values()))
 
 
 def _per_call(records: Iterable[Record], kind: str) -> float | None:
@@ -92,6 +112,10 @@ def aggregate_group(
         "decode_tokens_per_s": _mean(r.decode_tokens_per_s for r in records),
         "ttft_s": _mean(r.ttft_s for r in records),
         "speedup": paired_ratio(records, baselines["ar"]),
+        # the baseline against itself: 1.00x with nothing to be unsure of
+        "speedup_interval": None
+        if first.setting == "ar"
+        else paired_interval(records, baselines["ar"]),
         "e2e_speedup": paired_ratio(records, baselines["ar"], "tokens_per_s"),
         "peak_memory_bytes": max(r.peak_memory_bytes or 0 for r in records),
     }
@@ -142,6 +166,36 @@ def _best(rows: list[dict[str, Any]], accept: Callable[[dict[str, Any]], bool]) 
     return max(candidates, key=lambda r: r["speedup"])["setting"] if candidates else None
 
 
+def _in(records: list[Record], category: str) -> list[Record]:
+    return [r for r in records if category == OVERALL or r.category == category]
+
+
+def against_fastest(
+    by_setting: dict[str, list[Record]], rows: list[dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """Per category (and overall): the setting of the highest speedup there, and every other
+    setting's decode tokens/s over its, prompt by prompt: the paired ratio and its interval
+    (`paired_interval`). Paired on the same prompts, the prompts' own spread cancels: what is
+    left says whether a setting is behind the fastest by more than this run's noise."""
+    out: dict[str, dict[str, Any]] = {}
+    for category in dict.fromkeys(r["category"] for r in rows):
+        ranked = [r for r in rows if r["category"] == category and r["speedup"] is not None]
+        if len(ranked) < 2:
+            continue
+        fastest = max(ranked, key=lambda r: r["speedup"])["setting"]
+        baseline = baseline_map(_in(by_setting[fastest], category))
+        ratios = {}
+        for row in ranked:
+            if row["setting"] != fastest:
+                chosen = _in(by_setting[row["setting"]], category)
+                ratios[row["setting"]] = {
+                    "ratio": paired_ratio(chosen, baseline),
+                    "interval": paired_interval(chosen, baseline),
+                }
+        out[category] = {"fastest": fastest, "ratios": ratios}
+    return out
+
+
 def summarize(records: list[Record]) -> dict[str, Any]:
     """Aggregates per setting x category and overall, best settings, and every divergence."""
     if not records:
@@ -161,13 +215,11 @@ def summarize(records: list[Record]) -> dict[str, Any]:
     def rows_for(category: str | None) -> list[dict[str, Any]]:
         """Aggregates of every setting over one category (None: all prompts)."""
 
-        def group(records: list[Record]) -> list[Record]:
-            return [r for r in records if category is None or r.category == category]
-
-        ar = group(by_setting["ar"])
+        within = OVERALL if category is None else category
+        ar = _in(by_setting["ar"], within)
         rows = []
         for s in settings:
-            chosen = group(by_setting[s])
+            chosen = _in(by_setting[s], within)
             if chosen:
                 rows.append(
                     dict(aggregate_group(chosen, ar, baselines), category=category or OVERALL)
@@ -213,6 +265,7 @@ def summarize(records: list[Record]) -> dict[str, Any]:
         "categories": categories,
         "rows": rows,
         "best_k": dict(best_k),
+        "against_fastest": against_fastest(by_setting, rows),
         "best_spec": _best(overall, lambda r: r["method"] == "spec"),
         "best_hf_assisted": best_assisted,
         "best_hf": best_hf,

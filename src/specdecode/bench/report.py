@@ -33,6 +33,10 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _interval(bounds: Any) -> str:
+    return "-" if not bounds else f"{bounds[0]:.2f}-{bounds[1]:.2f}x"
+
+
 def _rows(summary: dict[str, Any], category: str) -> list[dict[str, Any]]:
     return [r for r in summary["rows"] if r["category"] == category]
 
@@ -43,6 +47,7 @@ def overall_table(summary: dict[str, Any]) -> str:
         "tok/s",
         "decode tok/s",
         "decode speedup",
+        "95% interval",
         "e2e speedup",
         "α",
         "τ",
@@ -62,6 +67,7 @@ def overall_table(summary: dict[str, Any]) -> str:
                 _f(r["tokens_per_s"]),
                 _f(r["decode_tokens_per_s"]),
                 _f(r["speedup"], suffix="x"),
+                _interval(r.get("speedup_interval")),
                 _f(r["e2e_speedup"], suffix="x"),
                 _f(r.get("acceptance_rate")),
                 _f(r.get("mean_acceptance_length")),
@@ -98,6 +104,30 @@ def category_table(summary: dict[str, Any]) -> str:
             cells.append(cell)
         rows.append(cells)
     return _table(header, rows)
+
+
+def fastest_table(summary: dict[str, Any]) -> str:
+    """Every setting against the fastest of each category, paired prompt by prompt."""
+    against = summary.get("against_fastest")  # absent from summaries saved before it
+    if not against:
+        return "(one setting, or one prompt: nothing to pair)"
+    settings = summary["settings"]
+    rows = []
+    for category in [*summary["categories"], OVERALL]:
+        held = against.get(category)
+        if held is None:
+            continue
+        cells = [category]
+        for s in settings:
+            if s == held["fastest"]:
+                cells.append("**fastest**")
+            elif s in held["ratios"]:
+                pair = held["ratios"][s]
+                cells.append(f"{_f(pair['ratio'], suffix='x')} ({_interval(pair['interval'])})")
+            else:
+                cells.append("-")
+        rows.append(cells)
+    return _table(["category", *settings], rows)
 
 
 def best_k_table(summary: dict[str, Any]) -> str:
@@ -205,7 +235,8 @@ def render_markdown(summary: dict[str, Any], records: list[Record], info: dict) 
         "tokens/s (prefill included); the per-category and best-k tables show decode speedup. "
         "α = accepted / drafted, τ = tokens per target forward, c = draft forward / target "
         "forward, v(k) = verification forward / one-token forward (timed), ideal = "
-        "(1 - α^(k+1)) / (1 - α) / (k·c + v(k)), efficiency = decode speedup / ideal. A model-free "
+        "(1 - α^(k+1)) / (1 - α) / (k·c + v(k)), efficiency = decode speedup / ideal. 95% "
+        "interval: of the decode speedup, a bootstrap over prompts. A model-free "
         "drafter has c = 0 (its lookup is not a forward). vs hf-assisted / vs best HF: our decode "
         f"tokens/s over {summary.get('best_hf_assisted') or '-'} / "
         f"{summary.get('best_hf') or '-'} (HF's fastest settings in this run).",
@@ -217,6 +248,17 @@ def render_markdown(summary: dict[str, Any], records: list[Record], info: dict) 
         "## Speedup by category",
         "",
         category_table(summary),
+        "",
+        "## Against the fastest setting",
+        "",
+        "Each setting's decode tokens/s over that of the fastest setting of the category, prompt "
+        "by prompt (geometric mean), with its 95% interval: a bootstrap over prompts, each "
+        "prompt's repeats and turns drawn together (2000 draws, seeded). Paired on the same "
+        "prompts, the prompts' own spread cancels; an interval that holds 1.00x means this run "
+        "cannot tell the setting from the fastest. Few prompts make intervals too narrow, not "
+        "too wide.",
+        "",
+        fastest_table(summary),
         "",
         "## Best k per category",
         "",

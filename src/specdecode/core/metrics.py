@@ -9,12 +9,17 @@ Definitions (DESIGN.md glossary):
   v(k) = target forward over k+1 tokens / over 1 token
 - efficiency = measured speedup / ideal speedup
 - speedups over prompts are averaged geometrically (the mean of ratios that composes)
+- how sure a mean of speedups is: a bootstrap interval over prompts (`geometric_mean_interval`)
 """
 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Sequence
+
+INTERVAL_LEVEL = 0.95  # the share of resampled means an interval holds
+RESAMPLES = 2000
 
 
 def ratio(numerator: float, denominator: float) -> float | None:
@@ -61,3 +66,33 @@ def geometric_mean(values: Sequence[float]) -> float | None:
     if any(v <= 0 for v in values):
         raise ValueError("the geometric mean needs positive values")
     return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def geometric_mean_interval(
+    groups: Sequence[Sequence[float]],
+    level: float = INTERVAL_LEVEL,
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+) -> tuple[float, float] | None:
+    """A percentile bootstrap interval of the geometric mean of positive ratios that come in
+    groups (a prompt's repeats and turns: they move together, so a group is resampled whole).
+    The groups are drawn with replacement `resamples` times; the interval holds the middle
+    `level` of the resampled means. Seeded, so a report renders the same interval every time.
+    None with fewer than two groups (nothing to resample). Few groups give too narrow an
+    interval, not too wide: with four prompts it says at least this much noise."""
+    kept = [[math.log(v) for v in group] for group in groups if group]
+    if len(kept) < 2:
+        return None
+    if not 0 < level < 1 or resamples < 1:
+        raise ValueError("level in (0, 1) and resamples >= 1 needed")
+    sums = [(sum(logs), len(logs)) for logs in kept]
+    rng = random.Random(seed)
+    means = []
+    for _ in range(resamples):
+        drawn = rng.choices(sums, k=len(sums))
+        means.append(sum(s for s, _ in drawn) / sum(n for _, n in drawn))
+    means.sort()
+    tail = (1 - level) / 2
+    low = means[int(tail * (resamples - 1))]
+    high = means[math.ceil((1 - tail) * (resamples - 1))]
+    return math.exp(low), math.exp(high)
