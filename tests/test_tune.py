@@ -136,6 +136,10 @@ def test_tune_end_to_end_on_tiny_models(tiny_folders, tmp_path):
     validation = result["validation"]["per_category"]
     assert set(validation) == {"writing", "qa", "all"}
     assert all(row["measured"] is not None for row in validation.values())
+    # one validation prompt a category: no interval there; over both prompts, one
+    assert validation["qa"]["interval"] is None
+    low, high = validation["all"]["interval"]
+    assert low <= high
 
     out = tmp_path / "tune"
     saved = load_config(out / "config.json")  # what --config reads

@@ -347,12 +347,13 @@ def _validate(
     )
     per_category: dict[str, dict[str, Any]] = {}
     for category in [*summary["categories"], OVERALL]:
+        row = row_for(summary, chosen.label, category)
         if category == OVERALL:  # averaged like the prediction: over categories
             measured = metrics.geometric_mean(
                 [row["measured"] for row in per_category.values() if row["measured"]]
             )
         else:
-            measured = row_for(summary, chosen.label, category)["speedup"]
+            measured = row["speedup"]
         predicted = next(
             r["predicted"]
             for r in rows
@@ -362,6 +363,9 @@ def _validate(
             "predicted": predicted,
             "measured": measured,
             "error": measured / predicted - 1 if measured else None,
+            # how sure the measured speedup is: over the category's prompts (overall, over
+            # every validation prompt); None with one prompt
+            "interval": row.get("speedup_interval"),
         }
     return {"setting": chosen.label, "per_category": per_category}
 
@@ -427,13 +431,20 @@ def render_tune(result: dict[str, Any]) -> str:
         lines += [
             f"## Validation of `{validation['setting']}` on prompts the calibration did not see",
             "",
-            "| category | expected | measured | error |",
-            "|---|---|---|---|",
+            "The interval: 95%, a bootstrap over the validation prompts (`bench` reports say "
+            "how); with one prompt a category there is none. An error inside it is noise.",
+            "",
+            "| category | expected | measured | 95% interval | error |",
+            "|---|---|---|---|---|",
         ]
         for category, row in validation["per_category"].items():
             measured = "-" if row["measured"] is None else f"{row['measured']:.2f}x"
             error = "-" if row["error"] is None else f"{row['error']:+.0%}"
-            lines.append(f"| {category} | {row['predicted']:.2f}x | {measured} | {error} |")
+            bounds = row.get("interval")  # absent from results saved before it
+            interval = "-" if not bounds else f"{bounds[0]:.2f}-{bounds[1]:.2f}x"
+            lines.append(
+                f"| {category} | {row['predicted']:.2f}x | {measured} | {interval} | {error} |"
+            )
     if "vllm" in result:
         lines += ["", f"No vLLM export: {result['vllm']}"]
     return "\n".join(lines) + "\n"
