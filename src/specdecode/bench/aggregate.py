@@ -63,10 +63,12 @@ def paired_ratio(
 
 def paired_interval(
     records: list[Record], baseline: dict[tuple, Record], field: str = "decode_tokens_per_s"
-) -> tuple[float, float] | None:
+) -> list[float] | None:
     """How sure `paired_ratio` is: its bootstrap interval over prompts
-    (`metrics.geometric_mean_interval`); None with fewer than two prompts."""
-    return metrics.geometric_mean_interval(list(paired_ratios(records, baseline, field).values()))
+    (`metrics.geometric_mean_interval`) as [low, high], as summary.json holds it; None with
+    fewer than two prompts."""
+    bounds = metrics.geometric_mean_interval(list(paired_ratios(records, baseline, field).values()))
+    return None if bounds is None else list(bounds)
 
 
 def _per_call(records: Iterable[Record], kind: str) -> float | None:

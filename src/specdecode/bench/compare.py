@@ -449,6 +449,7 @@ def _row(
         "task_pass_rate_code": rate("code"),
         "task_pass_rate_math": rate("math"),
         "decode_speedup": aggregate["speedup"],
+        "decode_speedup_interval": aggregate.get("speedup_interval"),  # 95%, over prompts
         "e2e_speedup": aggregate["e2e_speedup"],
         "tokens_per_s": aggregate["tokens_per_s"],
         "decode_tokens_per_s": aggregate["decode_tokens_per_s"],

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from specdecode.bench.report import format_interval
+
 PLOT = "quality_vs_speed.png"
 
 
@@ -108,6 +110,7 @@ def main_table(result: dict[str, Any]) -> str:
         "PPL",
         "tasks",
         "decode speedup",
+        "95% interval",
         "e2e speedup",
         "tokens/s",
         "memory MiB",
@@ -126,6 +129,7 @@ def main_table(result: dict[str, Any]) -> str:
                 _f(r["perplexity"], ".3f"),
                 _f(r["task_pass_rate"], ".2f"),
                 _f(r["decode_speedup"]),
+                format_interval(r.get("decode_speedup_interval"), ""),  # absent from older results
                 _f(r["e2e_speedup"]),
                 _f(r["tokens_per_s"], ".1f"),
                 _mib(r["memory_bytes"]),

@@ -33,8 +33,9 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def _interval(bounds: Any) -> str:
-    return "-" if not bounds else f"{bounds[0]:.2f}-{bounds[1]:.2f}x"
+def format_interval(bounds: Any, suffix: str = "x") -> str:
+    """A (low, high) interval as `1.72-2.01x`; `-` where there is none."""
+    return "-" if not bounds else f"{bounds[0]:.2f}-{bounds[1]:.2f}{suffix}"
 
 
 def _rows(summary: dict[str, Any], category: str) -> list[dict[str, Any]]:
@@ -67,7 +68,7 @@ def overall_table(summary: dict[str, Any]) -> str:
                 _f(r["tokens_per_s"]),
                 _f(r["decode_tokens_per_s"]),
                 _f(r["speedup"], suffix="x"),
-                _interval(r.get("speedup_interval")),
+                format_interval(r.get("speedup_interval")),
                 _f(r["e2e_speedup"], suffix="x"),
                 _f(r.get("acceptance_rate")),
                 _f(r.get("mean_acceptance_length")),
@@ -123,7 +124,9 @@ def fastest_table(summary: dict[str, Any]) -> str:
                 cells.append("**fastest**")
             elif s in held["ratios"]:
                 pair = held["ratios"][s]
-                cells.append(f"{_f(pair['ratio'], suffix='x')} ({_interval(pair['interval'])})")
+                cells.append(
+                    f"{_f(pair['ratio'], suffix='x')} ({format_interval(pair['interval'])})"
+                )
             else:
                 cells.append("-")
         rows.append(cells)
