@@ -280,6 +280,13 @@ def test_aggregates_match_hand_computation():
     assert spec["ideal_speedup"] == pytest.approx(ideal)
     assert spec["efficiency"] == pytest.approx(math.sqrt(2.0) / ideal)
     assert spec["memory_overhead"] == pytest.approx(1.5)
+    # how steady the machine ran: the target alone's forwards, 0.1 s each on both prompts
+    assert summary["one_token_ms"] == {
+        "records": 2,
+        "min": pytest.approx(100),
+        "median": pytest.approx(100),
+        "max": pytest.approx(100),
+    }
     assert (spec["identical"], spec["compared"]) == (1, 2)
     # HF's constant-k setting is its fastest overall (sqrt(1.6 * 0.8) > sqrt(0.8 * 1.0))
     assert summary["best_hf_assisted"] == "hf-assisted[d] k=2"

@@ -11,11 +11,13 @@ Pairing: a setting's record is compared with the `ar` record of the same prompt,
   that was fastest overall (`best_hf_assisted`); vs_best_hf likewise against HF's fastest method.
 - speedup_interval: how sure the speedup is, a bootstrap interval over prompts
   (metrics.geometric_mean_interval); against_fastest: each setting paired with the fastest one
-  of each category, the ratio and its interval.
+  of each category, the ratio and its interval; one_token_ms: the target alone's forward time
+  over the run (least, median, most): how steady the machine was.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -198,6 +200,27 @@ def against_fastest(
     return out
 
 
+def steadiness(ar: list[Record]) -> dict[str, Any] | None:
+    """How steady the machine ran: the target alone's mean forward time per record (one token
+    after the first), its least, median and most in ms over the run's `ar` records; None
+    without timed forwards (a server's records). About the same forward on every prompt (the
+    weights dominate it; only the attention grows with the context), so its spread is mostly
+    the machine's (a shared VM's neighbours), which every setting's time shares."""
+    times = sorted(
+        1000 * r.target_forward_s / r.target_forwards
+        for r in ar
+        if r.target_forwards and r.target_forward_s
+    )
+    if not times:
+        return None
+    return {
+        "records": len(times),
+        "min": times[0],
+        "median": statistics.median(times),
+        "max": times[-1],
+    }
+
+
 def summarize(records: list[Record]) -> dict[str, Any]:
     """Aggregates per setting x category and overall, best settings, and every divergence."""
     if not records:
@@ -268,6 +291,7 @@ def summarize(records: list[Record]) -> dict[str, Any]:
         "rows": rows,
         "best_k": dict(best_k),
         "against_fastest": against_fastest(by_setting, rows),
+        "one_token_ms": steadiness(by_setting["ar"]),
         "best_spec": _best(overall, lambda r: r["method"] == "spec"),
         "best_hf_assisted": best_assisted,
         "best_hf": best_hf,

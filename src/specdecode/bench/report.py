@@ -220,6 +220,20 @@ def _engine_line(summary: dict[str, Any], records: list[Record], info: dict) -> 
     )
 
 
+def _steadiness_line(summary: dict[str, Any]) -> list[str]:
+    """The machine's steadiness over the run (`aggregate.steadiness`), where it was timed."""
+    held = summary.get("one_token_ms")  # absent from summaries saved before it
+    if not held:
+        return []
+    return [
+        f"The machine: the target alone's forward took {held['min']:.1f}-{held['max']:.1f} ms "
+        f"(median {held['median']:.1f}) over its {held['records']} records; speedups pair "
+        "settings prompt by prompt, but a slow stretch during one setting's turn moves that "
+        "prompt's ratio (the intervals below include it).",
+        "",
+    ]
+
+
 def render_markdown(summary: dict[str, Any], records: list[Record], info: dict) -> str:
     first = records[0]
     if info.get("servers"):
@@ -244,6 +258,7 @@ def render_markdown(summary: dict[str, Any], records: list[Record], info: dict) 
         f"tokens/s over {summary.get('best_hf_assisted') or '-'} / "
         f"{summary.get('best_hf') or '-'} (HF's fastest settings in this run).",
         "",
+        *_steadiness_line(summary),
         "## Overall",
         "",
         overall_table(summary),
