@@ -34,6 +34,7 @@ from specdecode.auto.costs import expected_chain_step, verify_costs
 from specdecode.bench.aggregate import OVERALL, row_for
 from specdecode.bench.methods import Setting, plan_settings
 from specdecode.bench.records import Record
+from specdecode.bench.report import format_interval
 from specdecode.bench.runner import BenchConfig, load_bench_models, run_settings
 from specdecode.config import RunConfig, save_config, to_vllm_speculative_config
 from specdecode.core import metrics
@@ -347,13 +348,13 @@ def _validate(
     )
     per_category: dict[str, dict[str, Any]] = {}
     for category in [*summary["categories"], OVERALL]:
-        row = row_for(summary, chosen.label, category)
+        aggregate = row_for(summary, chosen.label, category)
         if category == OVERALL:  # averaged like the prediction: over categories
             measured = metrics.geometric_mean(
                 [row["measured"] for row in per_category.values() if row["measured"]]
             )
         else:
-            measured = row["speedup"]
+            measured = aggregate["speedup"]
         predicted = next(
             r["predicted"]
             for r in rows
@@ -365,7 +366,7 @@ def _validate(
             "error": measured / predicted - 1 if measured else None,
             # how sure the measured speedup is: over the category's prompts (overall, over
             # every validation prompt); None with one prompt
-            "interval": row.get("speedup_interval"),
+            "interval": aggregate.get("speedup_interval"),
         }
     return {"setting": chosen.label, "per_category": per_category}
 
@@ -440,8 +441,7 @@ def render_tune(result: dict[str, Any]) -> str:
         for category, row in validation["per_category"].items():
             measured = "-" if row["measured"] is None else f"{row['measured']:.2f}x"
             error = "-" if row["error"] is None else f"{row['error']:+.0%}"
-            bounds = row.get("interval")  # absent from results saved before it
-            interval = "-" if not bounds else f"{bounds[0]:.2f}-{bounds[1]:.2f}x"
+            interval = format_interval(row.get("interval"))  # absent from older results
             lines.append(
                 f"| {category} | {row['predicted']:.2f}x | {measured} | {interval} | {error} |"
             )
